@@ -1,0 +1,38 @@
+# Two commands do everything on a fresh machine:
+#   make demo   - install, then train on the embedded default cluster (clusters/local-2dc.yaml)
+#   make test   - install, then lint and run the test suite
+# torch is installed explicitly first: an unpinned torch pulls a multi-GB CUDA build on
+# CPU-only machines. pyproject keeps its own torch range loose for GPU users.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH ?= torch==2.13.0
+
+.PHONY: install demo plan test lint bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+demo: install
+	$(VENV)/bin/geopipe launch clusters/local-2dc.yaml
+
+plan: install
+	$(VENV)/bin/geopipe plan clusters/local-2dc.yaml
+
+lint: install
+	$(VENV)/bin/ruff check geopipe tests benchmarks
+	$(VENV)/bin/ruff format --check geopipe tests benchmarks
+
+test: lint
+	$(VENV)/bin/python -m pytest -q
+
+bench: install
+	$(PY) benchmarks/planner.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

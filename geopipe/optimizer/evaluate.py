@@ -1,0 +1,326 @@
+"""Candidate -> plan -> simulated iteration time, memory and feasibility.
+
+:class:`Evaluator` is the fitness function of the search: it turns a candidate (pipelines,
+micro-batch, sequence length, ΔN and codec per WAN boundary) into a :class:`Plan`, builds
+the costs the simulator needs from the cluster spec and replays the schedule. Schedules,
+partitions and whole evaluations are cached, because the genetic search revisits.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from geopipe.config import ClusterSpec, choice_values
+from geopipe.optimizer.costs import (
+    boundary_message_elems,
+    elem_bytes,
+    layer_forward_flops,
+    layer_param_counts,
+)
+from geopipe.optimizer.memory import MemoryBreakdown, stage_memory
+from geopipe.optimizer.simulator import PipelineCosts, SimResult, simulate
+from geopipe.pipeline.schedule import Schedule, make_schedule
+from geopipe.plan import Plan, Shape, candidate_shapes, partition_for
+from geopipe.transport.wire import codec_throughput_bytes_per_s, wire_bytes
+
+__all__ = ["Candidate", "Evaluation", "Evaluator", "SearchSpace"]
+
+INFEASIBLE = 1e3  # fitness floor for infeasible candidates (feasible ones are s/token ≪ 1)
+# A link busier than this (mean of both directions) leaves no headroom for retransmissions.
+MAX_LINK_UTILIZATION = 0.95
+_ADAM_BYTES_PER_PARAM = 28.0  # read p, g, m, v; write p, m, v (fp32) per optimizer step
+
+
+@dataclass(frozen=True)
+class Candidate:
+    pipelines: int
+    micro_batch_size: int
+    seq_len: int
+    delta_n: tuple[int, ...]  # one per WAN boundary, in pipeline order
+    codecs: tuple[str, ...]  # one per WAN boundary
+    schedule: str = "lookahead"
+
+
+@dataclass
+class Evaluation:
+    candidate: Candidate
+    plan: Plan | None
+    feasible: bool
+    reason: str
+    iteration_time_s: float = math.inf
+    tokens_per_iteration: int = 0
+    bubble_ratio: float = 1.0
+    memory: list[MemoryBreakdown] = field(default_factory=list)
+    memory_limit_bytes: list[float] = field(default_factory=list)
+    wan_bytes: float = 0.0
+    link_utilization: list[float] = field(default_factory=list)
+    sim: SimResult | None = None
+
+    @property
+    def tokens_per_s(self) -> float:
+        t = self.iteration_time_s
+        return self.tokens_per_iteration / t if t > 0 and math.isfinite(t) else 0.0
+
+    @property
+    def peak_memory_bytes(self) -> list[float]:
+        return [mb.total for mb in self.memory]
+
+    @property
+    def fitness(self) -> float:
+        """Seconds per token; infeasible candidates rank below every feasible one."""
+        if self.plan is None:
+            return INFEASIBLE * 10
+        if not self.feasible:
+            over = max(
+                (
+                    m / lim
+                    for m, lim in zip(self.peak_memory_bytes, self.memory_limit_bytes, strict=True)
+                ),
+                default=1.0,
+            )
+            return INFEASIBLE * (1.0 + over)
+        return self.iteration_time_s / self.tokens_per_iteration
+
+    def summary(self) -> dict:
+        """The JSON fields `geopipe plan --json` and `geopipe simulate --json` print."""
+        c = self.candidate
+        return {
+            "schedule": c.schedule,
+            "pipelines": c.pipelines,
+            "micro_batch_size": c.micro_batch_size,
+            "seq_len": c.seq_len,
+            "delta_n": list(c.delta_n),
+            "codecs": list(c.codecs),
+            "num_microbatches": self.plan.num_microbatches if self.plan else None,
+            "iteration_time_s": self.iteration_time_s,
+            "tokens_per_s": self.tokens_per_s,
+            "bubble_ratio": self.bubble_ratio,
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "memory_limit_bytes": self.memory_limit_bytes,
+            "wan_bytes": self.wan_bytes,
+            "link_utilization": self.link_utilization,
+            "feasible": self.feasible,
+            "reason": self.reason,
+        }
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """Candidate values of every gene; the search never leaves these lists."""
+
+    pipelines: tuple[int, ...]
+    micro_batch_sizes: tuple[int, ...]
+    seq_lens: tuple[int, ...]
+    delta_ns: tuple[int, ...]
+    codecs: tuple[str, ...]
+    wan_boundaries: int
+    schedule: str
+
+    def valid(self, d: int, b: int, global_batch: int) -> bool:
+        return global_batch % (d * b) == 0
+
+    def size(self, global_batch: int) -> int:
+        """Number of valid candidates (those whose batch divides)."""
+        db = sum(
+            1
+            for d in self.pipelines
+            for b in self.micro_batch_sizes
+            if self.valid(d, b, global_batch)
+        )
+        w = self.wan_boundaries
+        return db * len(self.seq_lens) * len(self.delta_ns) ** w * len(self.codecs) ** w
+
+
+@lru_cache(maxsize=8192)
+def _schedule(name: str, p: int, m: int, delta_n: tuple[int, ...]) -> Schedule:
+    return make_schedule(name, p, m, delta_n)
+
+
+class Evaluator:
+    """Scores candidates for one cluster spec (pure: no Ray, no DeepSpeed)."""
+
+    def __init__(self, spec: ClusterSpec, schedule: str | None = None):
+        self.spec = spec
+        pl = spec.plan
+        d_vals = (
+            choice_values(pl.pipelines, default=[], powers_of_two=False)
+            if pl.pipelines is not None
+            else None
+        )
+        self.shapes: dict[int, Shape] = {s.pipelines: s for s in candidate_shapes(spec, d_vals)}
+        if not self.shapes:
+            raise ValueError(
+                "no pipeline shape fits these sites: every site must host at least one stage"
+            )
+        any_shape = next(iter(self.shapes.values()))
+        wan = len(any_shape.wan_boundaries)
+        link_codecs = []
+        for j in any_shape.wan_boundaries:
+            lk = spec.link(any_shape.stage_sites[j], any_shape.stage_sites[j + 1])
+            link_codecs.append(lk.codec if lk else "none")
+        codecs = tuple(pl.codecs) if pl.codecs else tuple(dict.fromkeys(link_codecs or ["none"]))
+        sched = schedule or pl.schedule
+        m = spec.model
+        self.space = SearchSpace(
+            pipelines=tuple(sorted(self.shapes)),
+            micro_batch_sizes=tuple(
+                choice_values(pl.micro_batch_size, default=[1], powers_of_two=True)
+            ),
+            seq_lens=tuple(
+                v
+                for v in choice_values(pl.seq_len, default=[m.max_seq_len], powers_of_two=True)
+                if v <= m.max_seq_len
+            ),
+            delta_ns=tuple(choice_values(pl.delta_n, default=[0], powers_of_two=False))
+            if sched == "lookahead"
+            else (0,),
+            codecs=codecs,
+            wan_boundaries=wan,
+            schedule=sched,
+        )
+        self._cache: dict[Candidate, Evaluation] = {}
+        self.evaluations = 0  # distinct candidates simulated
+
+    # -- building blocks ---------------------------------------------------------------------
+    def make_plan(self, c: Candidate) -> Plan | None:
+        shape = self.shapes.get(c.pipelines)
+        gbs = self.spec.training.global_batch_size
+        if shape is None or gbs % (c.pipelines * c.micro_batch_size):
+            return None
+        p = shape.num_stages
+        dn = [0] * (p - 1)
+        codecs = ["none"] * (p - 1)
+        for i, j in enumerate(shape.wan_boundaries):
+            dn[j] = c.delta_n[i] if c.schedule == "lookahead" else 0
+            codecs[j] = c.codecs[i]
+        return Plan(
+            pipelines=c.pipelines,
+            stage_sites=shape.stage_sites,
+            partition=partition_for(self.spec, shape, c.seq_len),
+            micro_batch_size=c.micro_batch_size,
+            seq_len=c.seq_len,
+            num_microbatches=gbs // (c.pipelines * c.micro_batch_size),
+            schedule=c.schedule,
+            delta_n=tuple(dn),
+            codecs=tuple(codecs),
+        )
+
+    def costs(self, plan: Plan) -> PipelineCosts:
+        """Seconds per action for one pipeline of ``plan`` (see the simulator's docstring)."""
+        spec, model = self.spec, self.spec.model
+        b, s, d = plan.micro_batch_size, plan.seq_len, plan.pipelines
+        flops = layer_forward_flops(model, s)
+        counts = layer_param_counts(model)
+        prec = spec.training.precision
+        e = elem_bytes(prec)
+        fwd, bwd, step = [], [], []
+        for k, (a, z) in enumerate(plan.partition):
+            site = spec.site(plan.stage_sites[k])
+            f = sum(flops[a:z]) * b * s / site.flops_per_s
+            fwd.append(f)
+            bwd.append(2.0 * f)
+            params = sum(counts[a:z])
+            t = params / d * _ADAM_BYTES_PER_PARAM / (site.device_mem_bw_gb_per_s * 1e9)
+            if d > 1:  # ZeRO-1: reduce-scatter gradients, all-gather updated weights
+                moved = 2.0 * (d - 1) / d * params * e * 8
+                t += moved / (site.intra_bandwidth_gbps * 1e9)
+                t += 2 * (d - 1) * site.intra_latency_ms / 1e3
+            step.append(t)
+        elems = boundary_message_elems(model, b, s)
+        raw = elems * e
+        ser_f, lat_f, ser_b, lat_b = [], [], [], []
+        for j in range(plan.num_stages - 1):
+            src, dst = plan.stage_sites[j], plan.stage_sites[j + 1]
+            if src == dst:
+                site = spec.site(src)
+                t = raw * 8 / (site.intra_bandwidth_gbps * 1e9)
+                ser_f.append(t)
+                ser_b.append(t)
+                lat_f.append(site.intra_latency_ms / 1e3)
+                lat_b.append(site.intra_latency_ms / 1e3)
+                continue
+            codec = plan.codecs[j]
+            codec_s = raw / codec_throughput_bytes_per_s(codec)
+            for direction, (a_, z_), ser, lat in (
+                ("forward", (src, dst), ser_f, lat_f),
+                ("backward", (dst, src), ser_b, lat_b),
+            ):
+                lk = spec.link(a_, z_)
+                nbytes = wire_bytes(codec, elems, model.n_embd, e, direction, spec.plan.topk_ratio)
+                # D pipelines share the link: each gets 1/D of the bandwidth.
+                ser.append(nbytes * 8 * d / lk.bandwidth_bps / (1 - lk.loss) + codec_s)
+                lat.append(lk.latency_s)
+        return PipelineCosts(
+            tuple(fwd), tuple(bwd), tuple(step), tuple(ser_f), tuple(lat_f), tuple(ser_b),
+            tuple(lat_b),
+        )  # fmt: skip
+
+    # -- evaluation ----------------------------------------------------------------------------
+    def evaluate(self, c: Candidate, record: bool = False) -> Evaluation:
+        if not record and c in self._cache:
+            return self._cache[c]
+        ev = self._evaluate(c, record)
+        if not record:
+            self._cache[c] = ev
+            self.evaluations += 1
+        return ev
+
+    def _evaluate(self, c: Candidate, record: bool) -> Evaluation:
+        plan = self.make_plan(c)
+        if plan is None:
+            return Evaluation(
+                c, None, False, "global batch not divisible by pipelines × micro-batch"
+            )
+        spec = self.spec
+        sched = _schedule(plan.schedule, plan.num_stages, plan.num_microbatches, plan.delta_n)
+        costs = self.costs(plan)
+        sim = simulate(sched, costs, record=record)
+        in_flight = sched.max_in_flight
+        mem = [
+            stage_memory(
+                spec.model, spec.training.precision, plan.partition[k], plan.pipelines,
+                plan.micro_batch_size, plan.seq_len, in_flight[k],
+            )
+            for k in range(plan.num_stages)
+        ]  # fmt: skip
+        limits = [spec.site(s).device_memory_gb * (1 << 30) for s in plan.stage_sites]
+        over = [k for k in range(plan.num_stages) if mem[k].total > limits[k]]
+        util = []
+        wan_bytes = 0.0
+        elems = boundary_message_elems(spec.model, plan.micro_batch_size, plan.seq_len)
+        e = elem_bytes(spec.training.precision)
+        for j in plan.wan_boundaries:
+            util.append(sim.link_busy_s[j] / 2 / sim.iteration_time_s)
+            per_mb = sum(
+                wire_bytes(plan.codecs[j], elems, spec.model.n_embd, e, d, spec.plan.topk_ratio)
+                for d in ("forward", "backward")
+            )
+            wan_bytes += per_mb * plan.num_microbatches * plan.pipelines
+        reason = "ok"
+        feasible = True
+        if over:
+            feasible = False
+            k = over[0]
+            reason = (
+                f"stage {k} needs {mem[k].total / (1 << 30):.2f} GiB, "
+                f"device has {limits[k] / (1 << 30):.2f} GiB"
+            )
+        elif util and max(util) > MAX_LINK_UTILIZATION:
+            feasible = False
+            reason = f"WAN link saturated ({max(util):.0%} busy)"
+        return Evaluation(
+            candidate=c,
+            plan=plan,
+            feasible=feasible,
+            reason=reason,
+            iteration_time_s=sim.iteration_time_s,
+            tokens_per_iteration=spec.training.global_batch_size * plan.seq_len,
+            bubble_ratio=sim.bubble_ratio,
+            memory=mem,
+            memory_limit_bytes=limits,
+            wan_bytes=wan_bytes,
+            link_utilization=util,
+            sim=sim if record else None,
+        )

@@ -1,0 +1,237 @@
+"""Search over plans: a DEAP genetic algorithm, and exhaustive search to check it.
+
+Genome: one index per gene into the :class:`~geopipe.optimizer.evaluate.SearchSpace`
+lists — ``[pipelines, micro_batch, seq_len, ΔN per WAN boundary…, codec per WAN
+boundary…]``. Fitness is lexicographic ``(seconds per token, peak memory / device memory)``
+so that among equally fast plans the leanest wins (ΔN beyond what hides the round trip
+buys nothing but memory). Infeasible genomes (memory over the device, saturated link, batch
+that does not divide) get a penalty fitness that ranks below every feasible one.
+
+The GA is (μ+λ) with tournament selection, uniform crossover and per-gene mutation
+(random reset or a ±1 step), seeded with the analytic ΔN estimate
+``ceil(2·t_x / (t_f + t_b))``, stopped after ``patience`` generations without
+improvement, and finished with a hill-climb over ±1 steps of every gene (a hybrid GA as in
+DT-FM). DEAP draws from Python's global ``random``; we seed it and restore its state after,
+so a search is reproducible and leaves callers' randomness alone.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+import time
+from dataclasses import dataclass
+
+from deap import algorithms, base, creator, tools
+
+from geopipe.optimizer.evaluate import Candidate, Evaluation, Evaluator
+
+__all__ = ["SearchResult", "exhaustive_search", "genetic_search"]
+
+if not hasattr(creator, "GeoPipeFitness"):
+    creator.create("GeoPipeFitness", base.Fitness, weights=(-1.0, -1.0))
+    creator.create("GeoPipeGenome", list, fitness=creator.GeoPipeFitness)
+
+
+@dataclass
+class SearchResult:
+    best: Evaluation
+    evaluations: int
+    seconds: float
+    method: str
+    space_size: int
+    generations: int = 0
+
+
+def _key(ev: Evaluation) -> tuple[float, float]:
+    """Fitness tuple, rounded so float noise does not decide between equal plans."""
+    mem = max(
+        (m / lim for m, lim in zip(ev.peak_memory_bytes, ev.memory_limit_bytes, strict=True)),
+        default=1.0,
+    )
+    return (float(f"{ev.fitness:.7g}"), round(mem, 6))
+
+
+class _Genes:
+    """Maps index genomes to candidates and back."""
+
+    def __init__(self, ev: Evaluator):
+        sp = ev.space
+        self.ev = ev
+        self.gbs = ev.spec.training.global_batch_size
+        w = sp.wan_boundaries
+        self.lists: list[tuple] = (
+            [sp.pipelines, sp.micro_batch_sizes, sp.seq_lens] + [sp.delta_ns] * w + [sp.codecs] * w
+        )
+        self.w = w
+
+    def candidate(self, g: list[int]) -> Candidate:
+        v = [lst[i] for lst, i in zip(self.lists, g, strict=True)]
+        w = self.w
+        return Candidate(
+            pipelines=v[0],
+            micro_batch_size=v[1],
+            seq_len=v[2],
+            delta_n=tuple(v[3 : 3 + w]),
+            codecs=tuple(v[3 + w :]),
+            schedule=self.ev.space.schedule,
+        )
+
+    def repair(self, g: list[int]) -> None:
+        """Move the micro-batch (then the pipeline count) to the nearest dividing value."""
+        sp = self.ev.space
+        for _ in range(len(sp.pipelines)):
+            d = sp.pipelines[g[0]]
+            ok = [i for i, b in enumerate(sp.micro_batch_sizes) if sp.valid(d, b, self.gbs)]
+            if ok:
+                g[1] = min(ok, key=lambda i: (abs(i - g[1]), i))
+                return
+            g[0] = (g[0] + 1) % len(sp.pipelines)
+
+
+def _estimate_delta_n(ev: Evaluator, cand: Candidate) -> tuple[int, ...]:
+    """ΔN ≥ ceil(2·t_x / (t_f + t_b)) per WAN boundary: cover one round trip with compute."""
+    plan = ev.make_plan(cand)
+    if plan is None:
+        return cand.delta_n
+    c = ev.costs(plan)
+    out = []
+    for j in plan.wan_boundaries:
+        t_x = max(c.ser_f[j] + c.lat_f[j], c.ser_b[j] + c.lat_b[j])
+        out.append(math.ceil(2 * t_x / (c.fwd_s[j] + c.bwd_s[j])))
+    return tuple(out)
+
+
+def _nearest(values: tuple, x: int) -> int:
+    return min(range(len(values)), key=lambda i: (abs(values[i] - x), i))
+
+
+def genetic_search(
+    ev: Evaluator,
+    population: int | None = None,
+    generations: int | None = None,
+    seed: int | None = None,
+    patience: int = 8,
+) -> SearchResult:
+    """Run the GA over ``ev.space``; reproducible for a given seed."""
+    ga = ev.spec.plan.ga
+    population = population or ga.population
+    generations = generations or ga.generations
+    seed = ga.seed if seed is None else seed
+    genes = _Genes(ev)
+    sp = ev.space
+    start_evals, t0 = ev.evaluations, time.perf_counter()
+    saved = random.getstate()
+    random.seed(seed)
+    try:
+        tb = base.Toolbox()
+        ups = [len(lst) - 1 for lst in genes.lists]
+
+        def mutate(ind: list[int], indpb: float = 0.25) -> tuple[list[int]]:
+            for i, up in enumerate(ups):
+                if up and random.random() < indpb:
+                    if random.random() < 0.5:
+                        ind[i] = random.randint(0, up)
+                    else:
+                        ind[i] = min(up, max(0, ind[i] + random.choice((-1, 1))))
+            return (ind,)
+
+        tb.register("mate", tools.cxUniform, indpb=0.5)
+        tb.register("mutate", mutate)
+        tb.register("select", tools.selTournament, tournsize=3)
+
+        def fitness(ind: list[int]) -> tuple[float, float]:
+            genes.repair(ind)
+            return _key(ev.evaluate(genes.candidate(ind)))
+
+        pop: list = []
+        # Seeds: for each pipeline count, the analytic ΔN at a mid micro-batch and the
+        # longest sequence, with every codec.
+        for di in range(len(sp.pipelines)):
+            for ci in range(len(sp.codecs)):
+                g = [di, len(sp.micro_batch_sizes) // 2, len(sp.seq_lens) - 1]
+                g += [0] * sp.wan_boundaries + [ci] * sp.wan_boundaries
+                genes.repair(g)
+                est = _estimate_delta_n(ev, genes.candidate(g))
+                for i, x in enumerate(est):
+                    g[3 + i] = _nearest(sp.delta_ns, x)
+                pop.append(creator.GeoPipeGenome(g))
+        pop = pop[: population // 2]
+        while len(pop) < population:
+            pop.append(creator.GeoPipeGenome([random.randint(0, up) for up in ups]))
+        for ind in pop:
+            ind.fitness.values = fitness(ind)
+        best = tools.selBest(pop, 1)[0]
+        best_key, stale, gen = best.fitness.values, 0, 0
+        for gen in range(1, generations + 1):  # noqa: B007 - gen is reported
+            offspring = algorithms.varOr(pop, tb, population, ga.crossover_prob, ga.mutation_prob)
+            for ind in offspring:
+                if not ind.fitness.valid:
+                    ind.fitness.values = fitness(ind)
+            pool = pop + offspring
+            elite = tools.selBest(pool, max(2, population // 8))
+            pop = elite + tb.select(pool, population - len(elite))
+            top = tools.selBest(pop, 1)[0]
+            if top.fitness.values < best_key:
+                best, best_key, stale = top, top.fitness.values, 0
+            else:
+                stale += 1
+                if stale >= patience:
+                    break
+        best = _hill_climb(list(best), ups, fitness)
+    finally:
+        random.setstate(saved)
+    result = ev.evaluate(genes.candidate(best))
+    return SearchResult(
+        best=result,
+        evaluations=ev.evaluations - start_evals,
+        seconds=time.perf_counter() - t0,
+        method="genetic",
+        space_size=sp.size(genes.gbs),
+        generations=gen,
+    )
+
+
+def _hill_climb(g: list[int], ups: list[int], fitness) -> list[int]:
+    """First-improvement local search over ±1 steps of each gene."""
+    cur = fitness(g)
+    improved = True
+    while improved:
+        improved = False
+        for i, up in enumerate(ups):
+            for step in (-1, 1):
+                j = g[i] + step
+                if not 0 <= j <= up:
+                    continue
+                trial = list(g)
+                trial[i] = j
+                f = fitness(trial)
+                if f < cur:
+                    g, cur, improved = trial, f, True
+    return g
+
+
+def exhaustive_search(ev: Evaluator) -> SearchResult:
+    """Evaluate every valid candidate (for small spaces and to check the GA)."""
+    genes = _Genes(ev)
+    sp = ev.space
+    start_evals, t0 = ev.evaluations, time.perf_counter()
+    best: Evaluation | None = None
+    best_key = None
+    for g in itertools.product(*(range(len(lst)) for lst in genes.lists)):
+        d, b = sp.pipelines[g[0]], sp.micro_batch_sizes[g[1]]
+        if not sp.valid(d, b, genes.gbs):
+            continue
+        e = ev.evaluate(genes.candidate(list(g)))
+        k = _key(e)
+        if best_key is None or k < best_key:
+            best, best_key = e, k
+    assert best is not None, "the search space is empty"
+    return SearchResult(
+        best=best,
+        evaluations=ev.evaluations - start_evals,
+        seconds=time.perf_counter() - t0,
+        method="exhaustive",
+        space_size=sp.size(genes.gbs),
+    )

@@ -1,0 +1,203 @@
+"""Discrete-event replay of a schedule's action lists over the cluster's links.
+
+The simulator executes exactly the lists :mod:`geopipe.pipeline.schedule` generates and
+the stage actors run, with these semantics (the runtime's):
+
+* a stage runs its actions in order on one compute resource;
+* ``SEND`` hands the message to the link and returns at once. Each link direction is a
+  FIFO server: a message starts serialising when the link is free, takes
+  ``bytes / bandwidth`` (plus the codec's cost), then arrives ``latency`` later;
+* ``RECV`` waits until its message has arrived;
+* after its last action a stage reduces gradients inside its ZeRO-1 group and steps the
+  optimizer (``step_s``).
+
+All ``D`` pipelines run the same lists in lockstep, so one pipeline is simulated with
+each WAN link's bandwidth divided by ``D`` (the caller folds that into ``ser_*``).
+
+Bubble ratio: ``1 - sum(busy_k) / (p * iteration_time)``, busy = forward + backward +
+step. For uniform stages, free links and no step cost, 1F1B gives ``(p-1)/(m+p-1)``.
+
+The hot loop works on int lists and plain floats; a 2-stage, 32-micro-batch replay takes
+~0.1 ms, which the genetic search needs (it evaluates thousands of candidates).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from geopipe.pipeline.schedule import Kind, Schedule, ScheduleError
+
+__all__ = ["Event", "PipelineCosts", "SimResult", "simulate"]
+
+_F, _B, _SF, _RF, _SB, _RB = (int(k) for k in Kind)
+
+
+@dataclass(frozen=True)
+class PipelineCosts:
+    """Per-stage compute and per-boundary link costs for one pipeline, in seconds.
+
+    ``ser_f[j]``/``lat_f[j]``: serialisation and latency of one activation message over
+    boundary ``j`` (stage j -> j+1); ``ser_b[j]``/``lat_b[j]``: the gradient going back.
+    """
+
+    fwd_s: tuple[float, ...]
+    bwd_s: tuple[float, ...]
+    step_s: tuple[float, ...]
+    ser_f: tuple[float, ...]
+    lat_f: tuple[float, ...]
+    ser_b: tuple[float, ...]
+    lat_b: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class Event:
+    """One interval of the timeline (for traces and plots)."""
+
+    row: str  # "stage 0" or "link 0->1"
+    name: str  # "F3", "B3", "step", "F3" on a link row means activation 3 in transit
+    start: float
+    end: float
+
+
+@dataclass
+class SimResult:
+    iteration_time_s: float
+    pipeline_time_s: float
+    busy_s: list[float]
+    bubble_ratio: float
+    link_busy_s: list[float]  # per boundary, both directions summed
+    events: list[Event] = field(default_factory=list)
+
+
+def simulate(sched: Schedule, costs: PipelineCosts, record: bool = False) -> SimResult:
+    """Replay ``sched`` with ``costs``; raise :class:`ScheduleError` on a deadlock.
+
+    Each stage runs as far as it can; a stage blocks on a receive whose message has not
+    been sent yet, and the sweep moves on to the next stage. Runs of ``RECV x, x, SEND x``
+    are pre-fused into one op (:attr:`Schedule.fused`) so the loop touches each micro-batch
+    twice per stage instead of six times; the arithmetic is the same as unfused.
+    """
+    p, m = sched.num_stages, sched.num_microbatches
+    progs = sched.fused
+    fwd, bwd = costs.fwd_s, costs.bwd_s
+    ser_f, lat_f, ser_b, lat_b = costs.ser_f, costs.lat_f, costs.ser_b, costs.lat_b
+    clock = [0.0] * p
+    ptr = [0] * p
+    arr_f = [[-1.0] * m for _ in range(p)]  # arrival of activation mb at stage k
+    arr_b = [[-1.0] * m for _ in range(p)]  # arrival of gradient mb at stage k
+    free_f = [0.0] * max(p - 1, 0)
+    free_b = [0.0] * max(p - 1, 0)
+    link_busy = [0.0] * max(p - 1, 0)
+    ev: list[Event] | None = [] if record else None
+    lengths = [len(x) for x in progs]
+    remaining = sum(lengths)
+    while remaining:
+        moved = False
+        for k in range(p):
+            ops, n = progs[k], lengths[k]
+            i = ptr[k]
+            if i == n:
+                continue
+            t = clock[k]
+            while i < n:
+                op = ops[i]
+                c = op & 15
+                mb = op >> 4
+                if c >= 6:  # fused: [RECV] compute [SEND]
+                    if c >= 10:  # backward
+                        c -= 10
+                        if c & 1:
+                            a = arr_b[k][mb]
+                            if a < 0:
+                                break
+                            if a > t:
+                                t = a
+                        if ev is not None:
+                            ev.append(Event(f"stage {k}", f"B{mb}", t, t + bwd[k]))
+                        t += bwd[k]
+                        if c & 2:
+                            j = k - 1
+                            start = t if t > free_b[j] else free_b[j]
+                            end = start + ser_b[j]
+                            free_b[j] = end
+                            link_busy[j] += ser_b[j]
+                            arr_b[j][mb] = end + lat_b[j]
+                            if ev is not None:
+                                ev.append(Event(f"link {k}->{j}", f"B{mb}", start, end + lat_b[j]))
+                    else:
+                        c -= 6
+                        if c & 1:
+                            a = arr_f[k][mb]
+                            if a < 0:
+                                break
+                            if a > t:
+                                t = a
+                        if ev is not None:
+                            ev.append(Event(f"stage {k}", f"F{mb}", t, t + fwd[k]))
+                        t += fwd[k]
+                        if c & 2:
+                            start = t if t > free_f[k] else free_f[k]
+                            end = start + ser_f[k]
+                            free_f[k] = end
+                            link_busy[k] += ser_f[k]
+                            arr_f[k + 1][mb] = end + lat_f[k]
+                            if ev is not None:
+                                ev.append(
+                                    Event(f"link {k}->{k + 1}", f"F{mb}", start, end + lat_f[k])
+                                )
+                elif c == _F:
+                    if ev is not None:
+                        ev.append(Event(f"stage {k}", f"F{mb}", t, t + fwd[k]))
+                    t += fwd[k]
+                elif c == _B:
+                    if ev is not None:
+                        ev.append(Event(f"stage {k}", f"B{mb}", t, t + bwd[k]))
+                    t += bwd[k]
+                elif c == _SF:
+                    start = t if t > free_f[k] else free_f[k]
+                    end = start + ser_f[k]
+                    free_f[k] = end
+                    link_busy[k] += ser_f[k]
+                    arr_f[k + 1][mb] = end + lat_f[k]
+                    if ev is not None:
+                        ev.append(Event(f"link {k}->{k + 1}", f"F{mb}", start, end + lat_f[k]))
+                elif c == _SB:
+                    j = k - 1
+                    start = t if t > free_b[j] else free_b[j]
+                    end = start + ser_b[j]
+                    free_b[j] = end
+                    link_busy[j] += ser_b[j]
+                    arr_b[j][mb] = end + lat_b[j]
+                    if ev is not None:
+                        ev.append(Event(f"link {k}->{j}", f"B{mb}", start, end + lat_b[j]))
+                elif c == _RF:
+                    a = arr_f[k][mb]
+                    if a < 0:
+                        break
+                    if a > t:
+                        t = a
+                else:  # _RB
+                    a = arr_b[k][mb]
+                    if a < 0:
+                        break
+                    if a > t:
+                        t = a
+                i += 1
+            if i != ptr[k]:
+                remaining -= i - ptr[k]
+                ptr[k] = i
+                clock[k] = t
+                moved = True
+        if not moved:
+            stuck = [f"stage {k} at op {ptr[k]}" for k in range(p) if ptr[k] < lengths[k]]
+            raise ScheduleError(f"deadlock in {sched.name}: " + ", ".join(stuck))
+    pipeline_time = max(clock)
+    ends = [clock[k] + costs.step_s[k] for k in range(p)]
+    if ev is not None:
+        for k in range(p):
+            if costs.step_s[k] > 0:
+                ev.append(Event(f"stage {k}", "step", clock[k], ends[k]))
+    iteration = max(ends)
+    busy = [m * (fwd[k] + bwd[k]) + costs.step_s[k] for k in range(p)]
+    bubble = 1.0 - sum(busy) / (p * iteration) if iteration > 0 else 0.0
+    return SimResult(iteration, pipeline_time, busy, bubble, link_busy, ev or [])

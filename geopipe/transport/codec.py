@@ -1,0 +1,397 @@
+"""Compression codecs for tensors crossing the WAN, plus an integrity seal.
+
+Activations (forward) and their gradients (backward) are encoded into an `Encoded`: a small
+dataclass of flat numpy arrays that pickles cheaply (Ray ships numpy buffers out of band).
+`Encoded.payload_nbytes` equals `wire.wire_bytes(...)` exactly, so the planner's cost model
+and the runtime agree on what is sent.
+
+Decoding is done in numpy rather than torch because arrays that come back from Ray's object
+store are read-only, and `torch.from_numpy` on them would alias read-only memory.
+"""
+
+from __future__ import annotations
+
+import threading
+import zlib
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from geopipe.transport import wire
+
+__all__ = [
+    "CODECS",
+    "Codec",
+    "CorruptPayloadError",
+    "Encoded",
+    "Sealed",
+    "decode",
+    "make_codec",
+    "open_sealed",
+    "seal",
+]
+
+CODECS = wire.CODECS
+
+_FP16_MAX = float(np.finfo(np.float16).max)
+
+
+class CorruptPayloadError(ValueError):
+    """Raised when a sealed payload's checksum does not match its contents."""
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One encoded tensor: flat payload arrays plus what is needed to rebuild it.
+
+    `dtype` is the original torch dtype name (e.g. "float32"); decoding always yields float32.
+    """
+
+    codec: str
+    shape: tuple[int, ...]
+    dtype: str
+    direction: str
+    arrays: tuple[np.ndarray, ...]
+
+    @property
+    def numel(self) -> int:
+        """Element count of the original tensor."""
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def row_len(self) -> int:
+        """Last-dimension size (1 for a scalar), the row length int8 scales are taken over."""
+        return self.shape[-1] if self.shape else 1
+
+    @property
+    def payload_nbytes(self) -> int:
+        """Bytes on the wire excluding the header; equals `wire.wire_bytes` for this tensor."""
+        return sum(int(a.nbytes) for a in self.arrays)
+
+
+@dataclass(frozen=True)
+class Sealed:
+    """An `Encoded` plus a CRC32 over its header and payload, to detect corruption in transit."""
+
+    enc: Encoded
+    checksum: int
+
+
+@runtime_checkable
+class Codec(Protocol):
+    """Encodes tensors for the wire and decodes them back to float32."""
+
+    name: str
+
+    def encode(
+        self, t: torch.Tensor, key: str | None = None, direction: str = "forward"
+    ) -> Encoded:
+        """Encode `t`; `key` names the stream for stateful codecs (top-k error feedback)."""
+        ...
+
+    def decode(self, enc: Encoded) -> torch.Tensor:
+        """Rebuild a float32 tensor of the original shape."""
+        ...
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _prepare(t: torch.Tensor, direction: str) -> torch.Tensor:
+    """Validate and detach; codecs only make sense for floating tensors."""
+    wire.check_direction(direction)
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise TypeError(f"codecs encode floating tensors, got {t.dtype}")
+    return t.detach().cpu()
+
+
+def _bf16_bits(t: torch.Tensor) -> np.ndarray:
+    """Round to bf16 (nearest-even) and return fresh 16-bit patterns that do not alias `t`."""
+    return t.to(torch.bfloat16, copy=True).reshape(-1).view(torch.int16).numpy().view(np.uint16)
+
+
+def _bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
+    """bf16 is the top half of an fp32, so widening is an exact shift (numpy has no bf16)."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def _as_torch(a: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
+    """Wrap a freshly computed (hence writable, unshared) float32 array as a tensor."""
+    if not a.flags.writeable:
+        a = a.copy()
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32).reshape(shape))
+
+
+def _check_codec_name(enc: Encoded, name: str) -> None:
+    if enc.codec != name:
+        raise ValueError(f"{name} codec cannot decode a {enc.codec!r} payload")
+
+
+# --------------------------------------------------------------------------- codecs
+
+
+class NoneCodec:
+    """Sends the tensor's raw bytes in its own dtype: exact, and the baseline for the planner."""
+
+    name = "none"
+
+    def encode(
+        self, t: torch.Tensor, key: str | None = None, direction: str = "forward"
+    ) -> Encoded:
+        """Copy the raw bytes, so later in-place writes to `t` cannot change what is sent."""
+        t = _prepare(t, direction)
+        flat = t.reshape(-1)
+        if t.dtype == torch.bfloat16:
+            payload = flat.view(torch.int16).numpy().view(np.uint16).copy()
+        else:
+            payload = flat.numpy().copy()
+        return Encoded(self.name, tuple(t.shape), _dtype_name(t.dtype), direction, (payload,))
+
+    def decode(self, enc: Encoded) -> torch.Tensor:
+        """Widen to float32 (exact for every float dtype except float64)."""
+        _check_codec_name(enc, self.name)
+        (payload,) = enc.arrays
+        if enc.dtype == "bfloat16":
+            out = _bf16_bits_to_f32(payload)
+        else:
+            out = payload.astype(np.float32, copy=True)
+        return _as_torch(out, enc.shape)
+
+
+class Fp16Codec:
+    """Half precision: ~5e-4 relative error; values beyond +-65504 overflow to inf like fp16."""
+
+    name = "fp16"
+
+    def encode(
+        self, t: torch.Tensor, key: str | None = None, direction: str = "forward"
+    ) -> Encoded:
+        """Round to fp16."""
+        t = _prepare(t, direction)
+        payload = t.to(torch.float16, copy=True).reshape(-1).numpy()
+        return Encoded(self.name, tuple(t.shape), _dtype_name(t.dtype), direction, (payload,))
+
+    def decode(self, enc: Encoded) -> torch.Tensor:
+        """Widen to float32."""
+        _check_codec_name(enc, self.name)
+        (payload,) = enc.arrays
+        return _as_torch(payload.astype(np.float32), enc.shape)
+
+
+class Bf16Codec:
+    """bfloat16: fp32's range with ~4e-3 relative error, so it never overflows."""
+
+    name = "bf16"
+
+    def encode(
+        self, t: torch.Tensor, key: str | None = None, direction: str = "forward"
+    ) -> Encoded:
+        """Round to bf16 and keep the 16-bit patterns."""
+        t = _prepare(t, direction)
+        return Encoded(self.name, tuple(t.shape), _dtype_name(t.dtype), direction, (_bf16_bits(t),))
+
+    def decode(self, enc: Encoded) -> torch.Tensor:
+        """Widen to float32 exactly."""
+        _check_codec_name(enc, self.name)
+        (payload,) = enc.arrays
+        return _as_torch(_bf16_bits_to_f32(payload), enc.shape)
+
+
+class Int8Codec:
+    """Symmetric per-row absmax int8 over the last dimension, one fp32 scale per row.
+
+    Per-row scales keep one outlier channel row from crushing the precision of every other
+    row. Max error per element is scale/2 with scale = absmax/127. A row containing a
+    non-finite value decodes to NaN, so overflow stays visible downstream.
+    """
+
+    name = "int8"
+
+    def encode(
+        self, t: torch.Tensor, key: str | None = None, direction: str = "forward"
+    ) -> Encoded:
+        """Quantise each row to [-127, 127] with scale absmax/127 (zero rows get scale 0)."""
+        t = _prepare(t, direction)
+        shape = tuple(t.shape)
+        row_len = shape[-1] if shape else 1
+        rows = wire.int8_rows(t.numel(), row_len)
+        if rows == 0:
+            q = np.zeros(0, dtype=np.int8)
+            scale = np.zeros(0, dtype=np.float32)
+        else:
+            x = t.to(torch.float32).reshape(rows, row_len)
+            scale_t = x.abs().amax(dim=1) / 127.0
+            safe = torch.where(scale_t > 0, scale_t, torch.ones_like(scale_t))
+            qf = torch.nan_to_num(x / safe[:, None], nan=0.0, posinf=127.0, neginf=-127.0)
+            q = qf.round_().clamp_(-127, 127).to(torch.int8).reshape(-1).numpy()
+            scale = scale_t.numpy()
+        return Encoded(self.name, shape, _dtype_name(t.dtype), direction, (q, scale))
+
+    def decode(self, enc: Encoded) -> torch.Tensor:
+        """Multiply each row by its scale."""
+        _check_codec_name(enc, self.name)
+        q, scale = enc.arrays
+        if scale.size == 0:
+            return torch.zeros(enc.shape, dtype=torch.float32)
+        x = q.astype(np.float32).reshape(scale.size, -1)
+        with np.errstate(invalid="ignore"):  # 0 * inf in a non-finite row is meant to be NaN
+            x *= scale[:, None]
+        return _as_torch(x, enc.shape)
+
+
+class TopKCodec:
+    """Top-k sparsification with error feedback for gradients; bf16 for activations.
+
+    Only the k largest-magnitude entries of (gradient + residual) are sent, as fp16 values and
+    int32 indices; what was not sent (including fp16 rounding) is kept as the residual for
+    `key` and added to the next gradient encoded under that key. Error feedback is what makes
+    top-k converge, so `key` must name a stream whose tensors line up step after step (e.g.
+    link + micro-batch slot). Activations have no such correction, so forward uses bf16.
+    """
+
+    name = "topk"
+
+    def __init__(self, topk_ratio: float = 0.01) -> None:
+        wire.check_topk_ratio(topk_ratio)
+        self.topk_ratio = topk_ratio
+        self._residuals: dict[str, torch.Tensor] = {}
+        self._lock = threading.Lock()
+
+    def encode(
+        self, t: torch.Tensor, key: str | None = None, direction: str = "forward"
+    ) -> Encoded:
+        """bf16 for "forward"; top-k with the per-key residual for "backward"."""
+        t = _prepare(t, direction)
+        shape = tuple(t.shape)
+        dtype = _dtype_name(t.dtype)
+        if direction == "forward":
+            return Encoded(self.name, shape, dtype, direction, (_bf16_bits(t),))
+        if key is None:
+            raise ValueError(
+                "topk backward encoding needs a key to keep its error-feedback residual"
+            )
+        numel = t.numel()
+        if numel > wire.MAX_TOPK_NUMEL:
+            raise ValueError(f"topk indices are int32; numel {numel} is too large")
+        k = wire.topk_count(numel, self.topk_ratio)
+        with self._lock:
+            acc = t.to(torch.float32).reshape(-1).clone()
+            residual = self._residuals.get(key)
+            if residual is not None:
+                if residual.numel() != numel:
+                    raise ValueError(
+                        f"topk key {key!r}: residual has {residual.numel()} elements but the "
+                        f"new tensor has {numel}; use a distinct key or reset({key!r})"
+                    )
+                acc += residual
+            idx = torch.topk(acc.abs(), k, sorted=False).indices.sort().values
+            # Clamp so an outlier cannot become inf in fp16; error feedback keeps the excess.
+            vals = acc[idx].clamp(-_FP16_MAX, _FP16_MAX).to(torch.float16)
+            acc[idx] -= vals.to(torch.float32)
+            self._residuals[key] = acc
+        payload = (vals.numpy(), idx.to(torch.int32).numpy())
+        return Encoded(self.name, shape, dtype, direction, payload)
+
+    def decode(self, enc: Encoded) -> torch.Tensor:
+        """Scatter the kept values into zeros (backward) or widen bf16 (forward)."""
+        _check_codec_name(enc, self.name)
+        if enc.direction == "forward":
+            (payload,) = enc.arrays
+            return _as_torch(_bf16_bits_to_f32(payload), enc.shape)
+        vals, idx = enc.arrays
+        out = np.zeros(enc.numel, dtype=np.float32)
+        out[idx] = vals.astype(np.float32)
+        return _as_torch(out, enc.shape)
+
+    def reset(self, key: str | None = None) -> None:
+        """Drop the residual of `key` (or of every key), e.g. when a stream's shape changes."""
+        with self._lock:
+            if key is None:
+                self._residuals.clear()
+            else:
+                self._residuals.pop(key, None)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Residuals by key, so checkpoints can resume without losing unsent gradient."""
+        with self._lock:
+            return {k: v.clone() for k, v in self._residuals.items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore residuals saved by `state_dict`."""
+        with self._lock:
+            self._residuals = {
+                k: v.detach().to(torch.float32).reshape(-1).clone() for k, v in state.items()
+            }
+
+
+_CODEC_CLASSES: dict[str, type] = {
+    "none": NoneCodec,
+    "fp16": Fp16Codec,
+    "bf16": Bf16Codec,
+    "int8": Int8Codec,
+}
+
+
+def make_codec(name: str, topk_ratio: float = 0.01) -> Codec:
+    """Build the codec called `name`; only "topk" is stateful and uses `topk_ratio`."""
+    wire.check_codec(name)
+    if name == "topk":
+        return TopKCodec(topk_ratio)
+    return _CODEC_CLASSES[name]()
+
+
+# Stateless decoders: decoding never needs the encoder's residuals.
+_DECODERS: dict[str, Codec] = {name: make_codec(name) for name in CODECS}
+
+
+def decode(enc: Encoded) -> torch.Tensor:
+    """Decode any `Encoded` by its codec name, without needing the encoding codec object."""
+    wire.check_codec(enc.codec)
+    return _DECODERS[enc.codec].decode(enc)
+
+
+# --------------------------------------------------------------------------- integrity
+
+
+def _checksum(enc: Encoded) -> int:
+    """CRC32 over a header string and the raw payload bytes (detects accidents, not attacks)."""
+    header = repr(
+        (
+            enc.codec,
+            enc.shape,
+            enc.dtype,
+            enc.direction,
+            tuple((a.dtype.str, a.shape) for a in enc.arrays),
+        )
+    )
+    crc = zlib.crc32(header.encode())
+    for a in enc.arrays:
+        crc = zlib.crc32(np.ascontiguousarray(a).reshape(-1).view(np.uint8), crc)
+    return crc
+
+
+def seal(enc: Encoded) -> Sealed:
+    """Attach a checksum so the receiver can detect a payload corrupted in transit."""
+    return Sealed(enc, _checksum(enc))
+
+
+def open_sealed(sealed: Sealed) -> Encoded:
+    """Verify the checksum and return the payload; raise `CorruptPayloadError` on mismatch."""
+    actual = _checksum(sealed.enc)
+    if actual != sealed.checksum:
+        raise CorruptPayloadError(
+            f"{sealed.enc.codec} payload of shape {sealed.enc.shape}: checksum "
+            f"{actual:#010x} != expected {sealed.checksum:#010x}"
+        )
+    return sealed.enc
