@@ -43,7 +43,9 @@ class ConfigError(ValueError):
     def __init__(self, source: str, problems: list[tuple[str, str]]):
         self.source = source
         self.problems = problems
-        lines = [f"{source}: {path or '<top level>'}: {msg}" for path, msg in problems]
+        lines = [
+            f"{source}: {path}: {msg}" if path else f"{source}: {msg}" for path, msg in problems
+        ]
         super().__init__("\n".join(lines))
 
 

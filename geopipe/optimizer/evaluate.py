@@ -20,7 +20,7 @@ from geopipe.optimizer.costs import (
     layer_param_counts,
 )
 from geopipe.optimizer.memory import MemoryBreakdown, stage_memory
-from geopipe.optimizer.simulator import PipelineCosts, SimResult, simulate
+from geopipe.optimizer.simulator import PipelineCosts, SimResult, lower_bound, simulate
 from geopipe.pipeline.schedule import Schedule, make_schedule
 from geopipe.plan import Plan, Shape, candidate_shapes, partition_for
 from geopipe.transport.wire import codec_throughput_bytes_per_s, wire_bytes
@@ -57,6 +57,7 @@ class Evaluation:
     wan_bytes: float = 0.0
     link_utilization: list[float] = field(default_factory=list)
     sim: SimResult | None = None
+    pruned: bool = False  # fitness is a lower bound (the search skipped simulating it)
 
     @property
     def tokens_per_s(self) -> float:
@@ -181,7 +182,9 @@ class Evaluator:
             schedule=sched,
         )
         self._cache: dict[Candidate, Evaluation] = {}
-        self.evaluations = 0  # distinct candidates simulated
+        self._device_memory = {s.name: s.device_memory_gb * (1 << 30) for s in spec.sites}
+        self.evaluations = 0  # distinct candidates scored
+        self.best_fitness = math.inf  # best feasible fitness simulated so far (for pruning)
 
     # -- building blocks ---------------------------------------------------------------------
     def make_plan(self, c: Candidate) -> Plan | None:
@@ -258,16 +261,20 @@ class Evaluator:
         )  # fmt: skip
 
     # -- evaluation ----------------------------------------------------------------------------
-    def evaluate(self, c: Candidate, record: bool = False) -> Evaluation:
+    def evaluate(self, c: Candidate, record: bool = False, prune: bool = False) -> Evaluation:
+        """Score ``c``. With ``prune`` (the searches), skip the simulation when memory already
+        rules the candidate out or its lower bound loses to the best plan seen so far."""
         if not record and c in self._cache:
             return self._cache[c]
-        ev = self._evaluate(c, record)
+        ev = self._evaluate(c, record, self.best_fitness if prune else None)
         if not record:
             self._cache[c] = ev
             self.evaluations += 1
+            if ev.feasible and not ev.pruned and ev.fitness < self.best_fitness:
+                self.best_fitness = ev.fitness
         return ev
 
-    def _evaluate(self, c: Candidate, record: bool) -> Evaluation:
+    def _evaluate(self, c: Candidate, record: bool, prune_above: float | None) -> Evaluation:
         plan = self.make_plan(c)
         if plan is None:
             return Evaluation(
@@ -275,8 +282,6 @@ class Evaluator:
             )
         spec = self.spec
         sched = _schedule(plan.schedule, plan.num_stages, plan.num_microbatches, plan.delta_n)
-        costs = self.costs(plan)
-        sim = simulate(sched, costs, record=record)
         in_flight = sched.max_in_flight
         mem = [
             stage_memory(
@@ -285,42 +290,52 @@ class Evaluator:
             )
             for k in range(plan.num_stages)
         ]  # fmt: skip
-        limits = [spec.site(s).device_memory_gb * (1 << 30) for s in plan.stage_sites]
+        limits = [self._device_memory[s] for s in plan.stage_sites]
         over = [k for k in range(plan.num_stages) if mem[k].total > limits[k]]
-        util = []
         wan_bytes = 0.0
         elems = boundary_message_elems(spec.model, plan.micro_batch_size, plan.seq_len)
         e = elem_bytes(spec.training.precision)
         for j in plan.wan_boundaries:
-            util.append(sim.link_busy_s[j] / 2 / sim.iteration_time_s)
             per_mb = sum(
                 wire_bytes(plan.codecs[j], elems, spec.model.n_embd, e, d, spec.plan.topk_ratio)
                 for d in ("forward", "backward")
             )
             wan_bytes += per_mb * plan.num_microbatches * plan.pipelines
-        reason = "ok"
-        feasible = True
-        if over:
-            feasible = False
-            k = over[0]
-            reason = (
-                f"stage {k} needs {mem[k].total / (1 << 30):.2f} GiB, "
-                f"device has {limits[k] / (1 << 30):.2f} GiB"
-            )
-        elif util and max(util) > MAX_LINK_UTILIZATION:
-            feasible = False
-            reason = f"WAN link saturated ({max(util):.0%} busy)"
-        return Evaluation(
+        base = Evaluation(
             candidate=c,
             plan=plan,
-            feasible=feasible,
-            reason=reason,
-            iteration_time_s=sim.iteration_time_s,
+            feasible=not over,
+            reason="ok",
             tokens_per_iteration=spec.training.global_batch_size * plan.seq_len,
-            bubble_ratio=sim.bubble_ratio,
             memory=mem,
             memory_limit_bytes=limits,
             wan_bytes=wan_bytes,
-            link_utilization=util,
-            sim=sim if record else None,
         )
+        if over:
+            k = over[0]
+            base.reason = (
+                f"stage {k} needs {mem[k].total / (1 << 30):.2f} GiB, "
+                f"device has {limits[k] / (1 << 30):.2f} GiB"
+            )
+            if prune_above is not None:
+                return base  # the penalty depends on memory only: no need to simulate
+        costs = self.costs(plan)
+        if prune_above is not None and not record:
+            lb = lower_bound(costs, plan.num_microbatches)
+            if lb / base.tokens_per_iteration > prune_above * (1 + 1e-6):
+                base.iteration_time_s = lb
+                base.pruned = True
+                base.reason = "pruned: its lower bound is slower than the best plan found"
+                return base
+        sim = simulate(sched, costs, record=record)
+        base.iteration_time_s = sim.iteration_time_s
+        base.bubble_ratio = sim.bubble_ratio
+        base.link_utilization = [
+            sim.link_busy_s[j] / 2 / sim.iteration_time_s for j in plan.wan_boundaries
+        ]
+        base.sim = sim if record else None
+        util = base.link_utilization
+        if not over and util and max(util) > MAX_LINK_UTILIZATION:
+            base.feasible = False
+            base.reason = f"WAN link saturated ({max(util):.0%} busy)"
+        return base

@@ -143,7 +143,7 @@ def genetic_search(
 
         def fitness(ind: list[int]) -> tuple[float, float]:
             genes.repair(ind)
-            return _key(ev.evaluate(genes.candidate(ind)))
+            return _key(ev.evaluate(genes.candidate(ind), prune=True))
 
         pop: list = []
         # Seeds: for each pipeline count, the analytic ΔN at a mid micro-batch and the
@@ -179,7 +179,27 @@ def genetic_search(
                 stale += 1
                 if stale >= patience:
                     break
-        best = _hill_climb(list(best), ups, fitness)
+
+        def retune(g: list[int]) -> list[list[int]]:
+            g = list(g)
+            genes.repair(g)
+            est = _estimate_delta_n(ev, genes.candidate(g))
+            out = []
+            for shift in (0, -1, 1):
+                t = list(g)
+                for i, x in enumerate(est):
+                    t[3 + i] = _nearest(sp.delta_ns, x + shift)
+                out.append(t)
+            return out
+
+        starts = []
+        for ind in tools.selBest([*pop, best], len(pop)):
+            if list(ind) not in starts:
+                starts.append(list(ind))
+            if len(starts) == 3:
+                break
+        climbed = [_hill_climb(g, ups, fitness, retune) for g in starts]
+        best = min(climbed, key=fitness)
     finally:
         random.setstate(saved)
     result = ev.evaluate(genes.candidate(best))
@@ -193,8 +213,13 @@ def genetic_search(
     )
 
 
-def _hill_climb(g: list[int], ups: list[int], fitness) -> list[int]:
-    """First-improvement local search over ±1 steps of each gene."""
+def _hill_climb(g: list[int], ups: list[int], fitness, retune) -> list[int]:
+    """First-improvement local search.
+
+    Moves: ±1 on each gene, and ±1 on a structural gene (pipelines, micro-batch, seq len)
+    with ΔN re-tuned to the analytic estimate and its neighbours — the best ΔN shifts when
+    the micro-batch changes, so single-gene moves alone stall in such valleys.
+    """
     cur = fitness(g)
     improved = True
     while improved:
@@ -206,9 +231,12 @@ def _hill_climb(g: list[int], ups: list[int], fitness) -> list[int]:
                     continue
                 trial = list(g)
                 trial[i] = j
-                f = fitness(trial)
-                if f < cur:
-                    g, cur, improved = trial, f, True
+                trials = [trial] + (retune(trial) if i < 3 else [])
+                for t in trials:
+                    f = fitness(t)
+                    if f < cur:
+                        g, cur, improved = t, f, True
+                        break
     return g
 
 
@@ -223,7 +251,7 @@ def exhaustive_search(ev: Evaluator) -> SearchResult:
         d, b = sp.pipelines[g[0]], sp.micro_batch_sizes[g[1]]
         if not sp.valid(d, b, genes.gbs):
             continue
-        e = ev.evaluate(genes.candidate(list(g)))
+        e = ev.evaluate(genes.candidate(list(g)), prune=True)
         k = _key(e)
         if best_key is None or k < best_key:
             best, best_key = e, k

@@ -201,3 +201,32 @@ def simulate(sched: Schedule, costs: PipelineCosts, record: bool = False) -> Sim
     busy = [m * (fwd[k] + bwd[k]) + costs.step_s[k] for k in range(p)]
     bubble = 1.0 - sum(busy) / (p * iteration) if iteration > 0 else 0.0
     return SimResult(iteration, pipeline_time, busy, bubble, link_busy, ev or [])
+
+
+def lower_bound(costs: PipelineCosts, m: int) -> float:
+    """A cheap bound the simulated iteration time can never beat (any valid schedule).
+
+    ``P`` is one micro-batch's round trip with no queueing: through every stage's forward
+    and links to the last stage, then every backward and link back to stage 0. Stage k
+    cannot start before the first activation reaches it (``fill_k``), computes
+    ``m·(f_k + b_k)``, and its last gradient still travels back to stage 0 (``drain_k``).
+    A link direction serialises ``m`` messages, so the last one leaves at least
+    ``(m-1)·ser`` after the first and then still has a round trip's remainder to go:
+    ``P + (m-1)·ser``. The search skips simulating candidates whose bound already loses.
+    """
+    fwd, bwd, step = costs.fwd_s, costs.bwd_s, costs.step_s
+    p = len(fwd)
+    fill = [0.0] * p
+    drain = [0.0] * p
+    for k in range(1, p):
+        fill[k] = fill[k - 1] + fwd[k - 1] + costs.ser_f[k - 1] + costs.lat_f[k - 1]
+        drain[k] = drain[k - 1] + costs.ser_b[k - 1] + costs.lat_b[k - 1] + bwd[k - 1]
+    round_trip = fill[p - 1] + fwd[p - 1] + bwd[p - 1] + drain[p - 1]
+    best = 0.0
+    for k in range(p):
+        end_k = fill[k] + m * (fwd[k] + bwd[k])
+        best = max(best, end_k + step[k], end_k + drain[k] + step[0])
+        best = max(best, round_trip + (m - 1) * fwd[k] + step[0])
+    for j in range(p - 1):
+        best = max(best, round_trip + (m - 1) * max(costs.ser_f[j], costs.ser_b[j]) + step[0])
+    return best

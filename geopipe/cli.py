@@ -1,0 +1,195 @@
+"""``geopipe`` command line: plan | simulate (launch, status, checkpoints: runtime issues).
+
+Errors in user input (a bad YAML, an impossible setting) print one clear message and exit
+with status 2; a traceback means a bug in geopipe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from geopipe.config import ClusterSpec, ConfigError, load_cluster
+
+GiB = float(1 << 30)
+EXIT_USAGE = 2
+
+
+def _fmt_time(s: float) -> str:
+    return f"{s * 1e3:.1f} ms" if s < 10 else f"{s:.2f} s"
+
+
+def _print_plan(spec: ClusterSpec, report, console) -> None:
+    from rich.table import Table
+
+    best = report.best
+    plan = best.plan
+    sim_costs = None
+    if plan is not None:
+        from geopipe.optimizer.evaluate import Evaluator
+
+        sim_costs = Evaluator(spec).costs(plan)
+    console.print(
+        f"[bold]{spec.name}[/]: {plan.pipelines} pipeline(s) × {plan.num_stages} stages over "
+        f"{' → '.join(dict.fromkeys(plan.stage_sites))}"
+    )
+    t = Table(title="placement (each stage's replicas form one ZeRO-1 group in its site)")
+    for col in ("stage", "site", "layers", "replicas", "fwd", "bwd", "peak memory", "device"):
+        t.add_column(col, justify="right" if col not in ("site", "layers") else "left")
+    for k, (a, z) in enumerate(plan.partition):
+        mem = best.memory[k].total / GiB
+        lim = best.memory_limit_bytes[k] / GiB
+        t.add_row(
+            str(k),
+            plan.stage_sites[k],
+            f"[{a}, {z})",
+            str(plan.pipelines),
+            _fmt_time(sim_costs.fwd_s[k]),
+            _fmt_time(sim_costs.bwd_s[k]),
+            f"{mem:.2f} GiB ({mem / lim:.0%})",
+            f"{lim:.0f} GiB",
+        )
+    console.print(t)
+    wan = plan.wan_boundaries
+    dn = ", ".join(
+        f"{plan.stage_sites[j]}→{plan.stage_sites[j + 1]}: ΔN={plan.delta_n[j]} {plan.codecs[j]}"
+        for j in wan
+    )
+    console.print(
+        f"micro-batch {plan.micro_batch_size} × {plan.num_microbatches} per pipeline, "
+        f"seq len {plan.seq_len}, schedule {plan.schedule}; WAN boundaries: {dn or 'none'}"
+    )
+    c = Table(title="predicted iteration (same micro-batch, seq len, codec)")
+    for col in ("schedule", "iteration", "tokens/s", "bubble", "max peak mem", "speed-up"):
+        c.add_column(col, justify="right")
+    rows = [("look-ahead" if plan.schedule == "lookahead" else plan.schedule, best)]
+    rows += list(report.baselines.items())
+    for name, e in rows:
+        c.add_row(
+            name,
+            _fmt_time(e.iteration_time_s),
+            f"{e.tokens_per_s:,.0f}",
+            f"{e.bubble_ratio:.1%}",
+            f"{max(e.peak_memory_bytes) / GiB:.2f} GiB",
+            f"{e.iteration_time_s / best.iteration_time_s:.2f}×",
+        )
+    console.print(c)
+    if not best.feasible:
+        console.print(f"[red]no feasible plan found[/]: {best.reason}")
+    s = report.search
+    line = (
+        f"search: {s.method}, {s.evaluations} evaluations of {s.space_size:,} candidates "
+        f"in {s.seconds:.2f} s"
+    )
+    if report.exhaustive is not None:
+        ex = report.exhaustive
+        gap = best.fitness / ex.best.fitness - 1
+        line += f"; exhaustive: {ex.evaluations} evaluations in {ex.seconds:.2f} s, gap {gap:.3%}"
+    console.print(line)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from geopipe.optimizer.planner import plan_cluster
+
+    spec = load_cluster(args.cluster)
+    record = bool(args.trace or args.plot)
+    report = plan_cluster(spec, exhaustive=args.exhaustive, record=record)
+    if args.trace:
+        from geopipe.timeline import write_chrome_trace
+
+        write_chrome_trace(args.trace, report.best.sim.events, process=f"{spec.name} (simulated)")
+    if args.plot:
+        from geopipe.timeline import plot_timelines
+
+        panels = [("1F1B", report.baselines["1f1b"].sim.events)]
+        panels.append((f"{report.best.plan.schedule} (planned)", report.best.sim.events))
+        plot_timelines(args.plot, panels, title=f"{spec.name}: simulated iteration")
+    if args.json:
+        print(json.dumps(report.to_json(), indent=None))
+    else:
+        from rich.console import Console
+
+        _print_plan(spec, report, Console())
+    return 0
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from geopipe.optimizer.planner import evaluate_fixed
+
+    spec = load_cluster(args.cluster)
+    dn = [int(x) for x in str(args.delta_n).split(",")]
+    try:
+        e = evaluate_fixed(
+            spec,
+            args.schedule,
+            args.micro_batch_size,
+            args.seq_len,
+            dn[0] if len(dn) == 1 else dn,
+            pipelines=args.pipelines,
+            codec=args.codec,
+            record=bool(args.trace),
+        )
+    except ValueError as exc:
+        print(f"geopipe simulate: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.trace:
+        from geopipe.timeline import write_chrome_trace
+
+        write_chrome_trace(args.trace, e.sim.events, process=f"{spec.name} (simulated)")
+    if args.json:
+        print(json.dumps(e.summary()))
+    else:
+        s = e.summary()
+        print(
+            f"{spec.name}: {s['schedule']} D={s['pipelines']} b={s['micro_batch_size']} "
+            f"s={s['seq_len']} ΔN={s['delta_n']} codecs={s['codecs']}\n"
+            f"  iteration {_fmt_time(s['iteration_time_s'])}, {s['tokens_per_s']:,.0f} tokens/s, "
+            f"bubble {s['bubble_ratio']:.1%}, peak memory "
+            f"{max(s['peak_memory_bytes']) / GiB:.2f} GiB, feasible: {s['feasible']} "
+            f"({s['reason']})"
+        )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="geopipe",
+        description="Train GPT models pipelined across data centres joined by slow WAN links.",
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+
+    pl = sub.add_parser("plan", help="choose micro-batch, seq len, ΔN and codec; predict speed")
+    pl.add_argument("cluster", help="cluster YAML")
+    pl.add_argument("--json", action="store_true", help="print one JSON document")
+    pl.add_argument("--exhaustive", action="store_true", help="also run exhaustive search")
+    pl.add_argument("--trace", metavar="FILE", help="write the simulated Chrome trace")
+    pl.add_argument("--plot", metavar="FILE.png", help="plot 1F1B vs the plan's timeline")
+    pl.set_defaults(func=cmd_plan)
+
+    sm = sub.add_parser("simulate", help="evaluate one fixed configuration")
+    sm.add_argument("cluster")
+    sm.add_argument("--schedule", choices=("gpipe", "1f1b", "lookahead"), default="lookahead")
+    sm.add_argument("--micro-batch-size", type=int, required=True)
+    sm.add_argument("--seq-len", type=int, required=True)
+    sm.add_argument("--delta-n", default="0", help="ΔN, or one per WAN boundary: 4,2")
+    sm.add_argument("--pipelines", type=int, default=None, help="data-parallel degree D")
+    sm.add_argument("--codec", default=None, help="WAN codec (default: the link's)")
+    sm.add_argument("--json", action="store_true")
+    sm.add_argument("--trace", metavar="FILE")
+    sm.set_defaults(func=cmd_simulate)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as exc:
+        print(str(exc), file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

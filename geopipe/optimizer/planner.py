@@ -1,0 +1,101 @@
+"""The planner's front: search the best plan and compare it with plain 1F1B and GPipe.
+
+``plan_cluster`` is what ``geopipe plan`` and ``geopipe launch`` call. Fixed values in the
+YAML's ``plan`` section collapse the corresponding gene to one value, so a fully fixed
+plan costs a single evaluation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from geopipe.config import ClusterSpec
+from geopipe.optimizer.evaluate import Candidate, Evaluation, Evaluator
+from geopipe.optimizer.genetic import SearchResult, exhaustive_search, genetic_search
+
+__all__ = ["PlanReport", "evaluate_fixed", "plan_cluster"]
+
+
+@dataclass
+class PlanReport:
+    best: Evaluation
+    baselines: dict[str, Evaluation]
+    search: SearchResult
+    exhaustive: SearchResult | None = None
+
+    def to_json(self) -> dict:
+        search = {
+            "method": self.search.method,
+            "evaluations": self.search.evaluations,
+            "seconds": round(self.search.seconds, 4),
+            "space_size": self.search.space_size,
+            "generations": self.search.generations,
+        }
+        if self.exhaustive is not None:
+            ex = self.exhaustive
+            search["exhaustive"] = {
+                "evaluations": ex.evaluations,
+                "seconds": round(ex.seconds, 4),
+                "best": ex.best.summary(),
+                "gap": self.best.fitness / ex.best.fitness - 1.0,
+            }
+        return {
+            "best": self.best.summary(),
+            "plan": self.best.plan.to_dict() if self.best.plan else None,
+            "baselines": {k: v.summary() for k, v in self.baselines.items()},
+            "search": search,
+        }
+
+
+def _baselines(spec: ClusterSpec, cand: Candidate, record: bool) -> dict[str, Evaluation]:
+    out = {}
+    for name in ("1f1b", "gpipe"):
+        ev = Evaluator(spec, schedule=name)
+        c = replace(cand, schedule=name, delta_n=tuple(0 for _ in cand.delta_n))
+        out[name] = ev.evaluate(c, record=record)
+    return out
+
+
+def plan_cluster(
+    spec: ClusterSpec, exhaustive: bool = False, record: bool = False, schedule: str | None = None
+) -> PlanReport:
+    """Search the plan for ``spec``; baselines run at the best plan's settings."""
+    ev = Evaluator(spec, schedule=schedule)
+    if ev.space.size(spec.training.global_batch_size) <= 64:
+        result = exhaustive_search(ev)  # tiny spaces: no point in evolving
+    else:
+        result = genetic_search(ev)
+    ex = exhaustive_search(Evaluator(spec, schedule=schedule)) if exhaustive else None
+    best = ev.evaluate(result.best.candidate, record=record) if record else result.best
+    return PlanReport(best, _baselines(spec, best.candidate, record), result, ex)
+
+
+def evaluate_fixed(
+    spec: ClusterSpec,
+    schedule: str,
+    micro_batch_size: int,
+    seq_len: int,
+    delta_n: int | list[int],
+    pipelines: int | None = None,
+    codec: str | None = None,
+    record: bool = False,
+) -> Evaluation:
+    """Evaluate one fixed configuration (``geopipe simulate``)."""
+    ev = Evaluator(spec, schedule=schedule)
+    sp = ev.space
+    d = pipelines if pipelines is not None else max(sp.pipelines)
+    if d not in ev.shapes:
+        raise ValueError(f"{d} pipelines do not fit these sites (possible: {sorted(ev.shapes)})")
+    w = sp.wan_boundaries
+    dn = [delta_n] * w if isinstance(delta_n, int) else list(delta_n)
+    if len(dn) != w:
+        raise ValueError(f"--delta-n needs one value or {w} (one per WAN boundary), got {len(dn)}")
+    codecs = [codec or sp.codecs[0]] * w
+    c = Candidate(d, micro_batch_size, seq_len, tuple(dn), tuple(codecs), schedule)
+    e = ev.evaluate(c, record=record)
+    if e.plan is None:
+        raise ValueError(
+            f"global batch {spec.training.global_batch_size} is not divisible by "
+            f"{d} pipelines × micro-batch {micro_batch_size}"
+        )
+    return e
