@@ -1,4 +1,4 @@
-"""``geopipe`` command line: plan | simulate (launch, status, checkpoints: runtime issues).
+"""``geopipe`` command line: plan | simulate | launch | status.
 
 Errors in user input (a bad YAML, an impossible setting) print one clear message and exit
 with status 2; a traceback means a bug in geopipe.
@@ -153,6 +153,97 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_launch(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from geopipe.runtime.cluster import LaunchError
+    from geopipe.runtime.controller import Controller, LaunchOptions
+
+    spec = load_cluster(args.cluster)
+    console = Console(stderr=False)
+    opts = LaunchOptions(
+        steps=args.steps,
+        schedule=args.schedule,
+        run_dir=args.run_dir,
+        metrics_out=args.metrics_out,
+        trace=args.trace,
+        progress=not args.no_progress,
+    )
+    ctl = Controller(spec, opts)
+    try:
+        console.print(f"[bold]geopipe[/] {spec.name}: planning …")
+        ctl.launch()
+        plan, pred = ctl.plan, ctl.predicted
+        console.print(
+            f"plan: {plan.pipelines} pipeline(s) × {plan.num_stages} stages over "
+            f"{' → '.join(dict.fromkeys(plan.stage_sites))}; micro-batch "
+            f"{plan.micro_batch_size} × {plan.num_microbatches}, seq len {plan.seq_len}, "
+            f"{plan.schedule} ΔN={[plan.delta_n[j] for j in plan.wan_boundaries]} "
+            f"codecs={[plan.codecs[j] for j in plan.wan_boundaries]}; predicted "
+            f"{_fmt_time(pred.iteration_time_s)}/step"
+        )
+        if ctl.cluster and ctl.cluster.dashboard_url:
+            console.print(f"Ray dashboard: {ctl.cluster.dashboard_url}")
+        console.print(f"run dir: {ctl.run_dir}  (metrics: {ctl.sink.path})")
+        result = ctl.train()
+    except LaunchError as exc:
+        print(f"geopipe launch: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("\ngeopipe launch: interrupted; stopping the stage actors", file=sys.stderr)
+        return 130
+    finally:
+        ctl.close()
+    steps = result.steps
+    if steps:
+        tail = steps[len(steps) // 2 :]
+        mean_t = sum(m.iteration_time_s for m in tail) / len(tail)
+        console.print(
+            f"done: {len(steps)} steps, loss {steps[0].loss:.4f} → {steps[-1].loss:.4f}; "
+            f"{mean_t * 1e3:.0f} ms/step measured vs {pred.iteration_time_s * 1e3:.0f} ms "
+            f"predicted; bubble {sum(m.bubble_ratio for m in tail) / len(tail):.1%}"
+        )
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    paths = [Path(args.run_dir) / "status.json"] if args.run_dir else []
+    if not paths:
+        paths = sorted(Path("runs").glob("*/status.json"), key=lambda p: p.stat().st_mtime)
+        paths = paths[-1:]
+    if not paths or not paths[0].exists():
+        where = args.run_dir or "runs/*"
+        print(f"geopipe status: no run found under {where}", file=sys.stderr)
+        return 1
+    data = json.loads(paths[0].read_text())
+    alive = data.get("pid") is not None and _pid_alive(data["pid"])
+    state = data.get("state", "?") if not alive else "running"
+    if args.json:
+        print(json.dumps({**data, "state": state}))
+        return 0
+    print(f"run {data['run']}: {state}, step {data['step']}/{data['steps']}")
+    if data.get("dashboard_url"):
+        print(f"Ray dashboard: {data['dashboard_url']}")
+    for st in data["stages"]:
+        print(
+            f"  stage {st['stage']:>2}  site {st['site']:<12} layers {st['layers']}  "
+            f"{', '.join(st['actors'])}"
+        )
+    return 0
+
+
+def _pid_alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return True
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="geopipe",
@@ -179,6 +270,21 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("--json", action="store_true")
     sm.add_argument("--trace", metavar="FILE")
     sm.set_defaults(func=cmd_simulate)
+
+    la = sub.add_parser("launch", help="train on the cluster the YAML describes")
+    la.add_argument("cluster")
+    la.add_argument("--steps", type=int, default=None, help="total optimizer steps of the run")
+    la.add_argument("--schedule", choices=("gpipe", "1f1b", "lookahead"), default=None)
+    la.add_argument("--run-dir", default=None, help="where checkpoints, metrics, traces go")
+    la.add_argument("--metrics-out", default=None, metavar="FILE.jsonl")
+    la.add_argument("--trace", default=None, metavar="FILE", help="measured Chrome trace")
+    la.add_argument("--no-progress", action="store_true", help="no progress bar")
+    la.set_defaults(func=cmd_launch)
+
+    st = sub.add_parser("status", help="the running (or last) job: stages, sites, step")
+    st.add_argument("run_dir", nargs="?", default=None)
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(func=cmd_status)
     return p
 
 

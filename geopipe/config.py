@@ -92,6 +92,7 @@ class SiteSpec(_Spec):
     device_memory_gb: float = Field(gt=0)
     device_tflops: float = Field(gt=0, description="peak dense TFLOP/s of one device")
     device_efficiency: float = Field(0.4, gt=0, le=1, description="achieved fraction of peak")
+    backward_forward_ratio: float = Field(2.0, gt=0, description="backward time / forward time")
     device_mem_bw_gb_per_s: float = Field(1000.0, gt=0, description="device memory bandwidth")
     intra_bandwidth_gbps: float = Field(100.0, gt=0)
     intra_latency_ms: float = Field(0.01, ge=0)
@@ -171,6 +172,9 @@ class GASpec(_Spec):
 
 class PlanSpec(_Spec):
     schedule: Literal["gpipe", "1f1b", "lookahead"] = "lookahead"
+    calibrate: bool | None = Field(
+        None, description="time the model on this machine before planning (default: local)"
+    )
     micro_batch_size: Choice = Range(min=1, max=64)
     seq_len: Choice | None = Field(None, description="default: model.max_seq_len")
     delta_n: Choice = Range(min=0, max=64)

@@ -223,7 +223,7 @@ class Evaluator:
             site = spec.site(plan.stage_sites[k])
             f = sum(flops[a:z]) * b * s / site.flops_per_s
             fwd.append(f)
-            bwd.append(2.0 * f)
+            bwd.append(site.backward_forward_ratio * f)
             params = sum(counts[a:z])
             t = params / d * _ADAM_BYTES_PER_PARAM / (site.device_mem_bw_gb_per_s * 1e9)
             if d > 1:  # ZeRO-1: reduce-scatter gradients, all-gather updated weights

@@ -1,0 +1,126 @@
+"""Ray as the user's cluster: start an embedded one or attach, and check it has the sites.
+
+A site is a Ray custom resource ``site:<name>`` counting its devices. ``ray.address:
+local`` starts an embedded Ray with one such resource per site, so one machine emulates
+several data centres; ``auto`` or ``host:port`` attaches to a cluster whose nodes were
+started with ``ray start --resources='{"site:<name>": <devices>}'``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+from geopipe.config import ClusterSpec
+from geopipe.plan import Plan
+
+__all__ = ["ClusterInfo", "LaunchError", "check_sites", "connect", "site_resource"]
+
+
+class LaunchError(RuntimeError):
+    """The cluster cannot run this plan; the message says precisely why."""
+
+
+@dataclass(frozen=True)
+class ClusterInfo:
+    address: str
+    dashboard_url: str | None
+    started_here: bool  # we started an embedded Ray and must stop it
+
+
+def site_resource(site: str) -> str:
+    return f"site:{site}"
+
+
+def _port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def auth_env(spec: ClusterSpec) -> None:
+    """Ray's token authentication: on unless the YAML says ``ray.auth: disabled``.
+
+    RAY_AUTH_MODE must be the same for cluster, driver and workers, and Ray reads it when
+    it is imported: call this before the first ``import ray``. An explicit value in the
+    environment wins (the user's cluster may have been started with it).
+    """
+    os.environ.setdefault("RAY_AUTH_MODE", "token" if spec.ray.auth == "token" else "disabled")
+
+
+def connect(spec: ClusterSpec, log_to_driver: bool = False) -> ClusterInfo:
+    """Start the embedded Ray (``local``) or attach to an existing one."""
+    import ray
+
+    auth_env(spec)
+    r = spec.ray
+    if ray.is_initialized():
+        return ClusterInfo(r.address, None, False)
+    if r.address == "local":
+        if r.dashboard and _port_in_use(r.dashboard_port):
+            raise LaunchError(
+                f"ray.dashboard_port {r.dashboard_port} on 127.0.0.1 is already in use "
+                "(another Ray or geopipe run?); stop it or set ray.dashboard_port to a free port"
+            )
+        resources = {site_resource(s.name): float(s.devices) for s in spec.sites}
+        ctx = ray.init(
+            address="local",
+            namespace=r.namespace,
+            resources=resources,
+            include_dashboard=r.dashboard,
+            dashboard_host="127.0.0.1",
+            dashboard_port=r.dashboard_port,
+            log_to_driver=log_to_driver,
+            configure_logging=True,
+            logging_level="WARNING",
+        )
+        url = f"http://{ctx.dashboard_url}" if r.dashboard and ctx.dashboard_url else None
+        return ClusterInfo(ctx.address_info.get("address", "local"), url, True)
+    try:
+        ctx = ray.init(
+            address=r.address, namespace=r.namespace, log_to_driver=log_to_driver,
+            logging_level="WARNING",
+        )  # fmt: skip
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        raise LaunchError(
+            f"cannot attach to the Ray cluster at ray.address={r.address!r}: {exc}. "
+            "Start it with `ray start --head --resources='{\"site:<name>\": <devices>}'`, "
+            "or use address: local for an embedded cluster"
+        ) from None
+    url = f"http://{ctx.dashboard_url}" if ctx.dashboard_url else None
+    return ClusterInfo(r.address, url, False)
+
+
+def check_sites(spec: ClusterSpec, plan: Plan, available: dict[str, float]) -> None:
+    """Raise :class:`LaunchError` naming every site that lacks devices for ``plan``."""
+    need: dict[str, int] = {}
+    for site in plan.stage_sites:
+        need[site] = need.get(site, 0) + plan.pipelines
+    missing = []
+    for site, n in need.items():
+        have = int(available.get(site_resource(site), 0))
+        if have < n:
+            stages = n // plan.pipelines
+            missing.append(
+                f"site '{site}' needs {n} devices ({stages} stage(s) × {plan.pipelines} "
+                f"replicas) but the cluster offers {have} (resource {site_resource(site)})"
+            )
+    if missing:
+        hint = (
+            "; start its nodes with `ray start --resources='{\"site:<name>\": <devices>}'`"
+            if spec.ray.address != "local"
+            else ""
+        )
+        raise LaunchError("; ".join(missing) + hint)
+
+
+def shutdown(info: ClusterInfo | None) -> None:
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()

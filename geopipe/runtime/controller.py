@@ -1,0 +1,357 @@
+"""The controller: plan, place the stage actors, train, and shut down cleanly.
+
+An explicit state machine (PLANNING → LAUNCHING → RUNNING → FINISHED | FAILED); each step
+of RUNNING is one optimizer step on every stage replica. Whatever happens — an error,
+Ctrl-C — ``close()`` stops the actors and, when this process started the embedded Ray,
+Ray itself, so no processes are left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from geopipe.config import ClusterSpec
+from geopipe.optimizer.evaluate import Evaluation
+from geopipe.plan import Plan
+from geopipe.runtime.cluster import (
+    ClusterInfo,
+    LaunchError,
+    auth_env,
+    check_sites,
+    connect,
+    site_resource,
+)
+from geopipe.runtime.metrics import MetricsSink, StepMetrics, aggregate, measured_events
+from geopipe.runtime.stage import StageSpec, StageWorker, WanPeer
+from geopipe.transport.link import LinkParams
+
+__all__ = ["Controller", "LaunchOptions", "RunResult", "State"]
+
+
+class State(enum.Enum):
+    PLANNING = "planning"
+    LAUNCHING = "launching"
+    RUNNING = "running"
+    FINISHED = "finished"
+    FAILED = "failed"
+
+
+@dataclass
+class LaunchOptions:
+    steps: int | None = None
+    schedule: str | None = None
+    run_dir: str | None = None
+    metrics_out: str | None = None
+    trace: str | None = None
+    progress: bool = True
+    plan: Plan | None = None  # run this plan instead of searching one
+
+
+@dataclass
+class RunResult:
+    plan: Plan
+    predicted: Evaluation
+    steps: list[StepMetrics] = field(default_factory=list)
+    run_dir: Path | None = None
+    dashboard_url: str | None = None
+    actor_names: list[str] = field(default_factory=list)
+
+
+def run_dir_for(spec: ClusterSpec, override: str | None) -> Path:
+    return Path(override or spec.training.run_dir or os.path.join("runs", spec.name))
+
+
+class Controller:
+    """Owns one training run on one Ray cluster."""
+
+    def __init__(self, spec: ClusterSpec, options: LaunchOptions | None = None) -> None:
+        opts = options or LaunchOptions()
+        updates: dict[str, Any] = {}
+        if opts.steps is not None:
+            updates["training"] = spec.training.model_copy(update={"steps": opts.steps})
+        if opts.schedule is not None:
+            updates["plan"] = spec.plan.model_copy(update={"schedule": opts.schedule})
+        self.spec = spec.model_copy(update=updates) if updates else spec
+        auth_env(self.spec)  # before anything imports ray: it reads RAY_AUTH_MODE at import
+        self.opts = opts
+        self.state = State.PLANNING
+        self.run_dir = run_dir_for(self.spec, opts.run_dir)
+        self.cluster: ClusterInfo | None = None
+        self.actors: list[list[Any]] = []  # [stage][replica]
+        self.names: list[str] = []
+        self.plan: Plan | None = None
+        self.predicted: Evaluation | None = None
+        self.sink: MetricsSink | None = None
+
+    # -- PLANNING ------------------------------------------------------------------------------
+    def make_plan(self) -> tuple[Plan, Evaluation]:
+        from geopipe.optimizer.evaluate import Candidate, Evaluator
+        from geopipe.optimizer.planner import plan_cluster
+        from geopipe.runtime.calibrate import calibrate, should_calibrate
+
+        spec = self.spec
+        if should_calibrate(spec):
+            ref = self.opts.plan
+            b = ref.micro_batch_size if ref else max(1, _first(spec.plan.micro_batch_size))
+            s = ref.seq_len if ref else _first(spec.plan.seq_len, spec.model.max_seq_len)
+            spec = self.spec = calibrate(spec, b, s)
+        if self.opts.plan is not None:
+            plan = self.opts.plan
+            ev = Evaluator(spec, schedule=plan.schedule)
+            wan = plan.wan_boundaries
+            cand = Candidate(
+                plan.pipelines, plan.micro_batch_size, plan.seq_len,
+                tuple(plan.delta_n[j] for j in wan), tuple(plan.codecs[j] for j in wan),
+                plan.schedule,
+            )  # fmt: skip
+            return plan, ev.evaluate(cand)
+        report = plan_cluster(spec)
+        if not report.best.feasible:
+            raise LaunchError(f"no feasible plan for {spec.name}: {report.best.reason}")
+        return report.best.plan, report.best
+
+    # -- LAUNCHING -----------------------------------------------------------------------------
+    def launch(self) -> None:
+        import ray
+
+        self.plan, self.predicted = self.make_plan()
+        self.state = State.LAUNCHING
+        self.cluster = connect(self.spec)
+        check_sites(self.spec, self.plan, ray.cluster_resources())
+        plan, spec = self.plan, self.spec
+        use_gpu = ray.cluster_resources().get("GPU", 0) >= plan.pipelines * plan.num_stages
+        cls = ray.remote(max_concurrency=8)(StageWorker)
+        m = spec.model
+        model = {
+            "n_layer": m.n_layer, "n_embd": m.n_embd, "n_head": m.n_head,
+            "vocab_size": m.vocab_size, "block_size": m.max_seq_len,
+        }  # fmt: skip
+        t = spec.training
+        engine = {
+            "lr": t.lr, "weight_decay": t.weight_decay, "grad_clip": t.grad_clip,
+            "warmup_steps": t.warmup_steps, "total_steps": t.steps,
+            "micro_batches": plan.num_microbatches, "seed": t.seed,
+            "micro_batch_size": plan.micro_batch_size,
+        }  # fmt: skip
+        self.actors = []
+        for k in range(plan.num_stages):
+            row = []
+            for r in range(plan.pipelines):
+                name = plan.actor_name(spec.name, k, r)
+                self.names.append(name)
+                sspec = StageSpec(
+                    run=spec.name, stage=k, replica=r, plan=plan.to_dict(), model=model,
+                    engine=engine, global_batch=t.global_batch_size, seed=t.seed, data=t.data,
+                    data_max_bytes=t.data_max_bytes, topk_ratio=spec.plan.topk_ratio,
+                    up_wan=self._wan_peer(k, k - 1) if k > 0 else None,
+                    down_wan=self._wan_peer(k, k + 1) if k < plan.num_stages - 1 else None,
+                )  # fmt: skip
+                opts: dict[str, Any] = {
+                    "name": name,
+                    "namespace": spec.ray.namespace,
+                    "resources": {site_resource(plan.stage_sites[k]): 1},
+                    "num_cpus": 0,
+                    "num_gpus": 1 if use_gpu else 0,
+                    "runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1"}},
+                }
+                row.append(cls.options(**opts).remote(sspec))
+            self.actors.append(row)
+        self._wire()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        metrics = Path(self.opts.metrics_out) if self.opts.metrics_out else None
+        self.sink = MetricsSink(metrics or self.run_dir / "metrics.jsonl", spec.name)
+        self.sink.event("plan", plan=plan.to_dict(), predicted=self.predicted.summary())
+
+    def _wan_peer(self, src: int, dst: int) -> WanPeer | None:
+        """How stage ``src`` sends to its neighbour ``dst`` if that hop crosses sites."""
+        plan = self.plan
+        a, b = plan.stage_sites[src], plan.stage_sites[dst]
+        if a == b:
+            return None
+        return WanPeer(codec=plan.codecs[min(src, dst)], link=self._link_params(a, b))
+
+    def _link_params(self, src: str, dst: str) -> LinkParams | None:
+        """The emulated link ``src -> dst``; each of the D pipelines gets 1/D of its bandwidth
+        (the planner's assumption), so the D senders need no shared token bucket."""
+        if not self.spec.ray.links_emulated:
+            return None
+        lk = self.spec.link(src, dst)
+        return LinkParams(
+            bandwidth_bps=lk.bandwidth_bps / self.plan.pipelines,
+            latency_s=lk.latency_s,
+            loss=lk.loss,
+            seed=self.spec.training.seed,
+        )
+
+    def _wire(self) -> None:
+        """Rendezvous each site's process group, then build engines and channels."""
+        import ray
+
+        plan = self.plan
+        sites = list(dict.fromkeys(plan.stage_sites))
+        calls = []
+        for site in sites:
+            stages = [k for k in range(plan.num_stages) if plan.stage_sites[k] == site]
+            d = plan.pipelines
+            world = d * len(stages)
+            rank = {(k, r): li * d + r for li, k in enumerate(stages) for r in range(d)}
+            groups = [[li * d + r for r in range(d)] for li in range(len(stages))]
+            master = ray.get(self.actors[stages[0]][0].endpoint.remote())
+            for li, k in enumerate(stages):
+                for r in range(d):
+                    up_rank = rank.get((k - 1, r))
+                    down_rank = rank.get((k + 1, r))
+                    up_actor = self.actors[k - 1][r] if k > 0 and up_rank is None else None
+                    down_actor = (
+                        self.actors[k + 1][r]
+                        if k < plan.num_stages - 1 and down_rank is None
+                        else None
+                    )
+                    calls.append(
+                        self.actors[k][r].setup.remote(
+                            master, rank[(k, r)], world, groups, li, up_rank, down_rank,
+                            up_actor, down_actor,
+                        )
+                    )  # fmt: skip
+        ray.get(calls)
+
+    # -- RUNNING -------------------------------------------------------------------------------
+    def train(self) -> RunResult:
+        import ray
+
+        plan, spec = self.plan, self.spec
+        self.state = State.RUNNING
+        result = RunResult(plan, self.predicted, run_dir=self.run_dir,
+                           dashboard_url=self.cluster.dashboard_url if self.cluster else None,
+                           actor_names=list(self.names))  # fmt: skip
+        tokens = spec.training.global_batch_size * plan.seq_len
+        flat = [a for row in self.actors for a in row]
+        progress = _Progress(spec.training.steps, self.opts.progress)
+        last_results: list[dict] = []
+        try:
+            for step in range(spec.training.steps):
+                record = bool(self.opts.trace) and step == spec.training.steps - 1
+                results = ray.get([a.run_iteration.remote(step, record) for a in flat])
+                m = aggregate(results, plan.num_stages, tokens)
+                result.steps.append(m)
+                self.sink.write(m, {"predicted_iteration_time_s": self.predicted.iteration_time_s})
+                self._write_status(step + 1)
+                progress.update(m)
+                last_results = results
+        finally:
+            progress.close()
+        if self.opts.trace and last_results:
+            from geopipe.timeline import write_chrome_trace
+
+            write_chrome_trace(
+                self.opts.trace, measured_events(last_results), process=f"{spec.name} (measured)"
+            )
+        self.state = State.FINISHED
+        return result
+
+    def _write_status(self, step: int) -> None:
+        plan = self.plan
+        status = {
+            "run": self.spec.name,
+            "pid": os.getpid(),
+            "state": self.state.value,
+            "step": step,
+            "steps": self.spec.training.steps,
+            "dashboard_url": self.cluster.dashboard_url if self.cluster else None,
+            "ray_address": self.cluster.address if self.cluster else None,
+            "plan": plan.to_dict(),
+            "stages": [
+                {
+                    "stage": k,
+                    "site": plan.stage_sites[k],
+                    "layers": list(plan.partition[k]),
+                    "actors": [
+                        plan.actor_name(self.spec.name, k, r) for r in range(plan.pipelines)
+                    ],
+                }
+                for k in range(plan.num_stages)
+            ],
+            "updated": time.time(),
+        }
+        tmp = self.run_dir / "status.json.tmp"
+        tmp.write_text(json.dumps(status, indent=1))
+        tmp.replace(self.run_dir / "status.json")
+
+    # -- shutdown -------------------------------------------------------------------------------
+    def close(self) -> None:
+        import ray
+
+        if self.state not in (State.FINISHED,):
+            self.state = State.FAILED if self.state != State.PLANNING else self.state
+        if self.run_dir.exists() and self.plan is not None:
+            with contextlib.suppress(OSError):
+                self._write_status_final()
+        if ray.is_initialized():
+            for row in self.actors:
+                for a in row:
+                    with contextlib.suppress(Exception):
+                        ray.kill(a)
+            self.actors = []
+            if self.cluster is not None and self.cluster.started_here:
+                ray.shutdown()
+        if self.sink is not None:
+            self.sink.close()
+
+    def _write_status_final(self) -> None:
+        path = self.run_dir / "status.json"
+        if path.exists():
+            data = json.loads(path.read_text())
+            data["state"] = self.state.value
+            data["pid"] = None
+            path.write_text(json.dumps(data, indent=1))
+
+
+def _first(choice: Any, default: int = 1) -> int:
+    from geopipe.config import Range
+
+    if choice is None:
+        return default
+    if isinstance(choice, int):
+        return choice
+    if isinstance(choice, list):
+        return choice[0]
+    if isinstance(choice, Range):
+        return max(1, choice.min)
+    return default
+
+
+class _Progress:
+    """A rich progress bar with step, loss, tokens/s and bubble ratio."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self._p = None
+        if not enabled:
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+        self._p = Progress(
+            TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
+            TextColumn("{task.fields[info]}"),
+        )  # fmt: skip
+        self._p.start()
+        self._task = self._p.add_task("train", total=total, info="")
+
+    def update(self, m: StepMetrics) -> None:
+        if self._p is None:
+            return
+        info = (
+            f"loss {m.loss:.4f}  {m.tokens_per_s:,.0f} tok/s  bubble {m.bubble_ratio:.1%}  "
+            f"{m.iteration_time_s * 1e3:.0f} ms/step"
+        )
+        self._p.update(self._task, advance=1, info=info)
+
+    def close(self) -> None:
+        if self._p is not None:
+            self._p.stop()

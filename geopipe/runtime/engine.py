@@ -1,0 +1,458 @@
+"""One pipeline-stage replica's DeepSpeed ZeRO-1 engine, with no Ray in it.
+
+Inside a site the replicas of one pipeline stage form a ZeRO-1 data-parallel group: each keeps
+the whole stage in memory, holds 1/R of the Adam state, and averages gradients with its peers
+at the accumulation boundary. :class:`StageEngine` owns that engine for one replica; the
+caller (the Ray actor, or a test) moves activations and gradients between stages and decides
+the micro-batch order (1F1B or any other).
+
+The numbers are checked against a single-process torch reference (``tests/test_engine.py``).
+Each DeepSpeed trap avoided here is commented where it is avoided: silent config defaults
+(clipping at 1.0, AdamW for "Adam"), the shared-memory op build, the surrogate backward,
+the lazily created Adam state, stale gradients after an aborted step.
+
+[Note: loss scaling]
+    With ``M`` micro-batches per replica and ``R`` replicas in the stage's group, the
+    gradient every stage applies must be that of the mean loss over the ``M * R`` micro-batches
+    of the global batch (each micro-batch loss is itself a mean over its tokens).
+
+    * The last stage calls ``engine.backward(loss)``, which divides by
+      ``gradient_accumulation_steps == M``. The gradient it sends upstream therefore already
+      carries the factor ``1/M``.
+    * Non-last stages back-propagate the received gradient with
+      ``engine.backward((out * grad_out).sum(), scale_wrt_gas=False)``: dividing again would
+      give ``1/M**2``.
+    * At the boundary DeepSpeed all-reduces gradients inside the stage's ZeRO-1 group and
+      divides by ``R``: mean over micro-batches times mean over replicas = mean over the
+      global batch (replicas run equal micro-batch counts of equal size).
+
+    ``out.backward(grad_out)`` would scale correctly too, but it bypasses DeepSpeed's backward
+    bookkeeping and fails at the boundary in 1F1B order (``KeyError`` in
+    ``scaled_global_norm``), hence the scalar surrogate.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from functools import partial
+from typing import Any, Literal
+
+import deepspeed
+import deepspeed.comm
+import torch
+import torch.distributed as dist
+from deepspeed.utils import (
+    safe_get_full_fp32_param,
+    safe_get_full_optimizer_state,
+    safe_set_full_fp32_param,
+    safe_set_full_optimizer_state,
+)
+from torch import Tensor, nn
+from torch.optim.lr_scheduler import LambdaLR
+
+from geopipe.model.gpt import GPTConfig, GPTStage, lm_loss
+
+__all__ = [
+    "EngineConfig",
+    "StageEngine",
+    "destroy_process_group",
+    "init_process_group",
+    "lr_factor",
+    "param_groups",
+]
+
+_ADAM_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Optimizer and accumulation settings of one stage replica.
+
+    ``micro_batches`` is the number of micro-batches this replica runs per optimizer step
+    (DeepSpeed's ``gradient_accumulation_steps``); ``micro_batch_size`` only feeds DeepSpeed's
+    batch bookkeeping (``train_batch_size``), never the numbers. ``grad_clip`` 0 disables
+    clipping; otherwise it clips the global norm of *this stage's* gradient (see
+    :class:`StageEngine`). ``weight_decay`` > 0 selects AdamW (decaying only >= 2-D weights).
+    """
+
+    lr: float
+    weight_decay: float = 0.0
+    grad_clip: float = 0.0
+    warmup_steps: int = 0
+    total_steps: int = 1
+    micro_batches: int = 1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    seed: int = 0
+    lr_schedule: Literal["cosine", "constant"] = "cosine"
+    micro_batch_size: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"EngineConfig.lr must be > 0, got {self.lr}")
+        for name in ("weight_decay", "grad_clip", "warmup_steps", "seed"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"EngineConfig.{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("total_steps", "micro_batches", "micro_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"EngineConfig.betas must be two values in [0, 1), got {self.betas}")
+        if not self.eps > 0:
+            raise ValueError(f"EngineConfig.eps must be > 0, got {self.eps}")
+        if self.lr_schedule not in ("cosine", "constant"):
+            raise ValueError(
+                f"EngineConfig.lr_schedule must be 'cosine' or 'constant', got {self.lr_schedule!r}"
+            )
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str = "cosine") -> float:
+    """Multiplier of the base LR for optimizer step ``step`` (0-based).
+
+    Linear warmup ``(step + 1) / warmup_steps`` (so step 0 already moves the weights), then
+    constant, or a half cosine from 1 that would reach 0 at ``total_steps``; it stays > 0 on
+    every step before ``total_steps`` and is held at 0 after it.
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def param_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Optimizer groups: decay >= 2-D weights (matrices, embeddings), never biases or norms.
+
+    Empty groups are dropped (an embedding-only stage has no 1-D parameters); the reference
+    in ``tests/test_engine.py`` builds the same two groups.
+    """
+    params = [p for p in module.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return [g for g in groups if g["params"]]
+
+
+def _skip_shm_op_build() -> None:
+    """Stop DeepSpeed compiling its shared-memory all-reduce op (~45 s) on CPU.
+
+    The attribute must be replaced on the module object in ``sys.modules``:
+    ``import deepspeed.comm.torch as m`` resolves to the ``torch`` package re-exported by
+    ``deepspeed.comm`` and silently patches nothing.
+    """
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+
+
+def init_process_group(
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+    timeout_s: float,
+    *,
+    local_rank: int = 0,
+) -> None:
+    """Join the default process group and make ``deepspeed.comm`` adopt it.
+
+    Gloo on CPU, NCCL when CUDA is available. The environment variables DeepSpeed reads are
+    set too (``local_rank`` defaults to 0 because a Ray actor sees only its own device).
+    ``timeout_s`` bounds every collective: a hung peer surfaces as an error after it, so choose
+    it from the measured step time. Call again after :func:`destroy_process_group` to re-form
+    a group with new ranks and a new port.
+    """
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(local_rank),
+        MASTER_ADDR=master_addr,
+        MASTER_PORT=str(master_port),
+    )
+    timeout = timedelta(seconds=timeout_s)
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{master_addr}:{master_port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+    )
+    _skip_shm_op_build()
+    deepspeed.comm.init_distributed(dist_backend=backend, timeout=timeout)
+
+
+def destroy_process_group() -> None:
+    """Tear down the default group and every subgroup, and DeepSpeed's cached group handles."""
+    if dist.is_initialized():
+        deepspeed.comm.destroy_process_group()
+
+
+class _StageMPU:
+    """The ``mpu`` DeepSpeed asks for: data parallel = this stage's replica group.
+
+    "Model parallel" is a single-rank group: pipeline stages are not DeepSpeed's business (the
+    caller moves activations), so gradient norms and reductions stay inside the stage.
+    """
+
+    def __init__(self, dp_group: Any, dp_ranks: list[int], mp_group: Any) -> None:
+        self._dp_group, self._dp_ranks, self._mp_group = dp_group, dp_ranks, mp_group
+
+    def get_data_parallel_group(self) -> Any:
+        return self._dp_group
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return list(self._dp_ranks)
+
+    def get_data_parallel_rank(self) -> int:
+        return dist.get_rank(self._dp_group)
+
+    def get_data_parallel_world_size(self) -> int:
+        return dist.get_world_size(self._dp_group)
+
+    def get_model_parallel_group(self) -> Any:
+        return self._mp_group
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+
+def _adam_partition_states(zero_optimizer: Any) -> list[dict[str, Tensor]]:
+    """The inner Adam's state of each flat fp32 partition, created if still lazy, and linked.
+
+    Private DeepSpeed internals (ZeRO stage 1/2 optimizer of 0.19.x), kept to this function:
+    torch Adam creates its state at the first ``step()``, and only then does DeepSpeed link
+    each parameter's ``_hp_mapping`` to slices of it, so ``safe_{get,set}_full_optimizer_state``
+    fail on a fresh engine (``NoneType is not iterable``). Creating the same zero state Adam
+    would create (step 0) and re-linking makes them work; Adam then finds the state non-empty
+    and updates it in place, which keeps the links valid.
+    """
+    inner = zero_optimizer.optimizer
+    states = []
+    for flat in zero_optimizer.single_partition_of_fp32_groups:
+        state = inner.state[flat]
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            for key in _ADAM_KEYS:
+                state[key] = torch.zeros_like(flat, memory_format=torch.preserve_format)
+        states.append(state)
+    zero_optimizer._hp_optimizer_states_linked = False
+    zero_optimizer._lazy_init_hp_params_optimizer_state()
+    return states
+
+
+class StageEngine:
+    """Global layers ``layers = (start, end)`` of a GPT, trained by a DeepSpeed ZeRO-1 engine.
+
+    ``group_ranks`` lists the replica groups of *all* stages in the world; every rank must
+    build the same list because ``new_group`` is collective over the whole world, and it
+    creates them in that order followed by one single-rank group per rank. ``my_group`` indexes
+    this rank's group. DeepSpeed keeps its groups module-global: one engine per process.
+
+    Micro-batches are keyed by the caller's index ``mb``: ``forward`` stores the stage's input
+    and output; ``backward_last`` / ``backward`` consume the output; ``input_grad`` returns
+    the gradient to send upstream and frees the input. DeepSpeed steps the optimizer only at
+    the accumulation boundary (every ``micro_batches``-th backward), and clips (if asked) the
+    norm of this stage's gradient only; a whole-model clip would need an all-reduce of squared
+    norms across stages.
+    """
+
+    def __init__(
+        self,
+        model_cfg: GPTConfig,
+        layers: tuple[int, int],
+        group_ranks: list[list[int]],
+        my_group: int,
+        cfg: EngineConfig,
+    ) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("call init_process_group() before building a StageEngine")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        flat = sorted(r for ranks in group_ranks for r in ranks)
+        if flat != list(range(world)):
+            raise ValueError(
+                f"group_ranks {group_ranks} must partition the world's ranks 0..{world - 1}"
+            )
+        if not 0 <= my_group < len(group_ranks) or rank not in group_ranks[my_group]:
+            raise ValueError(f"rank {rank} is not in group_ranks[{my_group}] of {group_ranks}")
+        self.cfg = cfg
+        self.module = GPTStage(model_cfg, layers[0], layers[1], seed=cfg.seed)
+
+        # Collective over the whole world: same groups, same order on every rank.
+        dp_groups = [dist.new_group(ranks) for ranks in group_ranks]
+        mp_groups = [dist.new_group([r]) for r in range(world)]
+        dp_ranks = group_ranks[my_group]
+        mpu = _StageMPU(dp_groups[my_group], dp_ranks, mp_groups[rank])
+
+        ds_config = {
+            "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+            "gradient_accumulation_steps": cfg.micro_batches,
+            "train_batch_size": cfg.micro_batch_size * cfg.micro_batches * len(dp_ranks),
+            # DeepSpeed's default is 1.0, which clips silently.
+            "gradient_clipping": cfg.grad_clip,
+            "optimizer": {
+                "type": "Adam",
+                "params": {
+                    "lr": cfg.lr,
+                    "betas": list(cfg.betas),
+                    "eps": cfg.eps,
+                    "weight_decay": cfg.weight_decay,
+                    # torch's Adam, not DeepSpeed's C++ one (a minute of compiling);
+                    # adam_w_mode defaults to True, i.e. AdamW, even for "type": "Adam".
+                    "torch_adam": True,
+                    "adam_w_mode": cfg.weight_decay > 0,
+                },
+            },
+            "zero_optimization": {"stage": 1},
+            "steps_per_print": 2**31 - 1,
+        }
+        # The LR schedule is a plain torch LambdaLR, built by DeepSpeed on its torch optimizer
+        # (so it scales the groups ZeRO steps with) and stepped once per optimizer step:
+        # step k uses lr * lr_factor(k).
+        self._lr_lambda = partial(
+            lr_factor,
+            warmup_steps=cfg.warmup_steps,
+            total_steps=cfg.total_steps,
+            schedule=cfg.lr_schedule,
+        )
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=self.module,
+            model_parameters=param_groups(self.module, cfg.weight_decay),
+            config=ds_config,
+            mpu=mpu,
+            lr_scheduler=lambda opt: LambdaLR(opt, self._lr_lambda),
+        )
+        self.device = self.engine.device
+        self._step_base = 0
+        self._inputs: dict[int, Tensor] = {}
+        self._outputs: dict[int, Tensor] = {}
+
+    @property
+    def step_count(self) -> int:
+        """Optimizer steps taken, counting those restored by :meth:`load_full_state`."""
+        return self._step_base + self.engine.global_steps
+
+    def forward(self, mb: int, x: Tensor) -> Tensor:
+        """Run micro-batch ``mb`` forward and keep its graph; returns the output, detached.
+
+        The first stage takes token ids (B, T); later stages a hidden state (B, T, C), made a
+        leaf that requires grad so :meth:`input_grad` can hand its gradient upstream.
+        """
+        if mb in self._inputs:
+            raise ValueError(f"micro-batch {mb} is already in flight on this stage")
+        x = x.to(self.device)
+        if not self.module.has_embed:
+            x = x.detach().requires_grad_(True)
+        out = self.engine(x)
+        self._inputs[mb], self._outputs[mb] = x, out
+        return out.detach()
+
+    def _pop_output(self, mb: int) -> Tensor:
+        if mb not in self._outputs:
+            raise KeyError(f"micro-batch {mb} has no pending forward on this stage")
+        return self._outputs.pop(mb)
+
+    def backward_last(self, mb: int, targets: Tensor) -> float:
+        """Last stage: back-propagate ``lm_loss`` of micro-batch ``mb``; returns the loss.
+
+        ``engine.backward`` divides by ``micro_batches`` (see [Note: loss scaling]); the
+        returned value is the unscaled micro-batch loss.
+        """
+        if not self.module.has_head:
+            raise RuntimeError("backward_last() is only for the stage holding the head")
+        loss = lm_loss(self._pop_output(mb), targets.to(self.device))
+        self.engine.backward(loss)
+        self.engine.step()
+        return loss.item()
+
+    def backward(self, mb: int, grad_out: Tensor) -> None:
+        """Non-last stage: back-propagate the gradient received for micro-batch ``mb``.
+
+        ``scale_wrt_gas=False``: ``grad_out`` already carries 1/micro_batches ([Note: loss
+        scaling]).
+        """
+        if self.module.has_head:
+            raise RuntimeError("the last stage computes its own loss: use backward_last()")
+        out = self._pop_output(mb)
+        surrogate = (out * grad_out.to(device=out.device, dtype=out.dtype)).sum()
+        self.engine.backward(surrogate, scale_wrt_gas=False)
+        self.engine.step()
+
+    def input_grad(self, mb: int) -> Tensor | None:
+        """Gradient w.r.t. micro-batch ``mb``'s input (None on the first stage); frees ``mb``."""
+        if mb in self._outputs:
+            raise RuntimeError(f"micro-batch {mb} has not been back-propagated yet")
+        x = self._inputs.pop(mb)
+        return None if self.module.has_embed else x.grad
+
+    def full_state(self) -> dict[str, Any]:
+        """Unsharded fp32 parameters and Adam state, keyed by partition-independent names.
+
+        COLLECTIVE inside the stage's ZeRO-1 group: every replica must call it (each gets the
+        whole state). On an engine that has not stepped yet the moments are zeros, step 0.
+        """
+        states = _adam_partition_states(self.engine.optimizer)
+        out: dict[str, Any] = {"params": {}, **{key: {} for key in _ADAM_KEYS}}
+        for name, p in self.module.named_parameters():
+            out["params"][name] = safe_get_full_fp32_param(p).detach().cpu().clone()
+            for key in _ADAM_KEYS:
+                out[key][name] = safe_get_full_optimizer_state(p, key).detach().cpu().clone()
+        out["step"] = int(states[0]["step"].item())
+        out["lr_step"] = int(self.engine.lr_scheduler.last_epoch)
+        return out
+
+    def load_full_state(self, state: dict[str, Any]) -> None:
+        """Load a :meth:`full_state` (taken with any replica count) into this engine.
+
+        Every replica of the group loads the same full state and keeps its own shard. Names
+        in ``state`` that this stage does not hold are ignored, so a whole-model state can be
+        handed to every stage.
+        """
+        missing = [n for n, _ in self.module.named_parameters() if n not in state["params"]]
+        if missing:
+            raise KeyError(f"state lacks parameters of this stage: {missing}")
+        states = _adam_partition_states(self.engine.optimizer)
+        with torch.no_grad():
+            for name, p in self.module.named_parameters():
+                value = state["params"][name]
+                if value.shape != p.shape:
+                    raise ValueError(f"{name}: state shape {tuple(value.shape)} != {p.shape}")
+                safe_set_full_fp32_param(p, value.to(self.device, torch.float32))
+                # ZeRO-1 keeps a full working copy of the stage on every replica; the fp32
+                # master shard above does not write back to it until the next step.
+                p.copy_(value)
+                for key in _ADAM_KEYS:
+                    safe_set_full_optimizer_state(
+                        p, state[key][name].to(self.device, torch.float32), key
+                    )
+        for partition_state in states:
+            partition_state["step"].fill_(float(state["step"]))
+        self._set_lr_step(int(state["lr_step"]))
+        self._step_base = int(state["step"]) - self.engine.global_steps
+
+    def _set_lr_step(self, lr_step: int) -> None:
+        """Put the LambdaLR at ``lr_step`` and apply that step's LR to the optimizer groups."""
+        sched = self.engine.lr_scheduler
+        lrs = [base * self._lr_lambda(lr_step) for base in sched.base_lrs]
+        sched.load_state_dict({**sched.state_dict(), "last_epoch": lr_step, "_last_lr": lrs})
+        for group, lr in zip(sched.optimizer.param_groups, lrs, strict=True):
+            group["lr"] = lr
+
+    def destroy(self) -> None:
+        """Release the engine (hooks, hp links) and drop gradients and in-flight micro-batches.
+
+        The process group stays; call :func:`destroy_process_group` to re-form it. Stale
+        ``.grad`` of an aborted step would otherwise leak into the next engine on this module.
+        """
+        self.engine.destroy()
+        for p in self.module.parameters():
+            p.grad = None
+        self._inputs.clear()
+        self._outputs.clear()

@@ -1,0 +1,140 @@
+"""Per-step metrics: a JSONL file, Ray metrics for the dashboard, and measured timelines.
+
+The figures come from the stage actors' own clocks: busy time (forward + backward,
+including the optimizer step the last backward triggers) and the iteration's duration. The
+bubble ratio uses the planner's definition, ``1 − Σ_stages busy / (p × iteration)``, with
+each stage's busy time averaged over its replicas.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["MetricsSink", "StepMetrics", "aggregate", "measured_events"]
+
+
+@dataclass
+class StepMetrics:
+    step: int
+    loss: float
+    iteration_time_s: float
+    tokens: int
+    bubble_ratio: float
+    wan_bytes: int
+    tokens_per_s: float
+
+    def to_json(self) -> dict:
+        return {
+            "step": self.step,
+            "loss": self.loss,
+            "iteration_time_s": self.iteration_time_s,
+            "tokens": self.tokens,
+            "bubble_ratio": self.bubble_ratio,
+            "wan_bytes": self.wan_bytes,
+            "tokens_per_s": self.tokens_per_s,
+        }
+
+
+def aggregate(results: list[dict], num_stages: int, tokens: int) -> StepMetrics:
+    """Combine every replica's ``run_iteration`` result into one step's figures."""
+    step = results[0]["step"]
+    duration = max(r["duration_s"] for r in results)
+    busy: dict[int, list[float]] = {}
+    for r in results:
+        busy.setdefault(r["stage"], []).append(r["busy_s"])
+    total_busy = sum(sum(v) / len(v) for v in busy.values())
+    losses = [x for r in results for x in r["losses"]]
+    loss = sum(losses) / len(losses) if losses else float("nan")
+    bubble = 1.0 - total_busy / (num_stages * duration) if duration > 0 else 0.0
+    return StepMetrics(
+        step=step,
+        loss=loss,
+        iteration_time_s=duration,
+        tokens=tokens,
+        bubble_ratio=bubble,
+        wan_bytes=sum(r["wan_bytes"] for r in results),
+        tokens_per_s=tokens / duration if duration > 0 else 0.0,
+    )
+
+
+@dataclass(frozen=True)
+class _Ev:
+    row: str
+    name: str
+    start: float
+    end: float
+
+
+_NAMES = {
+    "F": "F",
+    "B": "B",
+    "SEND_F": "send",
+    "SEND_B": "send",
+    "RECV_F": "recv",
+    "RECV_B": "recv",
+}
+
+
+def measured_events(results: list[dict]) -> list[_Ev]:
+    """Timeline rows per stage replica: forward, backward, send, and receive waits (idle)."""
+    base = min(r["start"] for r in results)
+    out = []
+    for r in results:
+        row = f"stage {r['stage']}" + (f" r{r['replica']}" if r["replica"] else "")
+        off = r["start"] - base
+        for kind, mb, t0, t1 in r["events"]:
+            name = _NAMES[kind]
+            if name == "recv" and t1 - t0 < 1e-4:
+                continue  # the data was already there: no idle time to show
+            label = f"{name}{mb}" if name in ("F", "B") else f"{name} {kind[-1]}{mb}"
+            out.append(_Ev(row, label, off + t0, off + t1))
+    return out
+
+
+class MetricsSink:
+    """Writes one JSON line per step and mirrors the figures into Ray's metrics."""
+
+    def __init__(self, path: Path | None, run: str, use_ray: bool = True) -> None:
+        self.path = path
+        self.run = run
+        self._fh = None
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._fh = path.open("a", buffering=1)
+        self._gauges: dict[str, Any] = {}
+        if use_ray:
+            try:
+                from ray.util.metrics import Gauge
+
+                for key, desc in (
+                    ("loss", "training loss"),
+                    ("iteration_time_s", "seconds per optimizer step"),
+                    ("tokens_per_s", "training throughput"),
+                    ("bubble_ratio", "1 - busy / (stages × iteration time)"),
+                    ("wan_bytes", "bytes sent over WAN links in the step"),
+                    ("step", "optimizer steps completed"),
+                ):
+                    self._gauges[key] = Gauge(f"geopipe_{key}", description=desc, tag_keys=("run",))
+            except Exception:  # metrics are an extra: never fail a run for them
+                self._gauges = {}
+
+    def write(self, m: StepMetrics, extra: dict | None = None) -> None:
+        rec = {**m.to_json(), **(extra or {})}
+        if self._fh is not None:
+            self._fh.write(json.dumps(rec) + "\n")
+        for key, g in self._gauges.items():
+            with contextlib.suppress(Exception):
+                g.set(float(rec[key]), tags={"run": self.run})
+
+    def event(self, kind: str, **fields: Any) -> None:
+        if self._fh is not None:
+            self._fh.write(json.dumps({"event": kind, **fields}) + "\n")
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None

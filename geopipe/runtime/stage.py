@@ -1,0 +1,295 @@
+"""StageWorker: one pipeline-stage replica as a Ray actor.
+
+Each iteration the worker executes exactly the action list the planner produced for its
+stage (:mod:`geopipe.pipeline.schedule`, the same IR the simulator replays):
+
+* ``F m``: forward micro-batch ``m`` (the first stage reads its tokens from the
+  deterministic stream; the others take the activation that arrived);
+* ``B m``: the last stage back-propagates its loss; the others back-propagate the gradient
+  received from downstream (surrogate backward, see :mod:`geopipe.runtime.engine`);
+* ``SEND_*``: hand the tensor to the channel and go on (transfer overlaps compute);
+* ``RECV_*``: wait for the message, which the transport has been receiving meanwhile.
+
+The replicas of a stage inside one site form its DeepSpeed ZeRO-1 group. Each site has its
+own ``torch.distributed`` world, so gradient reduction cannot cross a WAN link by
+construction; inter-site traffic goes over Ray through coded channels.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from geopipe.model.data import Corpus, TokenStream, global_indices
+from geopipe.model.gpt import GPTConfig, GPTStage
+from geopipe.pipeline.schedule import Kind, make_schedule
+from geopipe.plan import Plan
+from geopipe.transport.channel import Inbox, P2PReceiver, P2PSender, WanSender
+from geopipe.transport.link import LinkParams
+
+__all__ = ["StageSpec", "StageWorker", "WanPeer"]
+
+_F, _B, _SF, _RF, _SB, _RB = (int(k) for k in Kind)
+
+
+@dataclass(frozen=True)
+class WanPeer:
+    """How this replica reaches its neighbour in another site."""
+
+    codec: str
+    link: LinkParams | None  # None: no emulation (the WAN is real)
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """Everything one stage replica needs; plain data so Ray can ship it."""
+
+    run: str
+    stage: int
+    replica: int
+    plan: dict
+    model: dict  # GPTConfig fields
+    engine: dict  # EngineConfig fields
+    global_batch: int
+    seed: int
+    data: str
+    data_max_bytes: int
+    topk_ratio: float = 0.01
+    up_wan: WanPeer | None = None  # set when the upstream neighbour is in another site
+    down_wan: WanPeer | None = None
+    recv_timeout_s: float = 600.0
+    extra: dict = field(default_factory=dict)
+
+
+class StageWorker:
+    """The actor body (wrapped with ``ray.remote`` by the controller)."""
+
+    def __init__(self, spec: StageSpec) -> None:
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
+        self.spec = spec
+        self.plan = Plan.from_dict(spec.plan)
+        k, p = spec.stage, self.plan.num_stages
+        self.k, self.p = k, p
+        self.first, self.last = k == 0, k == p - 1
+        self.model_cfg = GPTConfig(**spec.model)
+        sched = make_schedule(self.plan.schedule, p, self.plan.num_microbatches, self.plan.delta_n)
+        self.program = list(zip(*sched.programs[k], strict=True))
+        self.layers = tuple(self.plan.partition[k])
+        self.stream: TokenStream | None = None
+        if self.first or self.last:
+            self.stream = TokenStream(Corpus(spec.data, max_bytes=spec.data_max_bytes), spec.seed)
+        self.inbox = Inbox()
+        self.engine = None
+        self.up_send: Any = None
+        self.down_send: Any = None
+        self.up_recv: P2PReceiver | None = None
+        self.down_recv: P2PReceiver | None = None
+        self.shape = (self.plan.micro_batch_size, self.plan.seq_len, self.model_cfg.n_embd)
+
+    # -- wiring ------------------------------------------------------------------------------
+    def endpoint(self) -> tuple[str, int]:
+        """An address and a free port, for the site's rendezvous (asked of its rank 0)."""
+        ip = _local_ip()
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return ip, s.getsockname()[1]
+
+    def setup(
+        self,
+        master: tuple[str, int],
+        site_rank: int,
+        site_world: int,
+        groups: list[list[int]],
+        my_group: int,
+        up_rank: int | None,
+        down_rank: int | None,
+        up_actor: Any = None,
+        down_actor: Any = None,
+        timeout_s: float = 600.0,
+    ) -> float:
+        """Join the site's process group, build the ZeRO-1 engine and the channels."""
+        from geopipe.runtime.engine import EngineConfig, StageEngine, init_process_group
+
+        t0 = time.perf_counter()
+        init_process_group(site_rank, site_world, master[0], master[1], timeout_s)
+        self.engine = StageEngine(
+            self.model_cfg, self.layers, groups, my_group, EngineConfig(**self.spec.engine)
+        )
+        s = self.spec
+        if up_rank is not None:
+            self.up_send = P2PSender(up_rank)
+            self.up_recv = P2PReceiver(up_rank, self.inbox)
+        elif up_actor is not None:
+            self.up_send = WanSender(
+                _poster(up_actor), s.up_wan.codec, "backward", s.up_wan.link, s.topk_ratio
+            )
+        if down_rank is not None:
+            self.down_send = P2PSender(down_rank)
+            self.down_recv = P2PReceiver(down_rank, self.inbox)
+        elif down_actor is not None:
+            self.down_send = WanSender(
+                _poster(down_actor), s.down_wan.codec, "forward", s.down_wan.link, s.topk_ratio
+            )
+        return time.perf_counter() - t0
+
+    def deliver(self, key: tuple, sealed: Any, deliver_at: float) -> None:
+        """Inter-site arrival (called by the neighbour over Ray, on another thread)."""
+        self.inbox.deliver_sealed(key, sealed, deliver_at)
+
+    # -- one iteration -------------------------------------------------------------------------
+    def _batch(self, step: int, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
+        plan = self.plan
+        idx = global_indices(
+            step, self.spec.global_batch, self.spec.replica, plan.pipelines, mb,
+            plan.micro_batch_size,
+        )  # fmt: skip
+        return self.stream.batch(idx, plan.seq_len)
+
+    def run_iteration(self, step: int, record: bool = False) -> dict:
+        """Execute this stage's action list for optimizer step ``step``."""
+        m = self.plan.num_microbatches
+        t_start = time.monotonic()
+        if self.up_recv is not None:
+            self.up_recv.start(
+                [(("F", step, mb), 2 * mb, self.shape) for c, mb in self.program if c == _RF]
+            )
+        if self.down_recv is not None:
+            self.down_recv.start(
+                [(("B", step, mb), 2 * mb + 1, self.shape) for c, mb in self.program if c == _RB]
+            )
+        events: list[tuple[str, int, float, float]] = []
+        losses: list[float] = []
+        inputs: dict[int, torch.Tensor] = {}
+        grads: dict[int, torch.Tensor] = {}
+        outs: dict[int, torch.Tensor] = {}
+        busy = wait = 0.0
+        wan_bytes = 0
+        timeout = self.spec.recv_timeout_s
+        eng = self.engine
+        for c, mb in self.program:
+            t0 = time.monotonic()
+            if c == _RF:
+                inputs[mb] = self.inbox.get(("F", step, mb), timeout=timeout)
+            elif c == _RB:
+                grads[mb] = self.inbox.get(("B", step, mb), timeout=timeout)
+            elif c == _F:
+                x = self._batch(step, mb)[0] if self.first else inputs.pop(mb)
+                outs[mb] = eng.forward(mb, x)
+            elif c == _B:
+                if self.last:
+                    losses.append(eng.backward_last(mb, self._batch(step, mb)[1]))
+                else:
+                    eng.backward(mb, grads.pop(mb))
+            elif c == _SF:
+                wan_bytes += self._send(self.down_send, ("F", step, mb), outs.pop(mb), 2 * mb)
+            else:  # _SB
+                wan_bytes += self._send(
+                    self.up_send, ("B", step, mb), eng.input_grad(mb), 2 * mb + 1
+                )
+            t1 = time.monotonic()
+            if c in (_F, _B):
+                busy += t1 - t0
+            elif c in (_RF, _RB):
+                wait += t1 - t0
+            if record:
+                events.append((Kind(c).name, mb, t0 - t_start, t1 - t_start))
+            if c == _B and self.first:
+                eng.input_grad(mb)  # frees the stored input of micro-batch mb
+        outs.clear()
+        for ch in (self.up_send, self.down_send):
+            if isinstance(ch, P2PSender):
+                ch.wait_all()
+            elif isinstance(ch, WanSender):
+                _wait_refs(ch.pending)
+        for r in (self.up_recv, self.down_recv):
+            if r is not None:
+                r.join()
+        t_end = time.monotonic()
+        return {
+            "stage": self.k,
+            "replica": self.spec.replica,
+            "step": step,
+            "losses": losses,
+            "busy_s": busy,
+            "wait_s": wait,
+            "duration_s": t_end - t_start,
+            "start": t_start,
+            "wan_bytes": wan_bytes,
+            "events": events,
+            "optimizer_steps": eng.step_count,
+            "micro_batches": m,
+        }
+
+    @staticmethod
+    def _send(ch: Any, key: tuple, tensor: torch.Tensor, tag: int) -> int:
+        if isinstance(ch, P2PSender):
+            ch.send(tag, tensor)
+            return 0
+        return ch.send(key, tensor, stream=f"{key[0]}/mb{key[2]}")
+
+    # -- profiling, state, lifecycle -------------------------------------------------------------
+    def profile(self, reps: int = 3) -> tuple[float, float]:
+        """Seconds of one forward and one backward on this stage (a throwaway copy of it)."""
+        mod = GPTStage(self.model_cfg, *self.layers, seed=self.spec.seed)
+        b, s, h = self.shape
+        if mod.has_embed:
+            x = torch.randint(0, self.model_cfg.vocab_size, (b, s))
+        else:
+            x = torch.randn(b, s, h, requires_grad=True)
+        fwd, bwd = [], []
+        for _ in range(reps + 1):
+            t0 = time.perf_counter()
+            out = mod(x)
+            t1 = time.perf_counter()
+            out.backward(torch.ones_like(out))
+            t2 = time.perf_counter()
+            fwd.append(t1 - t0)
+            bwd.append(t2 - t1)
+        return sorted(fwd[1:])[reps // 2], sorted(bwd[1:])[reps // 2]
+
+    def full_state(self) -> dict:
+        return self.engine.full_state()
+
+    def load_full_state(self, state: dict) -> None:
+        self.engine.load_full_state(state)
+
+    def ping(self) -> int:
+        return os.getpid()
+
+    def shutdown(self) -> None:
+        from geopipe.runtime.engine import destroy_process_group
+
+        self.inbox.close()
+        if self.engine is not None:
+            self.engine.destroy()
+            self.engine = None
+        destroy_process_group()
+
+
+def _poster(actor: Any):
+    def post(key: tuple, sealed: Any, deliver_at: float) -> Any:
+        return actor.deliver.remote(key, sealed, deliver_at)
+
+    return post
+
+
+def _wait_refs(refs: list) -> None:
+    if refs:
+        import ray
+
+        ray.get(refs)
+        refs.clear()
+
+
+def _local_ip() -> str:
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:  # outside Ray (tests)
+        return "127.0.0.1"
