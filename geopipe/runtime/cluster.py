@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from dataclasses import dataclass
 
 from geopipe.config import ClusterSpec
@@ -46,11 +47,15 @@ def _port_in_use(port: int, host: str = "127.0.0.1") -> bool:
 def auth_env(spec: ClusterSpec) -> None:
     """Ray's token authentication: on unless the YAML says ``ray.auth: disabled``.
 
-    RAY_AUTH_MODE must be the same for cluster, driver and workers, and Ray reads it when
-    it is imported: call this before the first ``import ray``. An explicit value in the
-    environment wins (the user's cluster may have been started with it).
+    RAY_AUTH_MODE must be the same for cluster, driver and workers, and Ray caches it when
+    it is first imported. So we set it only while Ray is not imported yet; afterwards we
+    leave an unset variable alone, because Ray ≥ 2.59 itself turns token mode on for a new
+    local cluster (and refreshes its cached config when doing so). An explicit value in
+    the environment always wins: the user's cluster may have been started with it.
     """
-    os.environ.setdefault("RAY_AUTH_MODE", "token" if spec.ray.auth == "token" else "disabled")
+    mode = "token" if spec.ray.auth == "token" else "disabled"
+    if "ray" not in sys.modules or mode == "disabled":
+        os.environ.setdefault("RAY_AUTH_MODE", mode)
 
 
 def connect(spec: ClusterSpec, log_to_driver: bool = False) -> ClusterInfo:

@@ -35,6 +35,9 @@ from geopipe.transport.link import LinkParams
 __all__ = ["Controller", "LaunchOptions", "RunResult", "State"]
 
 
+CALIBRATION_STEPS = 2  # steps whose measured stage times re-calibrate the prediction
+
+
 class State(enum.Enum):
     PLANNING = "planning"
     LAUNCHING = "launching"
@@ -228,6 +231,7 @@ class Controller:
 
         plan, spec = self.plan, self.spec
         self.state = State.RUNNING
+        self.predicted_s = self.predicted.iteration_time_s
         result = RunResult(plan, self.predicted, run_dir=self.run_dir,
                            dashboard_url=self.cluster.dashboard_url if self.cluster else None,
                            actor_names=list(self.names))  # fmt: skip
@@ -237,11 +241,15 @@ class Controller:
         last_results: list[dict] = []
         try:
             for step in range(spec.training.steps):
-                record = bool(self.opts.trace) and step == spec.training.steps - 1
+                last = step == spec.training.steps - 1
+                record = step < CALIBRATION_STEPS or (bool(self.opts.trace) and last)
                 results = ray.get([a.run_iteration.remote(step, record) for a in flat])
                 m = aggregate(results, plan.num_stages, tokens)
                 result.steps.append(m)
-                self.sink.write(m, {"predicted_iteration_time_s": self.predicted.iteration_time_s})
+                self.sink.write(m, {"predicted_iteration_time_s": self.predicted_s})
+                if step < CALIBRATION_STEPS:
+                    self._recalibrate(results)
+                    plan = self.plan
                 self._write_status(step + 1)
                 progress.update(m)
                 last_results = results
@@ -255,6 +263,40 @@ class Controller:
             )
         self.state = State.FINISHED
         return result
+
+    def _recalibrate(self, results: list[dict]) -> None:
+        """Replace the nominal compute model by the measured stage times; re-choose ΔN.
+
+        ΔN is the one planner knob that changes only the action lists, not the actors'
+        layout, so it can follow the measurement; the new lists take effect next step. It
+        runs after steps 0 and 1: stage times depend on how busy the machine is, which
+        depends on the schedule, so the second pass measures under the chosen ΔN.
+        """
+        import ray
+
+        from geopipe.config import choice_values
+        from geopipe.optimizer.refine import measured_costs, refine_delta_n
+
+        fwd, bwd, step_t = measured_stage_times(results, self.plan.num_stages)
+        costs = measured_costs(self.spec, self.plan, fwd, bwd, step_t)
+        costs = with_transport_overhead(costs, results, self.plan)
+        cands = choice_values(self.spec.plan.delta_n, default=[0], powers_of_two=False)
+        if self.opts.plan is not None or self.plan.schedule != "lookahead":
+            cands = sorted({self.plan.delta_n[j] for j in self.plan.wan_boundaries} or {0})
+        new, t = refine_delta_n(self.spec, self.plan, costs, cands)
+        self.sink.event(
+            "calibrated",
+            forward_s=fwd,
+            backward_s=bwd,
+            step_s=step_t,
+            delta_n=list(new.delta_n),
+            previous_delta_n=list(self.plan.delta_n),
+            predicted_iteration_time_s=t,
+        )
+        if new.delta_n != self.plan.delta_n:
+            ray.get([a.set_delta_n.remote(list(new.delta_n)) for row in self.actors for a in row])
+        self.plan = new
+        self.predicted_s = t
 
     def _write_status(self, step: int) -> None:
         plan = self.plan
@@ -284,6 +326,25 @@ class Controller:
         tmp.write_text(json.dumps(status, indent=1))
         tmp.replace(self.run_dir / "status.json")
 
+    def gather_state(self) -> dict:
+        """The whole model's unsharded parameters and Adam state, keyed by parameter name.
+
+        ``full_state`` is collective inside each ZeRO-1 group, so every replica is asked;
+        replica 0's copy of each stage is kept.
+        """
+        import ray
+
+        states = ray.get([a.full_state.remote() for row in self.actors for a in row])
+        out: dict = {"params": {}, "exp_avg": {}, "exp_avg_sq": {}, "step": None}
+        d = self.plan.pipelines
+        for k in range(self.plan.num_stages):
+            st = states[k * d]
+            for key in ("params", "exp_avg", "exp_avg_sq"):
+                out[key].update(st[key])
+            out["step"] = st["step"]
+            out.setdefault("lr_step", st["lr_step"])
+        return out
+
     # -- shutdown -------------------------------------------------------------------------------
     def close(self) -> None:
         import ray
@@ -311,6 +372,51 @@ class Controller:
             data["state"] = self.state.value
             data["pid"] = None
             path.write_text(json.dumps(data, indent=1))
+
+
+def with_transport_overhead(costs: Any, results: list[dict], plan: Plan) -> Any:
+    """Add the real transport's median delay beyond the emulated link to each WAN hop.
+
+    Messages between sites travel over Ray (serialise, object store, actor call, decode):
+    a few milliseconds that the link model alone does not contain.
+    """
+    import statistics
+    from dataclasses import replace
+
+    lat_f, lat_b = list(costs.lat_f), list(costs.lat_b)
+    for r in results:
+        k = r["stage"]
+        ex = r.get("transport_excess_s", {})
+        if ex.get("F") and k > 0:
+            lat_f[k - 1] = max(lat_f[k - 1], costs.lat_f[k - 1] + statistics.median(ex["F"]))
+        if ex.get("B") and k < plan.num_stages - 1:
+            lat_b[k] = max(lat_b[k], costs.lat_b[k] + statistics.median(ex["B"]))
+    return replace(costs, lat_f=tuple(lat_f), lat_b=tuple(lat_b))
+
+
+def measured_stage_times(
+    results: list[dict], num_stages: int
+) -> tuple[list[float], list[float], list[float]]:
+    """Median forward and backward seconds per stage from recorded events, and the extra
+    time of each stage's last backward (it runs the ZeRO-1 reduction and optimizer step)."""
+    import statistics
+
+    fwd: list[list[float]] = [[] for _ in range(num_stages)]
+    bwd: list[list[float]] = [[] for _ in range(num_stages)]
+    extra: list[list[float]] = [[] for _ in range(num_stages)]
+    for r in results:
+        k = r["stage"]
+        f = [t1 - t0 for kind, _, t0, t1 in r["events"] if kind == "F"]
+        b = [t1 - t0 for kind, _, t0, t1 in r["events"] if kind == "B"]
+        fwd[k] += f
+        bwd[k] += b
+        if b:
+            extra[k].append(max(0.0, b[-1] - statistics.median(b)))
+    return (
+        [statistics.median(x) for x in fwd],
+        [statistics.median(x) for x in bwd],
+        [statistics.mean(x) if x else 0.0 for x in extra],
+    )
 
 
 def _first(choice: Any, default: int = 1) -> int:

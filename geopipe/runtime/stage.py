@@ -91,6 +91,16 @@ class StageWorker:
         self.down_recv: P2PReceiver | None = None
         self.shape = (self.plan.micro_batch_size, self.plan.seq_len, self.model_cfg.n_embd)
 
+    def set_delta_n(self, delta_n: list[int]) -> None:
+        """Switch to another look-ahead depth between iterations (same layout, new lists)."""
+        from dataclasses import replace
+
+        self.plan = replace(self.plan, delta_n=tuple(delta_n))
+        sched = make_schedule(
+            self.plan.schedule, self.p, self.plan.num_microbatches, self.plan.delta_n
+        )
+        self.program = list(zip(*sched.programs[self.k], strict=True))
+
     # -- wiring ------------------------------------------------------------------------------
     def endpoint(self) -> tuple[str, int]:
         """An address and a free port, for the site's rendezvous (asked of its rank 0)."""
@@ -137,9 +147,11 @@ class StageWorker:
             )
         return time.perf_counter() - t0
 
-    def deliver(self, key: tuple, sealed: Any, deliver_at: float) -> None:
+    def deliver(
+        self, key: tuple, sealed: Any, deliver_at: float, sender_delay: float = 0.0
+    ) -> None:
         """Inter-site arrival (called by the neighbour over Ray, on another thread)."""
-        self.inbox.deliver_sealed(key, sealed, deliver_at)
+        self.inbox.deliver_sealed(key, sealed, deliver_at, sender_delay)
 
     # -- one iteration -------------------------------------------------------------------------
     def _batch(self, step: int, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,11 +217,17 @@ class StageWorker:
             if isinstance(ch, P2PSender):
                 ch.wait_all()
             elif isinstance(ch, WanSender):
-                _wait_refs(ch.pending)
+                _wait_refs(ch.flush())
         for r in (self.up_recv, self.down_recv):
             if r is not None:
                 r.join()
         t_end = time.monotonic()
+        transfers = [t for t in self.inbox.transfers if t[0][1] == step]
+        self.inbox.transfers = [t for t in self.inbox.transfers if t[0][1] > step]
+        # How much later than the (emulated) link each inbound WAN message became usable.
+        excess = {"F": [], "B": []}
+        for key, delay in transfers:
+            excess[key[0]].append(delay)
         return {
             "stage": self.k,
             "replica": self.spec.replica,
@@ -222,6 +240,7 @@ class StageWorker:
             "wan_bytes": wan_bytes,
             "events": events,
             "optimizer_steps": eng.step_count,
+            "transport_excess_s": excess,
             "micro_batches": m,
         }
 
@@ -272,8 +291,8 @@ class StageWorker:
 
 
 def _poster(actor: Any):
-    def post(key: tuple, sealed: Any, deliver_at: float) -> Any:
-        return actor.deliver.remote(key, sealed, deliver_at)
+    def post(key: tuple, sealed: Any, deliver_at: float, sender_delay: float) -> Any:
+        return actor.deliver.remote(key, sealed, deliver_at, sender_delay)
 
     return post
 

@@ -19,6 +19,7 @@ A payload whose checksum fails is filed as a failure: the receiver raises
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -37,6 +38,7 @@ from geopipe.transport.codec import (
     seal,
 )
 from geopipe.transport.link import DelayedMailbox, LinkEmulator, LinkParams
+from geopipe.transport.wire import wire_bytes
 
 __all__ = ["Inbox", "P2PReceiver", "P2PSender", "WanSender"]
 
@@ -52,8 +54,14 @@ class Inbox:
     def __init__(self) -> None:
         self._box = DelayedMailbox()
         self.bytes_received = 0
+        # (key, delay) of inter-site messages: how much later than the link model the data
+        # became usable — encoding and queueing on the sender before the link was stamped,
+        # plus any real transport time beyond the emulated delivery (same-host clocks).
+        self.transfers: list[tuple[Hashable, float]] = []
 
-    def deliver_sealed(self, key: Hashable, sealed: Sealed, deliver_at: float) -> None:
+    def deliver_sealed(
+        self, key: Hashable, sealed: Sealed, deliver_at: float, sender_delay: float = 0.0
+    ) -> None:
         """Inter-site arrival (runs on the transport's thread): verify, decode, hold."""
         try:
             enc = open_sealed(sealed)
@@ -61,6 +69,8 @@ class Inbox:
             self.bytes_received += enc.payload_nbytes
         except CorruptPayloadError as exc:
             payload = _Failure(exc)
+        late = max(0.0, time.monotonic() - deliver_at) if deliver_at > 0 else 0.0
+        self.transfers.append((key, sender_delay + late))
         self._box.put(key, payload, deliver_at)
 
     def deliver_tensor(self, key: Hashable, tensor: torch.Tensor) -> None:
@@ -80,32 +90,78 @@ class Inbox:
 
 
 class WanSender:
-    """Encode, seal, stamp and post tensors to a stage in another site."""
+    """Encode, seal, stamp and post tensors to a stage in another site.
+
+    ``send`` only enqueues: a background thread encodes and posts, so neither the codec nor
+    the transport's submission cost sits on the compute thread. With emulation the link's
+    token bucket is stamped when the encoded message is handed to the link.
+    """
 
     def __init__(
         self,
-        post: Callable[[Hashable, Sealed, float], Any],
+        post: Callable[[Hashable, Sealed, float, float], Any],
         codec: str,
         direction: str,
         link: LinkParams | None,
         topk_ratio: float = 0.01,
     ) -> None:
         self._post = post
+        self._codec_name = codec
         self._codec = make_codec(codec, topk_ratio=topk_ratio)
+        self._topk_ratio = topk_ratio
         self._direction = direction
         self._emulator = LinkEmulator(link) if link is not None else None
         self.bytes_sent = 0
         self.pending: list[Any] = []
+        self._queue: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="wan-send", daemon=True)
+        self._thread.start()
 
     def send(self, key: Hashable, tensor: torch.Tensor, stream: str) -> int:
-        """Post one message; ``stream`` names the error-feedback slot (top-k)."""
-        enc = self._codec.encode(tensor.detach(), key=stream, direction=self._direction)
-        sealed = seal(enc)
-        nbytes = enc.payload_nbytes
-        deliver_at = self._emulator.stamp(nbytes) if self._emulator is not None else 0.0
-        self.pending.append(self._post(key, sealed, deliver_at))
+        """Queue one message; returns its bytes on the wire. ``stream`` names the top-k
+        error-feedback slot."""
+        if self._error is not None:
+            raise self._error
+        t = tensor.detach()
+        nbytes = wire_bytes(
+            self._codec_name, t.numel(), t.shape[-1] if t.dim() else 1, t.element_size(),
+            self._direction,
+            self._topk_ratio,
+        )  # fmt: skip
+        self._queue.put((key, t, stream, time.monotonic()))
         self.bytes_sent += nbytes
         return nbytes
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                key, t, stream, sent_at = item
+                enc = self._codec.encode(t, key=stream, direction=self._direction)
+                sealed = seal(enc)
+                now = time.monotonic()
+                deliver_at = (
+                    self._emulator.stamp(enc.payload_nbytes, now) if self._emulator else 0.0
+                )
+                self.pending.append(self._post(key, sealed, deliver_at, now - sent_at))
+            except BaseException as exc:  # surfaced to the compute thread on flush/send
+                self._error = exc
+            finally:
+                self._queue.task_done()
+
+    def flush(self) -> list[Any]:
+        """Wait until every queued message was posted; returns the transport's handles."""
+        self._queue.join()
+        if self._error is not None:
+            raise self._error
+        refs, self.pending = self.pending, []
+        return refs
+
+    def close(self) -> None:
+        self._queue.put(None)
 
     def codec_state(self) -> dict:
         return self._codec.state_dict() if hasattr(self._codec, "state_dict") else {}

@@ -1,0 +1,78 @@
+"""Re-choose ΔN from measured stage times (pure; the controller calls it after step 0).
+
+The planner's compute model is nominal (FLOPs × device speed). Once the stages have run one
+iteration, their measured forward/backward times replace it and ΔN — the only knob that
+does not change how the actors are laid out — is re-chosen on the same simulator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from geopipe.config import ClusterSpec
+from geopipe.optimizer.evaluate import Evaluator
+from geopipe.optimizer.memory import stage_memory
+from geopipe.optimizer.simulator import PipelineCosts, simulate
+from geopipe.pipeline.schedule import make_schedule
+from geopipe.plan import Plan
+
+__all__ = ["measured_costs", "predict", "refine_delta_n"]
+
+
+def measured_costs(
+    spec: ClusterSpec,
+    plan: Plan,
+    fwd_s: list[float],
+    bwd_s: list[float],
+    step_s: list[float] | None = None,
+) -> PipelineCosts:
+    """The plan's costs with compute (and optionally step) times replaced by measurements."""
+    base = Evaluator(spec, schedule=plan.schedule).costs(plan)
+    return replace(
+        base,
+        fwd_s=tuple(fwd_s),
+        bwd_s=tuple(bwd_s),
+        step_s=tuple(step_s) if step_s is not None else base.step_s,
+    )
+
+
+def predict(plan: Plan, costs: PipelineCosts) -> float:
+    sched = make_schedule(plan.schedule, plan.num_stages, plan.num_microbatches, plan.delta_n)
+    return simulate(sched, costs).iteration_time_s
+
+
+def _fits(spec: ClusterSpec, plan: Plan) -> bool:
+    sched = make_schedule(plan.schedule, plan.num_stages, plan.num_microbatches, plan.delta_n)
+    for k, in_flight in enumerate(sched.max_in_flight):
+        mem = stage_memory(
+            spec.model, spec.training.precision, plan.partition[k], plan.pipelines,
+            plan.micro_batch_size, plan.seq_len, in_flight,
+        )  # fmt: skip
+        if mem.total > spec.site(plan.stage_sites[k]).device_memory_gb * (1 << 30):
+            return False
+    return True
+
+
+def refine_delta_n(
+    spec: ClusterSpec, plan: Plan, costs: PipelineCosts, candidates: list[int]
+) -> tuple[Plan, float]:
+    """Coordinate descent over ΔN per WAN boundary: fastest, then smallest, that fits."""
+    if plan.schedule != "lookahead" or not plan.wan_boundaries:
+        return plan, predict(plan, costs)
+    best, best_t = plan, predict(plan, costs)
+    changed = True
+    while changed:
+        changed = False
+        for j in plan.wan_boundaries:
+            for v in sorted(set(candidates)):
+                dn = list(best.delta_n)
+                dn[j] = min(v, plan.num_microbatches)
+                trial = replace(best, delta_n=tuple(dn))
+                if trial == best or not _fits(spec, trial):
+                    continue
+                t = predict(trial, costs)
+                better = t < best_t * (1 - 1e-9)
+                tie_smaller = abs(t - best_t) <= best_t * 1e-9 and dn[j] < best.delta_n[j]
+                if better or tie_smaller:
+                    best, best_t, changed = trial, t, True
+    return best, best_t
