@@ -170,6 +170,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
     )
     ctl = Controller(spec, opts)
+    interrupted = False
     try:
         console.print(f"[bold]geopipe[/] {spec.name}: planning …")
         ctl.launch()
@@ -190,10 +191,11 @@ def cmd_launch(args: argparse.Namespace) -> int:
         print(f"geopipe launch: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
+        interrupted = True
         print("\ngeopipe launch: interrupted; stopping the stage actors", file=sys.stderr)
         return 130
     finally:
-        ctl.close()
+        ctl.close(interrupted=interrupted)
     steps = result.steps
     if steps:
         tail = steps[len(steps) // 2 :]

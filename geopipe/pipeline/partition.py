@@ -5,9 +5,14 @@ Pure functions; the planner calls them once per candidate shape (results are cac
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Callable, Sequence
 
 __all__ = ["balanced_partition", "order_sites", "stage_time_bottleneck"]
+
+_REL_TOL = 1e-12  # rounding slack of prefix sums; the answer is optimal to this precision
+_MAX_STEPS = 200  # bisection steps; ~45 suffice unless speeds span many orders of magnitude
 
 
 def stage_time_bottleneck(
@@ -17,29 +22,52 @@ def stage_time_bottleneck(
     return max(sum(layer_costs[a:b]) / v for (a, b), v in zip(parts, speeds, strict=True))
 
 
-def _greedy(costs: Sequence[float], speeds: Sequence[float], limit: float) -> list[int] | None:
-    """Cut points packing each stage as full as ``limit`` allows (None if impossible).
+def _feasible(prefix: Sequence[float], speeds: Sequence[float], limit: float) -> list[int] | None:
+    """Cut points of a partition whose every stage takes at most ``limit`` (None if none does).
 
-    Packing the earliest stage as full as possible never hurts the later ones (they get a
-    suffix of fewer layers), so greedy decides feasibility exactly; we only keep at least
-    one layer for every later stage.
+    Exact for any speeds: stage by stage we keep the set of positions where the stage can end
+    (a greedy "fill each stage" cut is not enough once speeds differ, since a big layer may
+    then land on a slow stage). From a start ``i`` a stage may end anywhere in ``(i, r(i)]``
+    and ``r`` grows with ``i``, so one two-pointer sweep per stage builds the next set: O(p·n).
     """
-    n, p = len(costs), len(speeds)
-    cuts = [0]
-    i = 0
-    for k in range(p):
-        budget = limit * speeds[k]
-        must_leave = p - k - 1
-        load = 0.0
-        j = i
-        while j < n - must_leave and load + costs[j] <= budget * (1 + 1e-12):
-            load += costs[j]
-            j += 1
-        if j == i:
+    n, p = len(prefix) - 1, len(speeds)
+    reach = [False] * (n + 1)
+    reach[0] = True
+    history = [reach]
+    for k in range(p - 1):
+        budget = limit * speeds[k] * (1 + _REL_TOL)
+        last_end = n - (p - k - 1)  # leave at least one layer for every later stage
+        nxt = [False] * (n + 1)
+        covered = 0  # ends up to here are already marked
+        r = 0
+        for i in range(k, last_end):
+            if not reach[i]:
+                continue
+            if r < i:
+                r = i
+            base = prefix[i]
+            while r < last_end and prefix[r + 1] - base <= budget:
+                r += 1
+            start = max(i + 1, covered + 1)
+            if r >= start:
+                nxt[start : r + 1] = [True] * (r + 1 - start)
+                covered = r
+        reach = nxt
+        history.append(reach)
+    # The last stage must end at n: find its latest feasible start, then walk back.
+    cuts = [n]
+    j = n
+    for k in range(p - 1, -1, -1):
+        budget = limit * speeds[k] * (1 + _REL_TOL)
+        i = j - 1
+        while i >= k and prefix[j] - prefix[i] <= budget and not history[k][i]:
+            i -= 1
+        if i < k or not history[k][i] or prefix[j] - prefix[i] > budget:
             return None
-        cuts.append(j)
-        i = j
-    return cuts if i == n else None
+        cuts.append(i)
+        j = i
+    cuts.reverse()
+    return cuts
 
 
 def balanced_partition(
@@ -48,28 +76,43 @@ def balanced_partition(
     """Split layers into ``len(speeds)`` contiguous non-empty stages minimising the slowest.
 
     ``speeds[k]`` is stage k's device speed (any unit); a stage's time is its cost / speed.
-    Bisection on the bottleneck with an exact greedy feasibility test.
+    Geometric bisection on the bottleneck with the exact test :func:`_feasible`; every
+    feasible answer snaps the upper end down to a bottleneck some partition really has, and
+    we stop when the bracket is within rounding (relative 1e-12) of the optimum.
     """
     n, p = len(layer_costs), len(speeds)
     if p < 1 or p > n:
         raise ValueError(f"cannot split {n} layers into {p} non-empty stages")
-    if any(v <= 0 for v in speeds):
+    if any(not v > 0 or not math.isfinite(v) for v in speeds):
         raise ValueError("stage speeds must be positive")
-    lo = max(max(layer_costs) / max(speeds), sum(layer_costs) / sum(speeds)) * (1 - 1e-9)
-    hi = sum(layer_costs) / min(speeds)
-    best = _greedy(layer_costs, speeds, hi)
-    if best is None:  # every layer on the slowest device still fails: one layer per stage
+    if any(not c >= 0 or not math.isfinite(c) for c in layer_costs):
+        raise ValueError("layer costs must be finite and non-negative")
+    prefix = [0.0, *itertools.accumulate(layer_costs)]
+    total = prefix[-1]
+    # Every stage's cost is at most the total, so this limit always admits a partition.
+    best = _feasible(prefix, speeds, total / min(speeds))
+    if best is None:  # unreachable, but never return nothing: one layer per stage
         best = [*range(p), n]
-    for _ in range(100):
-        if hi - lo <= hi * 1e-9:
+    hi = best_t = _bottleneck(layer_costs, speeds, best)
+    # No partition beats the biggest layer on the fastest device or perfect balance.
+    lo = max(max(layer_costs) / max(speeds), total / sum(speeds))
+    for _ in range(_MAX_STEPS):
+        if hi <= lo * (1 + _REL_TOL) or lo <= 0:
             break
-        mid = (lo + hi) / 2
-        cuts = _greedy(layer_costs, speeds, mid)
+        mid = math.sqrt(lo * hi)
+        cuts = _feasible(prefix, speeds, mid)
         if cuts is None:
             lo = mid
-        else:
-            hi, best = mid, cuts
+            continue
+        t = _bottleneck(layer_costs, speeds, cuts)
+        if t < best_t:
+            best, best_t = cuts, t
+        hi = min(t, mid)
     return [(best[k], best[k + 1]) for k in range(p)]
+
+
+def _bottleneck(costs: Sequence[float], speeds: Sequence[float], cuts: Sequence[int]) -> float:
+    return max(sum(costs[cuts[k] : cuts[k + 1]]) / v for k, v in enumerate(speeds))
 
 
 def order_sites(names: Sequence[str], hop_cost: Callable[[str, str], float | None]) -> list[str]:

@@ -44,6 +44,7 @@ class State(enum.Enum):
     RUNNING = "running"
     FINISHED = "finished"
     FAILED = "failed"
+    INTERRUPTED = "interrupted"
 
 
 @dataclass
@@ -346,11 +347,14 @@ class Controller:
         return out
 
     # -- shutdown -------------------------------------------------------------------------------
-    def close(self) -> None:
+    def close(self, interrupted: bool = False) -> None:
+        """Stop the actors (and the embedded Ray we started); safe to call twice."""
         import ray
 
-        if self.state not in (State.FINISHED,):
-            self.state = State.FAILED if self.state != State.PLANNING else self.state
+        if interrupted:
+            self.state = State.INTERRUPTED
+        elif self.state not in (State.FINISHED, State.PLANNING):
+            self.state = State.FAILED
         if self.run_dir.exists() and self.plan is not None:
             with contextlib.suppress(OSError):
                 self._write_status_final()
@@ -361,7 +365,8 @@ class Controller:
                         ray.kill(a)
             self.actors = []
             if self.cluster is not None and self.cluster.started_here:
-                ray.shutdown()
+                with contextlib.suppress(Exception):
+                    ray.shutdown()
         if self.sink is not None:
             self.sink.close()
 

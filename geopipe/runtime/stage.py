@@ -147,11 +147,9 @@ class StageWorker:
             )
         return time.perf_counter() - t0
 
-    def deliver(
-        self, key: tuple, sealed: Any, deliver_at: float, sender_delay: float = 0.0
-    ) -> None:
+    def deliver(self, key: tuple, sealed: Any, deliver_at: float) -> None:
         """Inter-site arrival (called by the neighbour over Ray, on another thread)."""
-        self.inbox.deliver_sealed(key, sealed, deliver_at, sender_delay)
+        self.inbox.deliver_sealed(key, sealed, deliver_at)
 
     # -- one iteration -------------------------------------------------------------------------
     def _batch(self, step: int, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -291,8 +289,8 @@ class StageWorker:
 
 
 def _poster(actor: Any):
-    def post(key: tuple, sealed: Any, deliver_at: float, sender_delay: float) -> Any:
-        return actor.deliver.remote(key, sealed, deliver_at, sender_delay)
+    def post(key: tuple, sealed: Any, deliver_at: float) -> Any:
+        return actor.deliver.remote(key, sealed, deliver_at)
 
     return post
 

@@ -54,14 +54,12 @@ class Inbox:
     def __init__(self) -> None:
         self._box = DelayedMailbox()
         self.bytes_received = 0
-        # (key, delay) of inter-site messages: how much later than the link model the data
-        # became usable — encoding and queueing on the sender before the link was stamped,
-        # plus any real transport time beyond the emulated delivery (same-host clocks).
+        # (key, delay) of emulated inter-site messages: how much later than the link model
+        # the data became usable (encoding plus real transport beyond the emulated delivery;
+        # same-host clocks).
         self.transfers: list[tuple[Hashable, float]] = []
 
-    def deliver_sealed(
-        self, key: Hashable, sealed: Sealed, deliver_at: float, sender_delay: float = 0.0
-    ) -> None:
+    def deliver_sealed(self, key: Hashable, sealed: Sealed, deliver_at: float) -> None:
         """Inter-site arrival (runs on the transport's thread): verify, decode, hold."""
         try:
             enc = open_sealed(sealed)
@@ -69,8 +67,8 @@ class Inbox:
             self.bytes_received += enc.payload_nbytes
         except CorruptPayloadError as exc:
             payload = _Failure(exc)
-        late = max(0.0, time.monotonic() - deliver_at) if deliver_at > 0 else 0.0
-        self.transfers.append((key, sender_delay + late))
+        if deliver_at > 0:
+            self.transfers.append((key, max(0.0, time.monotonic() - deliver_at)))
         self._box.put(key, payload, deliver_at)
 
     def deliver_tensor(self, key: Hashable, tensor: torch.Tensor) -> None:
@@ -94,12 +92,14 @@ class WanSender:
 
     ``send`` only enqueues: a background thread encodes and posts, so neither the codec nor
     the transport's submission cost sits on the compute thread. With emulation the link's
-    token bucket is stamped when the encoded message is handed to the link.
+    token bucket is stamped with the time ``send`` was called: encoding overlaps the
+    emulated transmission, as it streams on a real NIC; if encoding (or the real transport)
+    takes longer, the data is simply usable later than the stamp.
     """
 
     def __init__(
         self,
-        post: Callable[[Hashable, Sealed, float, float], Any],
+        post: Callable[[Hashable, Sealed, float], Any],
         codec: str,
         direction: str,
         link: LinkParams | None,
@@ -142,11 +142,10 @@ class WanSender:
                 key, t, stream, sent_at = item
                 enc = self._codec.encode(t, key=stream, direction=self._direction)
                 sealed = seal(enc)
-                now = time.monotonic()
                 deliver_at = (
-                    self._emulator.stamp(enc.payload_nbytes, now) if self._emulator else 0.0
+                    self._emulator.stamp(enc.payload_nbytes, sent_at) if self._emulator else 0.0
                 )
-                self.pending.append(self._post(key, sealed, deliver_at, now - sent_at))
+                self.pending.append(self._post(key, sealed, deliver_at))
             except BaseException as exc:  # surfaced to the compute thread on flush/send
                 self._error = exc
             finally:
