@@ -36,6 +36,17 @@ __all__ = [
 GBPS = 1e9  # bits per second in one Gbit/s
 GB = 1 << 30  # bytes in one GiB (device memory is quoted in GiB)
 
+# Upper bounds on values whose typos would make the planner allocate per-unit lists (layers,
+# devices, micro-batches, ΔN candidates, GA individuals) until memory runs out. Each is far
+# beyond any real run.
+MAX_LAYERS = 10_000  # transformer blocks (the largest published models have ~100-200)
+MAX_SITE_DEVICES = 1 << 17  # devices in one site (about the largest single clusters)
+MAX_GLOBAL_BATCH = 1 << 16  # sequences per step; the schedule has one entry per micro-batch
+# ΔN counts extra micro-batches in flight (each holds its activations); above this it only
+# slows the search. It also keeps `delta_n: {min, max}` from expanding to a huge list.
+MAX_DELTA_N = 1024
+MAX_GA_POPULATION = 10_000
+
 
 class ConfigError(ValueError):
     """A cluster YAML is invalid. ``problems`` holds ``(field_path, message)`` pairs."""
@@ -146,7 +157,9 @@ class CheckpointSpec(_Spec):
 
 
 class TrainingSpec(_Spec):
-    global_batch_size: int = Field(ge=1, description="sequences per optimizer step")
+    global_batch_size: int = Field(
+        ge=1, le=MAX_GLOBAL_BATCH, description="sequences per optimizer step"
+    )
     steps: int = Field(ge=1)
     lr: float = Field(gt=0)
     warmup_steps: int = Field(0, ge=0)
@@ -163,7 +176,7 @@ class TrainingSpec(_Spec):
 
 
 class GASpec(_Spec):
-    population: int = Field(48, ge=4)
+    population: int = Field(48, ge=4, le=MAX_GA_POPULATION)
     generations: int = Field(30, ge=1)
     seed: int = 0
     crossover_prob: float = Field(0.7, ge=0, le=1)
@@ -177,7 +190,7 @@ class PlanSpec(_Spec):
     )
     micro_batch_size: Choice = Range(min=1, max=64)
     seq_len: Choice | None = Field(None, description="default: model.max_seq_len")
-    delta_n: Choice = Range(min=0, max=64)
+    delta_n: Choice = Field(Range(min=0, max=64), description=f"at most {MAX_DELTA_N}")
     codecs: list[str] | None = Field(None, description="codecs to search (default: each link's)")
     pipelines: Choice | None = Field(None, description="data-parallel degree D (default: search)")
     topk_ratio: float = Field(0.01, gt=0, le=1)
@@ -223,13 +236,20 @@ class ClusterSpec(_Spec):
 # Loading and error formatting
 
 
+def _is_branch(part: Any) -> bool:
+    """Is this location part a union-branch marker pydantic inserts for `Choice`?"""
+    return isinstance(part, str) and (
+        part in ("int", "list[int]", "Range") or part.endswith(", Range]")
+    )
+
+
 def _format_loc(loc: tuple[Any, ...]) -> str:
     out = ""
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part in ("int", "list[int]", "Range", "function-after[_ordered(), Range]"):
-            continue  # union-branch markers pydantic inserts for `Choice`
+        elif _is_branch(part):
+            continue
         else:
             out += ("." if out else "") + str(part)
     return out
@@ -239,7 +259,7 @@ def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
     """Walk the spec classes along an error location (for did-you-mean suggestions)."""
     model: Any = ClusterSpec
     for part in loc:
-        if isinstance(part, int):
+        if isinstance(part, int) or _is_branch(part):
             continue
         if not (isinstance(model, type) and issubclass(model, BaseModel)):
             return None
@@ -301,7 +321,7 @@ def parse_cluster(data: Any, source: str = "<cluster>") -> ClusterSpec:
         spec = ClusterSpec.model_validate(data)
     except ValidationError as exc:
         problems: list[tuple[str, str]] = []
-        for err in exc.errors():
+        for err in _matching_branch(exc.errors()):
             item = _describe(err)
             if item not in problems:
                 problems.append(item)
@@ -310,6 +330,40 @@ def parse_cluster(data: Any, source: str = "<cluster>") -> ClusterSpec:
     if problems:
         raise ConfigError(source, problems)
     return spec
+
+
+# Error kinds that only say "the input is not of this branch's shape".
+_WRONG_SHAPE = {"int_type", "int_parsing", "list_type", "model_type", "dict_type"}
+
+
+def _matching_branch(errors: list[Any]) -> list[Any]:
+    """Keep only the errors of the `Choice` branch that accepted the input's shape.
+
+    A bad `Choice` fails all three union branches; for a mapping (or a list) the other two
+    only complain about the type, which would hide the real message ("min (5) is larger
+    than max (2)", a bad list item). Fields where no branch took the shape are left alone.
+    """
+
+    def split(err: Any) -> tuple[tuple[Any, ...], Any] | None:
+        loc = tuple(err["loc"])
+        i = next((i for i, part in enumerate(loc) if _is_branch(part)), None)
+        return None if i is None else (loc[:i], loc[i])
+
+    matched: dict[tuple[Any, ...], Any] = {}
+    for err in errors:
+        where = split(err)
+        if where is None:
+            continue
+        deeper = len(err["loc"]) > len(where[0]) + 1
+        if deeper or err["type"] not in _WRONG_SHAPE:
+            matched.setdefault(*where)
+    out = []
+    for err in errors:
+        where = split(err)
+        if where is not None and matched.get(where[0], where[1]) != where[1]:
+            continue
+        out.append(err)
+    return out
 
 
 def _collapse_union_noise(problems: list[tuple[str, str]]) -> list[tuple[str, str]]:
@@ -350,18 +404,39 @@ def load_cluster(path: str | Path) -> ClusterSpec:
 # Cross-checks (relations between fields that pydantic cannot see)
 
 
-def choice_values(choice: Choice | None, *, default: list[int], powers_of_two: bool) -> list[int]:
-    """Expand a planner knob into its candidate values (sorted, unique)."""
+def choice_values(
+    choice: Choice | None,
+    *,
+    default: list[int],
+    powers_of_two: bool = False,
+    upper: int | None = None,
+) -> list[int]:
+    """Expand a planner knob into its candidate values (sorted, unique).
+
+    ``upper`` drops values above it before a range is expanded, so a typo like
+    ``{min: 1, max: 1000000000}`` costs nothing where only small values are usable.
+    """
     if choice is None:
-        return sorted(set(default))
+        vals = sorted(set(default))
+    elif isinstance(choice, int):
+        vals = [choice]
+    elif isinstance(choice, list):
+        vals = sorted(set(choice))
+    else:
+        top = choice.max if upper is None else min(choice.max, upper)
+        if powers_of_two:
+            return [1 << i for i in range(0, 31) if choice.min <= (1 << i) <= top]
+        return list(range(choice.min, top + 1))
+    return vals if upper is None else [v for v in vals if v <= upper]
+
+
+def _choice_bounds(choice: Choice) -> tuple[int, int]:
+    """Smallest and largest value of a non-empty knob, without expanding a range."""
     if isinstance(choice, int):
-        return [choice]
+        return choice, choice
     if isinstance(choice, list):
-        return sorted(set(choice))
-    if powers_of_two:
-        vals = [1 << i for i in range(0, 31) if choice.min <= (1 << i) <= choice.max]
-        return vals
-    return list(range(choice.min, choice.max + 1))
+        return min(choice), max(choice)
+    return choice.min, choice.max
 
 
 def _bytes_per_param(precision: str) -> float:
@@ -404,49 +479,16 @@ def _cross_check(spec: ClusterSpec) -> list[tuple[str, str]]:
             ("links", "the links do not connect the sites into one chain; add the missing links")
         )
 
-    m = spec.model
-    seq_vals = choice_values(spec.plan.seq_len, default=[m.max_seq_len], powers_of_two=True)
-    for v in seq_vals:
-        if v > m.max_seq_len or v < 2:
-            problems.append(
-                ("plan.seq_len", f"seq_len {v} is outside [2, model.max_seq_len={m.max_seq_len}]")
-            )
-            break
-    if not seq_vals:
-        problems.append(("plan.seq_len", "the range contains no power of two"))
-    mb_vals = choice_values(spec.plan.micro_batch_size, default=[1], powers_of_two=True)
-    gbs = spec.training.global_batch_size
-    if not mb_vals:
-        problems.append(("plan.micro_batch_size", "the range contains no power of two"))
-    elif not any(gbs % b == 0 for b in mb_vals if b > 0):
-        problems.append(
-            (
-                "training.global_batch_size",
-                f"{gbs} is not divisible by any micro-batch size in {mb_vals}",
-            )
-        )
-    if any(b < 1 for b in mb_vals):
-        problems.append(("plan.micro_batch_size", "micro-batch sizes must be at least 1"))
-    if spec.plan.pipelines is not None:
-        d_vals = choice_values(spec.plan.pipelines, default=[], powers_of_two=False)
-        if any(d < 1 for d in d_vals):
-            problems.append(("plan.pipelines", "the number of pipelines must be at least 1"))
-        elif not any(gbs % (d * b) == 0 for d in d_vals for b in mb_vals if b > 0):
-            problems.append(
-                (
-                    "training.global_batch_size",
-                    f"{gbs} is not divisible by pipelines × micro-batch for any of "
-                    f"pipelines {d_vals} and micro-batch sizes {mb_vals}",
-                )
-            )
+    problems += _check_plan(spec)
 
     # Does the model fit at all? Static state (weights, grads, Adam) of the whole model must fit
     # in all devices together, and the largest single layer must fit in the largest device.
-    from geopipe.optimizer.costs import layer_param_counts  # local: avoids an import cycle
+    from geopipe.optimizer.costs import param_totals  # local: avoids an import cycle
 
-    counts = layer_param_counts(m)
+    m = spec.model
+    total_params, largest_layer = param_totals(m)  # closed form: n_layer may be a typo
     bpp = _bytes_per_param(spec.training.precision)
-    total_need = sum(counts) * bpp
+    total_need = total_params * bpp
     total_have = sum(s.devices * s.device_memory_gb * GB for s in spec.sites)
     biggest_dev = max(s.device_memory_gb * GB for s in spec.sites)
     if total_need > total_have:
@@ -457,18 +499,138 @@ def _cross_check(spec: ClusterSpec) -> list[tuple[str, str]]:
                 f"but all devices together have {total_have / GB:.1f} GiB",
             )
         )
-    elif max(counts) * bpp > biggest_dev:
+    elif largest_layer * bpp > biggest_dev:
         problems.append(
             (
                 "model",
-                f"one layer needs {max(counts) * bpp / GB:.2f} GiB but the largest device has "
+                f"one layer needs {largest_layer * bpp / GB:.2f} GiB but the largest device has "
                 f"{biggest_dev / GB:.2f} GiB",
             )
+        )
+    if m.n_layer > MAX_LAYERS:
+        problems.append(
+            ("model.n_layer", f"{m.n_layer} layers is above the supported {MAX_LAYERS} (a typo?)")
         )
     if sum(s.devices for s in spec.sites) > 1 and m.n_layer + 2 < len(spec.sites):
         problems.append(
             ("model.n_layer", f"{m.n_layer + 2} layers cannot span {len(spec.sites)} sites")
         )
+    return problems
+
+
+def _short(vals: list[int]) -> str:
+    """A candidate list for a message, elided in the middle when long."""
+    if len(vals) <= 8:
+        return str(vals)
+    return f"[{vals[0]}, {vals[1]}, {vals[2]}, …, {vals[-1]}]"
+
+
+def _show_choice(choice: Choice) -> str:
+    if isinstance(choice, Range):
+        return f"{{min: {choice.min}, max: {choice.max}}}"
+    return _short(sorted(set(choice))) if isinstance(choice, list) else str(choice)
+
+
+def _check_plan(spec: ClusterSpec) -> list[tuple[str, str]]:
+    """The planner knobs: non-empty, in range, and some combination divides the batch.
+
+    Ranges are never expanded beyond what is useful: pipelines above the smallest site's
+    device count cannot be placed (every site hosts a stage of every pipeline), and ΔN is
+    capped at :data:`MAX_DELTA_N`.
+    """
+    problems: list[tuple[str, str]] = []
+    pl, m = spec.plan, spec.model
+    empty = set()
+    for name in ("micro_batch_size", "seq_len", "delta_n", "pipelines"):
+        val = getattr(pl, name)
+        if isinstance(val, list) and not val:
+            empty.add(name)
+            problems.append(
+                (f"plan.{name}", "the list is empty: give at least one value (or omit the key)")
+            )
+    devices = {s.name: s.devices for s in spec.sites}
+    for i, s in enumerate(spec.sites):
+        if s.devices > MAX_SITE_DEVICES:
+            problems.append(
+                (
+                    f"sites[{i}]",
+                    f"{s.devices} devices (nodes × devices_per_node) is above the supported "
+                    f"{MAX_SITE_DEVICES} per site (a typo?)",
+                )
+            )
+
+    if "seq_len" not in empty:
+        seq_vals = choice_values(pl.seq_len, default=[m.max_seq_len], powers_of_two=True)
+        bad = [v for v in seq_vals if v > m.max_seq_len or v < 2]
+        if bad:
+            problems.append(
+                (
+                    "plan.seq_len",
+                    f"seq_len {bad[0]} is outside [2, model.max_seq_len={m.max_seq_len}]",
+                )
+            )
+        if not seq_vals:
+            problems.append(("plan.seq_len", "the range contains no power of two"))
+
+    gbs = spec.training.global_batch_size
+    mb_ok: list[int] = []  # the usable micro-batch sizes
+    batch_divides = True
+    if "micro_batch_size" not in empty:
+        mb_vals = choice_values(pl.micro_batch_size, default=[1], powers_of_two=True)
+        mb_ok = [b for b in mb_vals if b >= 1]
+        if not mb_vals:
+            problems.append(("plan.micro_batch_size", "the range contains no power of two"))
+        if len(mb_ok) < len(mb_vals):
+            problems.append(("plan.micro_batch_size", "micro-batch sizes must be at least 1"))
+        if mb_ok and not any(gbs % b == 0 for b in mb_ok):
+            batch_divides = False
+            problems.append(
+                (
+                    "training.global_batch_size",
+                    f"{gbs} is not divisible by any micro-batch size in {_short(mb_ok)}",
+                )
+            )
+
+    if pl.pipelines is not None and "pipelines" not in empty:
+        smallest = min(devices, key=lambda n: (devices[n], n))
+        max_d = devices[smallest]
+        lo, hi = _choice_bounds(pl.pipelines)
+        # Values above max_d are dropped before a range is expanded (and max_d itself is
+        # capped: an oversized site is reported above).
+        top = min(max_d, MAX_SITE_DEVICES)
+        d_ok = [d for d in choice_values(pl.pipelines, default=[], upper=top) if d >= 1]
+        if lo < 1:
+            problems.append(("plan.pipelines", "the number of pipelines must be at least 1"))
+        elif not d_ok:
+            problems.append(
+                (
+                    "plan.pipelines",
+                    f"at most {max_d} pipeline{'s fit' if max_d != 1 else ' fits'}: every site "
+                    f"hosts a stage of every pipeline and site '{smallest}' has {max_d} "
+                    f"device{'s' * (max_d != 1)} (got {_show_choice(pl.pipelines)})",
+                )
+            )
+        elif mb_ok and batch_divides and not any(gbs % (d * b) == 0 for d in d_ok for b in mb_ok):
+            problems.append(
+                (
+                    "training.global_batch_size",
+                    f"{gbs} is not divisible by pipelines × micro-batch for any of "
+                    f"pipelines {_short(d_ok)} and micro-batch sizes {_short(mb_ok)}",
+                )
+            )
+
+    if "delta_n" not in empty:
+        lo, hi = _choice_bounds(pl.delta_n)
+        if lo < 0:
+            problems.append(("plan.delta_n", f"ΔN must be at least 0 (got {lo})"))
+        if hi > MAX_DELTA_N:
+            problems.append(
+                (
+                    "plan.delta_n",
+                    f"ΔN {hi} is above the supported {MAX_DELTA_N} (each extra micro-batch in "
+                    f"flight holds its activations; a typo?)",
+                )
+            )
     return problems
 
 

@@ -18,6 +18,7 @@ __all__ = [
     "layer_forward_flops",
     "layer_param_counts",
     "num_layers",
+    "param_totals",
 ]
 
 
@@ -33,15 +34,29 @@ def num_layers(m: _Model) -> int:
     return m.n_layer + 2
 
 
-def layer_param_counts(m: _Model) -> list[int]:
-    """Parameters per layer: embed (token + position), blocks, head (final LN + LM head)."""
+def _embed_block_head_params(m: _Model) -> tuple[int, int, int]:
     h, v = m.n_embd, m.vocab_size
     embed = v * h + m.max_seq_len * h
     # ln_1 (2h) + qkv (3h^2 + 3h) + attn proj (h^2 + h) + ln_2 (2h) + fc (4h^2 + 4h)
     # + mlp proj (4h^2 + h)
     block = 12 * h * h + 13 * h
     head = 2 * h + v * h
+    return embed, block, head
+
+
+def layer_param_counts(m: _Model) -> list[int]:
+    """Parameters per layer: embed (token + position), blocks, head (final LN + LM head)."""
+    embed, block, head = _embed_block_head_params(m)
     return [embed] + [block] * m.n_layer + [head]
+
+
+def param_totals(m: _Model) -> tuple[int, int]:
+    """(all parameters, the largest layer's) in closed form.
+
+    Config validation needs these for any ``n_layer`` a user may type, so no per-layer list.
+    """
+    embed, block, head = _embed_block_head_params(m)
+    return embed + block * m.n_layer + head, max(embed, block, head)
 
 
 def layer_forward_flops(m: _Model, seq_len: int) -> list[float]:

@@ -58,6 +58,9 @@ class Evaluation:
     link_utilization: list[float] = field(default_factory=list)
     sim: SimResult | None = None
     pruned: bool = False  # fitness is a lower bound (the search skipped simulating it)
+    # The search skipped the simulation (pruned, or memory alone rules it out): the fitness
+    # serves the search, but a plain evaluate() must simulate before reporting times.
+    skipped_simulation: bool = False
 
     @property
     def tokens_per_s(self) -> float:
@@ -145,8 +148,10 @@ class Evaluator:
     def __init__(self, spec: ClusterSpec, schedule: str | None = None):
         self.spec = spec
         pl = spec.plan
+        # A pipeline needs a device in every site: larger counts are never expanded.
+        max_d = min(s.devices for s in spec.sites)
         d_vals = (
-            choice_values(pl.pipelines, default=[], powers_of_two=False)
+            choice_values(pl.pipelines, default=[], upper=max_d)
             if pl.pipelines is not None
             else None
         )
@@ -263,13 +268,16 @@ class Evaluator:
     # -- evaluation ----------------------------------------------------------------------------
     def evaluate(self, c: Candidate, record: bool = False, prune: bool = False) -> Evaluation:
         """Score ``c``. With ``prune`` (the searches), skip the simulation when memory already
-        rules the candidate out or its lower bound loses to the best plan seen so far."""
-        if not record and c in self._cache:
-            return self._cache[c]
+        rules the candidate out or its lower bound loses to the best plan seen so far. Such
+        entries are cached for the searches only: a plain call simulates them."""
+        cached = None if record else self._cache.get(c)
+        if cached is not None and (prune or not cached.skipped_simulation):
+            return cached
         ev = self._evaluate(c, record, self.best_fitness if prune else None)
         if not record:
             self._cache[c] = ev
-            self.evaluations += 1
+            if cached is None:  # re-simulating a skipped entry is not a new candidate
+                self.evaluations += 1
             if ev.feasible and not ev.pruned and ev.fitness < self.best_fitness:
                 self.best_fitness = ev.fitness
         return ev
@@ -318,13 +326,14 @@ class Evaluator:
                 f"device has {limits[k] / (1 << 30):.2f} GiB"
             )
             if prune_above is not None:
+                base.skipped_simulation = True
                 return base  # the penalty depends on memory only: no need to simulate
         costs = self.costs(plan)
         if prune_above is not None and not record:
             lb = lower_bound(costs, plan.num_microbatches)
             if lb / base.tokens_per_iteration > prune_above * (1 + 1e-6):
                 base.iteration_time_s = lb
-                base.pruned = True
+                base.pruned = base.skipped_simulation = True
                 base.reason = "pruned: its lower bound is slower than the best plan found"
                 return base
         sim = simulate(sched, costs, record=record)

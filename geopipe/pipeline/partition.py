@@ -5,6 +5,7 @@ Pure functions; the planner calls them once per candidate shape (results are cac
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from collections.abc import Callable, Sequence
@@ -25,47 +26,57 @@ def stage_time_bottleneck(
 def _feasible(prefix: Sequence[float], speeds: Sequence[float], limit: float) -> list[int] | None:
     """Cut points of a partition whose every stage takes at most ``limit`` (None if none does).
 
-    Exact for any speeds: stage by stage we keep the set of positions where the stage can end
-    (a greedy "fill each stage" cut is not enough once speeds differ, since a big layer may
-    then land on a slow stage). From a start ``i`` a stage may end anywhere in ``(i, r(i)]``
-    and ``r`` grows with ``i``, so one two-pointer sweep per stage builds the next set: O(p·n).
+    Exact for any speeds: a greedy "fill each stage" cut is not (a big layer may land on a
+    slow stage), so stage by stage we keep every position where the stage can end, as sorted
+    disjoint intervals. A stage may run from ``i`` to any ``j`` with
+    ``prefix[j] <= prefix[i] + budget``; the largest such ``j`` grows with ``i``, so a run of
+    starts whose first layer fits reaches one contiguous range of ends. Typically the sets
+    stay a single interval, making a test O(p log n) instead of O(p n).
     """
     n, p = len(prefix) - 1, len(speeds)
-    reach = [False] * (n + 1)
-    reach[0] = True
-    history = [reach]
+    budgets = [limit * v * (1 + _REL_TOL) for v in speeds]
+    too_big: dict[float, list[int]] = {}  # per budget: starts whose first layer alone exceeds it
+    history: list[list[tuple[int, int]]] = [[(0, 0)]]
     for k in range(p - 1):
-        budget = limit * speeds[k] * (1 + _REL_TOL)
+        budget = budgets[k]
+        big = too_big.get(budget)
+        if big is None:
+            big = too_big[budget] = [i for i in range(n) if not prefix[i + 1] <= prefix[i] + budget]
         last_end = n - (p - k - 1)  # leave at least one layer for every later stage
-        nxt = [False] * (n + 1)
-        covered = 0  # ends up to here are already marked
-        r = 0
-        for i in range(k, last_end):
-            if not reach[i]:
-                continue
-            if r < i:
-                r = i
-            base = prefix[i]
-            while r < last_end and prefix[r + 1] - base <= budget:
-                r += 1
-            start = max(i + 1, covered + 1)
-            if r >= start:
-                nxt[start : r + 1] = [True] * (r + 1 - start)
-                covered = r
-        reach = nxt
-        history.append(reach)
-    # The last stage must end at n: find its latest feasible start, then walk back.
+        ends: list[tuple[int, int]] = []
+        for a, b in history[-1]:
+            b = min(b, last_end - 1)
+            cur = a
+            idx = bisect.bisect_left(big, a)
+            while cur <= b:
+                if idx < len(big) and big[idx] <= b:
+                    run_end, nxt = big[idx] - 1, big[idx] + 1
+                    idx += 1
+                else:
+                    run_end, nxt = b, b + 1
+                if run_end >= cur:
+                    r = bisect.bisect_right(prefix, prefix[run_end] + budget) - 1
+                    lo, hi = cur + 1, min(r, last_end)
+                    if ends and lo <= ends[-1][1] + 1:
+                        ends[-1] = (ends[-1][0], max(ends[-1][1], hi))
+                    else:
+                        ends.append((lo, hi))
+                cur = nxt
+        if not ends:
+            return None
+        history.append(ends)
+    # Walk back from the end: each stage takes the latest reachable start that fits.
     cuts = [n]
     j = n
     for k in range(p - 1, -1, -1):
-        budget = limit * speeds[k] * (1 + _REL_TOL)
-        i = j - 1
-        while i >= k and prefix[j] - prefix[i] <= budget and not history[k][i]:
-            i -= 1
-        if i < k or not history[k][i] or prefix[j] - prefix[i] > budget:
+        budget, pj = budgets[k], prefix[j]
+        first = bisect.bisect_left(prefix, True, 0, j, key=lambda v, pj=pj, b=budget: pj <= v + b)
+        reach = history[k]
+        pos = bisect.bisect_right(reach, (j - 1, n + 1)) - 1  # last interval starting < j
+        if pos < 0 or reach[pos][1] < first:
             return None
-        cuts.append(i)
-        j = i
+        j = min(reach[pos][1], j - 1)
+        cuts.append(j)
     cuts.reverse()
     return cuts
 

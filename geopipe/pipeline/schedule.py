@@ -318,6 +318,37 @@ def _grid(s: Schedule, mark: tuple[int, int] | None, width: int = 24) -> str:
     return "\n".join(rows)
 
 
+# Where a missing action belongs: next to these actions of the same micro-batch (in order of
+# preference), so the error grid can mark the spot.
+_NEIGHBOURS: dict[Kind, tuple[Kind, ...]] = {
+    Kind.F: (Kind.RECV_F, Kind.SEND_F, Kind.B),
+    Kind.B: (Kind.RECV_B, Kind.SEND_B, Kind.F),
+    Kind.RECV_F: (Kind.F,),
+    Kind.SEND_F: (Kind.F,),
+    Kind.RECV_B: (Kind.B,),
+    Kind.SEND_B: (Kind.B,),
+}
+
+
+def _missing(
+    s: Schedule, k: int, pos: dict[tuple[Kind, int], int], kind: Kind, mb: int
+) -> ScheduleError:
+    """The error for an action stage ``k`` never runs, marking the step it belongs beside.
+
+    A missing action has no step of its own, so we mark its compute (or, for a missing
+    compute, its receive/send) — else the stage's last step — to show where it is missing.
+    """
+    acts = s.stages[k]
+    near = next((pos[(n, mb)] for n in _NEIGHBOURS[kind] if (n, mb) in pos), None)
+    if near is not None:
+        where, mark = f" (it belongs beside {acts[near]}, marked)", (k, near)
+    elif acts:
+        where, mark = " (marked: the stage's last step)", (k, len(acts) - 1)
+    else:
+        where, mark = " (the stage has no steps)", None
+    return ScheduleError(f"stage {k} never runs {kind.name}{mb}{where}\n{_grid(s, mark)}")
+
+
 def validate(s: Schedule) -> None:
     """Check the invariants every executor relies on; raise :class:`ScheduleError`.
 
@@ -358,7 +389,7 @@ def validate(s: Schedule) -> None:
         for mb in range(m):
             for kind in COMPUTE:
                 if (kind, mb) not in pos:
-                    raise ScheduleError(f"stage {k} never runs {kind.name}{mb}\n{_grid(s, None)}")
+                    raise _missing(s, k, pos, kind, mb)
             need = []
             if k > 0:
                 need += [(Kind.RECV_F, Kind.F), (Kind.SEND_B, None)]
@@ -366,17 +397,22 @@ def validate(s: Schedule) -> None:
                 need += [(Kind.SEND_F, None), (Kind.RECV_B, Kind.B)]
             for comm, before in need:
                 if (comm, mb) not in pos:
-                    raise ScheduleError(f"stage {k} never runs {comm.name}{mb}\n{_grid(s, None)}")
+                    raise _missing(s, k, pos, comm, mb)
                 if before is not None and pos[(comm, mb)] > pos[(before, mb)]:
                     i = pos[(before, mb)]
                     raise ScheduleError(
                         f"{before.name}{mb} on stage {k} runs before {comm.name}{mb}\n"
                         f"{_grid(s, (k, i))}"
                     )
-        extra = [a for a in acts if (a.kind == Kind.RECV_F or a.kind == Kind.SEND_B) and k == 0]
-        extra += [a for a in acts if a.kind in (Kind.SEND_F, Kind.RECV_B) and k == p - 1]
+        past = {Kind.RECV_F, Kind.SEND_B} if k == 0 else set()
+        if k == p - 1:
+            past |= {Kind.SEND_F, Kind.RECV_B}
+        extra = [i for i, a in enumerate(acts) if a.kind in past]
         if extra:
-            raise ScheduleError(f"stage {k} talks past the pipeline's end: {extra[0]}")
+            i = extra[0]
+            raise ScheduleError(
+                f"stage {k} talks past the pipeline's end: {acts[i]}\n{_grid(s, (k, i))}"
+            )
     _check_deadlock(s)
 
 

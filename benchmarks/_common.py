@@ -1,0 +1,66 @@
+"""Shared pieces of the runtime benchmarks: specs derived from the embedded default, and
+running a Controller against one embedded Ray that several settings share."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import yaml
+
+from geopipe.config import ClusterSpec, parse_cluster
+from geopipe.runtime.controller import Controller, LaunchOptions, RunResult
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def two_site_doc(name: str, latency_ms: float, bandwidth_gbps: float, micro_batches: int,
+                 codec: str = "none", micro_batch_size: int = 1) -> dict:  # fmt: skip
+    """clusters/local-2dc.yaml with one device per site (one stage each), D = 1."""
+    doc = copy.deepcopy(yaml.safe_load((ROOT / "clusters" / "local-2dc.yaml").read_text()))
+    doc["name"] = name
+    for s in doc["sites"]:
+        s["devices_per_node"] = 1
+    doc["links"][0].update(latency_ms=latency_ms, bandwidth_gbps=bandwidth_gbps, codec=codec)
+    doc["training"].update(global_batch_size=micro_batches * micro_batch_size, warmup_steps=0)
+    doc["training"]["checkpoint"] = {"every_steps": 0, "keep": 1}
+    doc["plan"].update(
+        pipelines=1, micro_batch_size=micro_batch_size, seq_len=128, codecs=[codec],
+        delta_n={"min": 0, "max": 32},
+    )  # fmt: skip
+    return doc
+
+
+def spec_of(doc: dict) -> ClusterSpec:
+    return parse_cluster(doc, doc["name"])
+
+
+def run(spec: ClusterSpec, steps: int, run_dir: Path, schedule: str | None = None
+        ) -> tuple[Controller, RunResult, list[dict]]:  # fmt: skip
+    """Train ``steps`` steps; the embedded Ray stays up for the next setting."""
+    ctl = Controller(
+        spec, LaunchOptions(steps=steps, schedule=schedule, run_dir=str(run_dir), progress=False)
+    )
+    try:
+        ctl.launch()
+        res = ctl.train()
+    finally:
+        stop_actors(ctl)
+    events = [
+        json.loads(x)
+        for x in (run_dir / "metrics.jsonl").read_text().splitlines()
+        if '"event"' in x
+    ]
+    return ctl, res, events
+
+
+def stop_actors(ctl: Controller) -> None:
+    import ray
+
+    for row in ctl.actors:
+        for a in row:
+            ray.kill(a)
+    ctl.actors = []
+    if ctl.sink is not None:
+        ctl.sink.close()
