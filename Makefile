@@ -1,5 +1,5 @@
 # Two commands do everything on a fresh machine:
-#   make demo   - install, then run the main job on the embedded default (clusters/local-2dc.yaml)
+#   make demo   - install, then train on the embedded default cluster (clusters/local-2dc.yaml)
 #   make test   - install, then lint and run the test suite
 # torch is installed explicitly first: an unpinned torch pulls a multi-GB CUDA build on
 # CPU-only machines. pyproject keeps its own torch range loose for GPU users.
@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: install
-	$(VENV)/bin/geopipe plan clusters/local-2dc.yaml --plot runs/local-2dc-plan.png
+	$(VENV)/bin/geopipe launch clusters/local-2dc.yaml
 
 plan: install
 	$(VENV)/bin/geopipe plan clusters/local-2dc.yaml

@@ -16,7 +16,7 @@ from geopipe.optimizer.simulator import PipelineCosts, simulate
 from geopipe.pipeline.schedule import make_schedule
 from geopipe.plan import Plan
 
-__all__ = ["measured_costs", "predict", "refine_delta_n"]
+__all__ = ["measured_costs", "pessimistic", "predict", "refine_delta_n"]
 
 
 def measured_costs(
@@ -33,6 +33,17 @@ def measured_costs(
         fwd_s=tuple(fwd_s),
         bwd_s=tuple(bwd_s),
         step_s=tuple(step_s) if step_s is not None else base.step_s,
+    )
+
+
+def pessimistic(costs: PipelineCosts, compute: float = 0.6, latency: float = 1.25) -> PipelineCosts:
+    """Costs under which a ΔN is harder to make sufficient: faster stages, slower links."""
+    return replace(
+        costs,
+        fwd_s=tuple(x * compute for x in costs.fwd_s),
+        bwd_s=tuple(x * compute for x in costs.bwd_s),
+        lat_f=tuple(x * latency for x in costs.lat_f),
+        lat_b=tuple(x * latency for x in costs.lat_b),
     )
 
 

@@ -249,7 +249,7 @@ class Controller:
                 result.steps.append(m)
                 self.sink.write(m, {"predicted_iteration_time_s": self.predicted_s})
                 if step < CALIBRATION_STEPS:
-                    self._recalibrate(results)
+                    self._recalibrate(results, choose_delta_n=step == 0)
                     plan = self.plan
                 self._write_status(step + 1)
                 progress.update(m)
@@ -265,18 +265,21 @@ class Controller:
         self.state = State.FINISHED
         return result
 
-    def _recalibrate(self, results: list[dict]) -> None:
+    def _recalibrate(self, results: list[dict], choose_delta_n: bool) -> None:
         """Replace the nominal compute model by the measured stage times; re-choose ΔN.
 
         ΔN is the one planner knob that changes only the action lists, not the actors'
-        layout, so it can follow the measurement; the new lists take effect next step. It
-        runs after steps 0 and 1: stage times depend on how busy the machine is, which
-        depends on the schedule, so the second pass measures under the chosen ΔN.
+        layout, so it can follow the measurement; the new lists take effect next step.
+        After step 0 ΔN is chosen for pessimistic costs (stages 40 % faster, links 25 %
+        slower than measured): too small a ΔN exposes the whole round trip, one too large
+        only holds a few more activations. After step 1, run under that ΔN, only the
+        prediction is updated: stage times depend on how busy the machine is, which
+        depends on the schedule.
         """
         import ray
 
         from geopipe.config import choice_values
-        from geopipe.optimizer.refine import measured_costs, refine_delta_n
+        from geopipe.optimizer.refine import measured_costs, pessimistic, predict, refine_delta_n
 
         fwd, bwd, step_t = measured_stage_times(results, self.plan.num_stages)
         costs = measured_costs(self.spec, self.plan, fwd, bwd, step_t)
@@ -284,12 +287,16 @@ class Controller:
         cands = choice_values(self.spec.plan.delta_n, default=[0], powers_of_two=False)
         if self.opts.plan is not None or self.plan.schedule != "lookahead":
             cands = sorted({self.plan.delta_n[j] for j in self.plan.wan_boundaries} or {0})
-        new, t = refine_delta_n(self.spec, self.plan, costs, cands)
+        new = self.plan
+        if choose_delta_n:
+            new, _ = refine_delta_n(self.spec, self.plan, pessimistic(costs), cands)
+        t = predict(new, costs)
         self.sink.event(
             "calibrated",
             forward_s=fwd,
             backward_s=bwd,
             step_s=step_t,
+            link_latency_s={"forward": list(costs.lat_f), "backward": list(costs.lat_b)},
             delta_n=list(new.delta_n),
             previous_delta_n=list(self.plan.delta_n),
             predicted_iteration_time_s=t,
@@ -402,8 +409,12 @@ def with_transport_overhead(costs: Any, results: list[dict], plan: Plan) -> Any:
 def measured_stage_times(
     results: list[dict], num_stages: int
 ) -> tuple[list[float], list[float], list[float]]:
-    """Median forward and backward seconds per stage from recorded events, and the extra
-    time of each stage's last backward (it runs the ZeRO-1 reduction and optimizer step)."""
+    """Mean forward and backward seconds per stage from recorded events, and the extra time
+    of each stage's last backward (it runs the ZeRO-1 reduction and the optimizer step).
+
+    Means, not medians: the simulator adds the times up, so occasional slow operations
+    (a GC pause, a busy core) belong in the figure.
+    """
     import statistics
 
     fwd: list[list[float]] = [[] for _ in range(num_stages)]
@@ -414,12 +425,15 @@ def measured_stage_times(
         f = [t1 - t0 for kind, _, t0, t1 in r["events"] if kind == "F"]
         b = [t1 - t0 for kind, _, t0, t1 in r["events"] if kind == "B"]
         fwd[k] += f
-        bwd[k] += b
-        if b:
-            extra[k].append(max(0.0, b[-1] - statistics.median(b)))
+        if len(b) > 1:
+            body = statistics.mean(b[:-1])
+            bwd[k] += b[:-1]
+            extra[k].append(max(0.0, b[-1] - body))
+        else:
+            bwd[k] += b
     return (
-        [statistics.median(x) for x in fwd],
-        [statistics.median(x) for x in bwd],
+        [statistics.mean(x) for x in fwd],
+        [statistics.mean(x) for x in bwd],
         [statistics.mean(x) if x else 0.0 for x in extra],
     )
 

@@ -1,0 +1,786 @@
+"""Crash-safe, partition-independent training checkpoints (the pure on-disk format layer).
+
+Why this shape: a geo-distributed run can be killed at any instant and is often re-planned
+onto a different pipeline partition, so a checkpoint must (1) either exist completely or not
+at all, (2) never execute code when read (no pickle, no ``torch.load``), and (3) be keyed by
+partition-independent parameter names so any stage layout can load it.
+
+On-disk format (``FORMAT_VERSION = 1``)::
+
+    <root>/
+      step-00000020/                 one checkpoint; exists only after a complete save
+        stage-0.safetensors          one shard per pipeline stage
+        stage-1.safetensors
+        manifest.json                written last: a step dir without a valid one is corrupt
+      .tmp-step-00000030-<pid>/      a save in progress or one that was killed ("partial")
+
+A shard ``stage-<k>.safetensors`` holds contiguous tensors (no shared storage):
+
+* ``params/<name>``                        parameters, e.g. ``params/blocks.7.attn.qkv.weight``
+* ``exp_avg/<name>``, ``exp_avg_sq/<name>``  the full (unsharded) Adam moments of ``<name>``
+* ``rng/torch``                            the torch CPU RNG state (uint8), if saved with ``rng=``
+* any other stage state, e.g. ``codec/<stream>`` error-feedback residuals
+
+and safetensors string metadata ``geopipe.format`` (``"1"``), ``geopipe.stage`` (``"<k>"``)
+and ``geopipe.meta``: JSON of the stage's small state (Adam step, LR-scheduler step,
+``"rng": {"python": [...], "numpy": [...]}``, ...). JSON turns tuples into lists.
+
+``manifest.json`` (keys beyond these are the caller's and are kept as given)::
+
+    {"format_version": 1, "step": 20, "time": 1767225600.0, "time_iso": "2026-01-01T00:00:00Z",
+     "config_hash": "...", "plan": {...}, "data": {...},
+     "model": {"n_layer": 4, "n_embd": 64, "n_head": 4, "vocab_size": 256, "max_seq_len": 128},
+     "num_stages": 2,
+     "stages": [{"stage": 0, "file": "stage-0.safetensors", "sha256": "<64 hex>",
+                 "bytes": 123456, "tensors": 14}, ...]}
+
+Saving: stages write shards into the temporary directory (each file fsynced, SHA-256 taken),
+then `CheckpointWriter.commit` writes the manifest, fsyncs the directory, renames it to
+``step-<NNNNNNNN>`` and fsyncs the root. Loading opens only the files the manifest names,
+only through safetensors, and only after their checksums verify.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import stat
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+__all__ = [
+    "EXP_AVG",
+    "EXP_AVG_SQ",
+    "FORMAT_VERSION",
+    "MODEL_FIELDS",
+    "PARAMS",
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointWriter",
+    "LoadedCheckpoint",
+    "ShardInfo",
+    "StageShard",
+    "capture_rng",
+    "check_compatible",
+    "latest_complete",
+    "list_checkpoints",
+    "load_checkpoint",
+    "load_state_for_layers",
+    "prune",
+    "restore_rng",
+    "step_dirname",
+    "write_shard_file",
+]
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+MODEL_FIELDS = ("n_layer", "n_embd", "n_head", "vocab_size", "max_seq_len")
+PARAMS, EXP_AVG, EXP_AVG_SQ = "params/", "exp_avg/", "exp_avg_sq/"
+RNG_TORCH = "rng/torch"
+_REQUIRED = ("config_hash", "plan", "data", "model")  # the caller must supply these
+_RESERVED = ("format_version", "step", "num_stages", "stages")  # the writer fills these
+_META_FORMAT, _META_STAGE, _META_JSON = "geopipe.format", "geopipe.stage", "geopipe.meta"
+_STEP_RE = re.compile(r"^step-(\d{8,})$")
+_TMP_RE = re.compile(r"^\.tmp-step-(\d{8,})-(\d+)(?:-trash)?$")
+_SHA_RE = re.compile(r"^[0-9a-f]{64}$")
+_CHUNK = 8 << 20
+
+Status = Literal["complete", "corrupt", "partial"]
+
+# tmp dirs of writers alive in this process: prune and a second writer must leave them alone
+_ACTIVE: set[Path] = set()
+_ACTIVE_LOCK = threading.Lock()
+
+
+def _release_tmp(path: Path) -> None:
+    with _ACTIVE_LOCK:
+        _ACTIVE.discard(path)
+
+
+class CheckpointError(Exception):
+    """A checkpoint is missing, unreadable, corrupt, or does not fit this run."""
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """What writing one stage's shard produced; plain data so it can cross process bounds."""
+
+    stage: int
+    file: str
+    sha256: str
+    bytes: int
+    tensors: int
+    seconds: float
+
+    def manifest_entry(self) -> dict[str, Any]:
+        """The manifest's record of this shard (timing is not part of the format)."""
+        entry = asdict(self)
+        del entry["seconds"]
+        return entry
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One entry of `list_checkpoints`: where, which step, and whether it can be trusted."""
+
+    path: Path
+    step: int
+    status: Status
+    reason: str | None  # why it is corrupt or partial; None when complete
+    time: float  # manifest time if readable, else the directory's mtime
+    size_bytes: int
+
+
+def step_dirname(step: int) -> str:
+    """``step-<NNNNNNNN>``: zero padded so names sort like steps."""
+    return f"step-{step:08d}"
+
+
+# --------------------------------------------------------------------------------------------
+# small filesystem helpers
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file's or directory's data and metadata to disk (directories: the entries)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    buf = bytearray(_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def _dir_stats(path: Path) -> tuple[int, float]:
+    """Total bytes of the regular files directly in `path`, and its mtime (0 if gone)."""
+    total = 0
+    try:
+        with os.scandir(path) as it:
+            for entry in it:
+                if entry.is_file(follow_symlinks=False):
+                    total += entry.stat(follow_symlinks=False).st_size
+        return total, path.stat().st_mtime
+    except OSError:
+        return total, 0.0
+
+
+def _trash_path(root: Path, step: int) -> Path:
+    """A fresh tmp-style name to move a checkpoint to before deleting or replacing it."""
+    trash = root / f".tmp-step-{step:08d}-{os.getpid()}-trash"
+    shutil.rmtree(trash, ignore_errors=True)
+    return trash
+
+
+def _delete_checkpoint(path: Path, step: int) -> None:
+    """Rename, then delete: a crash mid-delete leaves a tmp dir, never a half step dir."""
+    trash = _trash_path(path.parent, step)
+    os.rename(path, trash)
+    shutil.rmtree(trash)
+
+
+# --------------------------------------------------------------------------------------------
+# writing
+
+
+def _prepare(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """CPU, contiguous tensors that own their storage, as safetensors requires."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for key, value in tensors.items():
+        if not isinstance(key, str) or not key or key == "__metadata__":
+            raise CheckpointError(f"invalid tensor key {key!r}")
+        if not isinstance(value, torch.Tensor):
+            raise CheckpointError(f"{key!r} is a {type(value).__name__}, not a torch.Tensor")
+        t = value.detach().cpu()
+        storage = t.untyped_storage()
+        if t.nbytes and (
+            not t.is_contiguous() or storage.nbytes() != t.nbytes or storage.data_ptr() in seen
+        ):
+            t = t.clone(memory_format=torch.contiguous_format)  # a view, or shared storage
+        if t.nbytes:
+            seen.add(t.untyped_storage().data_ptr())
+        out[key] = t
+    return out
+
+
+def write_shard_file(
+    directory: str | os.PathLike[str],
+    stage: int,
+    tensors: Mapping[str, torch.Tensor],
+    meta: Mapping[str, Any] | None = None,
+    *,
+    rng: Mapping[str, Any] | None = None,
+) -> ShardInfo:
+    """Write and fsync ``stage-<k>.safetensors`` into `directory`, returning its checksum.
+
+    A free function so a stage in another process can write into a writer's `tmp_dir` on a
+    shared filesystem and hand the `ShardInfo` back to the controller (`add_shard`).
+    """
+    if not isinstance(stage, int) or stage < 0:
+        raise CheckpointError(f"stage must be an int >= 0, got {stage!r}")
+    t0 = time.perf_counter()
+    data = _prepare(tensors)
+    info = dict(meta or {})
+    if rng is not None:
+        if "rng" in info or RNG_TORCH in data:
+            raise CheckpointError("pass RNG state either as rng= or in meta/tensors, not both")
+        info["rng"] = {"python": rng["python"], "numpy": rng["numpy"]}
+        data[RNG_TORCH] = rng["torch"].detach().cpu().to(torch.uint8).clone()
+    try:
+        meta_json = json.dumps(info, sort_keys=True)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"stage {stage} metadata is not JSON-serialisable: {e}") from e
+    header = {_META_FORMAT: str(FORMAT_VERSION), _META_STAGE: str(stage), _META_JSON: meta_json}
+    name = f"stage-{stage}.safetensors"
+    path = Path(directory) / name
+    try:
+        save_file(data, path, metadata=header)
+        _fsync(path)
+        digest = _sha256_file(path)
+        size = path.stat().st_size
+    except Exception as e:
+        path.unlink(missing_ok=True)
+        raise CheckpointError(f"writing {path} failed: {e}") from e
+    return ShardInfo(stage, name, digest, size, len(data), time.perf_counter() - t0)
+
+
+class CheckpointWriter:
+    """One checkpoint being written: shards land in a tmp dir that `commit` renames into place.
+
+    Use as a context manager to `abort` automatically if `commit` is never reached.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], step: int) -> None:
+        if not isinstance(step, int) or step < 0:
+            raise CheckpointError(f"step must be an int >= 0, got {step!r}")
+        self.root = Path(root)
+        self.step = step
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.tmp_dir = self.root / f".tmp-step-{step:08d}-{os.getpid()}"
+        with _ACTIVE_LOCK:
+            if self.tmp_dir in _ACTIVE:
+                raise CheckpointError(f"step {step} is already being written by this process")
+            _ACTIVE.add(self.tmp_dir)
+        # dropped without commit/abort = a killed save: the tmp dir stays, prune may take it
+        self._release = weakref.finalize(self, _release_tmp, self.tmp_dir)
+        shutil.rmtree(self.tmp_dir, ignore_errors=True)  # a dead process with our pid left it
+        self.tmp_dir.mkdir()
+        self._lock = threading.Lock()
+        self._shards: dict[int, ShardInfo] = {}
+        self._writing: set[int] = set()
+        self._closed = False
+
+    def __enter__(self) -> CheckpointWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self._closed:
+            self.abort()
+
+    def _claim(self, stage: int) -> None:
+        with self._lock:
+            if self._closed:
+                raise CheckpointError(f"checkpoint step {self.step} was already committed/aborted")
+            if stage in self._shards or stage in self._writing:
+                raise CheckpointError(f"stage {stage} written twice for step {self.step}")
+            self._writing.add(stage)
+
+    def write_shard(
+        self,
+        stage: int,
+        tensors: Mapping[str, torch.Tensor],
+        meta: Mapping[str, Any] | None = None,
+        *,
+        rng: Mapping[str, Any] | None = None,
+    ) -> ShardInfo:
+        """Write one stage's shard; safe to call from one thread per stage in parallel."""
+        self._claim(stage)
+        info = None
+        try:
+            info = write_shard_file(self.tmp_dir, stage, tensors, meta, rng=rng)
+            return info
+        finally:
+            with self._lock:
+                self._writing.discard(stage)
+                if info is not None:
+                    self._shards[stage] = info
+
+    def add_shard(self, info: ShardInfo) -> None:
+        """Record a shard another process wrote into `tmp_dir` with `write_shard_file`."""
+        self._claim(info.stage)
+        with self._lock:
+            self._writing.discard(info.stage)
+            self._shards[info.stage] = info
+
+    def commit(self, manifest: Mapping[str, Any], *, num_stages: int) -> Path:
+        """Write manifest.json last, fsync, and atomically rename into ``step-<NNNNNNNN>``.
+
+        `manifest` must hold ``config_hash``, ``plan``, ``data`` and ``model``; ``time`` defaults
+        to now. An existing directory of the same step (e.g. a corrupt one a resumed run is
+        re-saving) is replaced.
+        """
+        with self._lock:  # held throughout so no shard can start while we seal the dir
+            if self._closed:
+                raise CheckpointError(f"checkpoint step {self.step} was already committed/aborted")
+            if self._writing:
+                raise CheckpointError(f"stages {sorted(self._writing)} are still being written")
+            self._write_manifest(manifest, num_stages)
+            self._closed = True
+        _fsync(self.tmp_dir)
+        final = self.root / step_dirname(self.step)
+        if final.exists():  # move the old one aside first so a crash leaves only tmp dirs
+            trash = _trash_path(self.root, self.step)
+            os.rename(final, trash)
+            os.rename(self.tmp_dir, final)
+            _fsync(self.root)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.rename(self.tmp_dir, final)
+            _fsync(self.root)
+        self._release()
+        return final
+
+    def _write_manifest(self, manifest: Mapping[str, Any], num_stages: int) -> None:
+        """Validate what the manifest will claim, then write it (fsynced) into the tmp dir."""
+        if num_stages < 1 or set(self._shards) != set(range(num_stages)):
+            raise CheckpointError(
+                f"shards written for stages {sorted(self._shards)}, expected 0..{num_stages - 1}"
+            )
+        missing = [k for k in _REQUIRED if k not in manifest]
+        clash = [k for k in _RESERVED if k in manifest]
+        if missing or clash:
+            raise CheckpointError(f"manifest lacks {missing} / must not set {clash}")
+        _check_model_dict(manifest["model"])
+        for info in self._shards.values():
+            size = (self.tmp_dir / info.file).stat().st_size
+            if size != info.bytes:
+                raise CheckpointError(f"{info.file} is {size} bytes, ShardInfo says {info.bytes}")
+        now = time.time()
+        doc = {
+            "format_version": FORMAT_VERSION,
+            "step": self.step,
+            "time": now,
+            "time_iso": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
+            **manifest,
+            "num_stages": num_stages,
+            "stages": [self._shards[k].manifest_entry() for k in range(num_stages)],
+        }
+        try:
+            text = json.dumps(doc, indent=1, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"manifest is not JSON-serialisable: {e}") from e
+        with open(self.tmp_dir / MANIFEST, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def abort(self) -> None:
+        """Discard this save: remove the tmp dir (the previous checkpoint is untouched)."""
+        with self._lock:
+            self._closed = True
+        shutil.rmtree(self.tmp_dir, ignore_errors=True)
+        self._release()
+
+
+# --------------------------------------------------------------------------------------------
+# reading and validating
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_model_dict(model: object) -> None:
+    if not isinstance(model, Mapping):
+        raise CheckpointError(f"manifest 'model' must be a dict, got {type(model).__name__}")
+    bad = [f for f in MODEL_FIELDS if not _is_int(model.get(f))]
+    if bad:
+        raise CheckpointError(f"manifest 'model' lacks integer field(s) {bad}")
+
+
+def _read_manifest(path: Path, step: int | None) -> dict[str, Any]:
+    """Parse and structurally validate manifest.json; the error says why it is unusable."""
+    try:
+        text = (path / MANIFEST).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise CheckpointError(f"missing {MANIFEST} (the save never finished)") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"cannot read {MANIFEST}: {e}") from e
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{MANIFEST} is not valid JSON: {e}") from e
+    if not isinstance(doc, dict):
+        raise CheckpointError(f"{MANIFEST} is not a JSON object")
+    if doc.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{MANIFEST} has format_version {doc.get('format_version')!r}, "
+            f"this geopipe reads {FORMAT_VERSION}"
+        )
+    if not _is_int(doc.get("step")) or (step is not None and doc["step"] != step):
+        raise CheckpointError(f"{MANIFEST} step {doc.get('step')!r} does not match {path.name}")
+    if not isinstance(doc.get("time"), (int, float)):
+        raise CheckpointError(f"{MANIFEST} has no numeric 'time'")
+    _check_model_dict(doc.get("model"))
+    n, stages = doc.get("num_stages"), doc.get("stages")
+    if not _is_int(n) or n < 1 or not isinstance(stages, list) or len(stages) != n:
+        raise CheckpointError(f"{MANIFEST} num_stages={n!r} does not match its 'stages' list")
+    for k, e in enumerate(stages):
+        # The file name is fixed by the stage index: nothing else in the directory is opened.
+        if not (
+            isinstance(e, dict)
+            and e.get("stage") == k
+            and e.get("file") == f"stage-{k}.safetensors"
+            and isinstance(e.get("sha256"), str)
+            and _SHA_RE.match(e["sha256"])
+            and _is_int(e.get("bytes"))
+            and e["bytes"] >= 0
+        ):
+            raise CheckpointError(f"{MANIFEST} stage entry {k} is malformed: {e!r}"[:300])
+    return doc
+
+
+def _check_files(path: Path, doc: Mapping[str, Any], verify: bool) -> None:
+    """Every shard exists with the recorded size and, if `verify`, the recorded SHA-256."""
+    entries = doc["stages"]
+    for e in entries:
+        try:
+            st = os.lstat(path / e["file"])
+        except FileNotFoundError:
+            raise CheckpointError(f"{e['file']} is missing") from None
+        except OSError as err:
+            raise CheckpointError(f"cannot stat {e['file']}: {err}") from err
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(f"{e['file']} is not a regular file")
+        if st.st_size != e["bytes"]:
+            raise CheckpointError(
+                f"{e['file']} is {st.st_size} bytes but the manifest says {e['bytes']}"
+            )
+    if not verify:
+        return
+
+    def digest(e: Mapping[str, Any]) -> str | OSError:
+        try:
+            return _sha256_file(path / e["file"])
+        except OSError as err:
+            return err
+
+    # hashlib releases the GIL, so shards hash in parallel
+    with ThreadPoolExecutor(max_workers=max(1, min(len(entries), os.cpu_count() or 1, 8))) as ex:
+        digests = list(ex.map(digest, entries))
+    for e, got in zip(entries, digests, strict=True):
+        if isinstance(got, OSError):
+            raise CheckpointError(f"cannot read {e['file']}: {got}")
+        if got != e["sha256"]:
+            raise CheckpointError(
+                f"{e['file']} checksum mismatch (sha256 {got[:16]}..., "
+                f"manifest {e['sha256'][:16]}...)"
+            )
+
+
+@dataclass(frozen=True)
+class StageShard:
+    """One stage's shard: key names and metadata are read eagerly, tensor data on demand."""
+
+    stage: int
+    path: Path
+    keys: frozenset[str]
+    meta: Mapping[str, Any]
+
+    def tensors_for(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
+        """Load the named tensors (safetensors only: no code runs while reading)."""
+        keys = list(keys)
+        missing = [k for k in keys if k not in self.keys]
+        if missing:
+            raise CheckpointError(f"{self.path.name} has no tensor(s) {missing[:5]}")
+        try:
+            with safe_open(str(self.path), framework="pt") as f:
+                return {k: f.get_tensor(k) for k in keys}
+        except Exception as e:
+            raise CheckpointError(f"cannot read tensors from {self.path}: {e}") from e
+
+    def tensor(self, key: str) -> torch.Tensor:
+        return self.tensors_for([key])[key]
+
+    def tensors(self, prefix: str = "") -> dict[str, torch.Tensor]:
+        """Every tensor whose key starts with `prefix`, keyed without it (e.g. ``"params/"``)."""
+        got = self.tensors_for(sorted(k for k in self.keys if k.startswith(prefix)))
+        return {k[len(prefix) :]: v for k, v in got.items()}
+
+    def rng(self) -> dict[str, Any] | None:
+        """The state saved with ``write_shard(..., rng=capture_rng())``, for `restore_rng`."""
+        state = self.meta.get("rng")
+        if state is None or RNG_TORCH not in self.keys:
+            return None
+        return {**state, "torch": self.tensor(RNG_TORCH)}
+
+
+def _open_stage(path: Path, entry: Mapping[str, Any]) -> StageShard:
+    """Parse a shard's safetensors header (not its data) and check it belongs here."""
+    file = path / entry["file"]
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            keys = frozenset(f.keys())
+            header = f.metadata() or {}
+    except Exception as e:  # SafetensorError is not exported under a stable name
+        raise CheckpointError(f"{entry['file']} is not a valid safetensors file: {e}") from e
+    if header.get(_META_FORMAT) != str(FORMAT_VERSION) or header.get(_META_STAGE) != str(
+        entry["stage"]
+    ):
+        raise CheckpointError(f"{entry['file']} is not a geopipe v{FORMAT_VERSION} stage shard")
+    try:
+        meta = json.loads(header.get(_META_JSON, "{}"))
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{entry['file']} has invalid JSON metadata: {e}") from e
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{entry['file']} metadata is not a JSON object")
+    return StageShard(entry["stage"], file, keys, meta)
+
+
+@dataclass(frozen=True)
+class LoadedCheckpoint:
+    """A verified checkpoint: its manifest plus lazy per-stage shard accessors."""
+
+    path: Path
+    manifest: Mapping[str, Any]
+    stages: tuple[StageShard, ...]
+
+    @property
+    def step(self) -> int:
+        return int(self.manifest["step"])
+
+    def stage(self, k: int) -> StageShard:
+        if not 0 <= k < len(self.stages):
+            raise CheckpointError(f"{self.path.name} has stages 0..{len(self.stages) - 1}, not {k}")
+        return self.stages[k]
+
+
+def load_checkpoint(path: str | os.PathLike[str], *, verify: bool = True) -> LoadedCheckpoint:
+    """Open a checkpoint directory after validating its manifest and shard checksums."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} is not a directory")
+    match = _STEP_RE.match(path.name)
+    try:
+        doc = _read_manifest(path, int(match.group(1)) if match else None)
+        _check_files(path, doc, verify)
+        stages = tuple(_open_stage(path, e) for e in doc["stages"])
+    except CheckpointError as e:
+        raise CheckpointError(f"checkpoint {path}: {e}") from e
+    return LoadedCheckpoint(path, doc, stages)
+
+
+def load_state_for_layers(
+    ckpt: LoadedCheckpoint, names: Iterable[str]
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Parameters and Adam moments of `names`, from whichever shards hold them.
+
+    Names are partition-independent, so this is how a checkpoint saved with one pipeline split
+    loads into any other. Returns ``{"params": {...}, "exp_avg": {...}, "exp_avg_sq": {...}}``;
+    the moment dicts lack a name only if the checkpoint has no Adam state for it.
+    """
+    owner: dict[str, StageShard] = {}
+    for shard in ckpt.stages:
+        for key in shard.keys:
+            if key.startswith(PARAMS):
+                name = key[len(PARAMS) :]
+                if name in owner:
+                    raise CheckpointError(
+                        f"{ckpt.path.name}: {name} is in stage {owner[name].stage} "
+                        f"and stage {shard.stage}"
+                    )
+                owner[name] = shard
+    wanted = list(dict.fromkeys(names))
+    missing = [n for n in wanted if n not in owner]
+    if missing:
+        raise CheckpointError(
+            f"{ckpt.path.name} has no parameter(s) {missing[:5]}"
+            + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        )
+    out: dict[str, dict[str, torch.Tensor]] = {"params": {}, "exp_avg": {}, "exp_avg_sq": {}}
+    by_shard: dict[int, list[str]] = {}
+    for n in wanted:
+        by_shard.setdefault(owner[n].stage, []).append(n)
+    for stage, shard_names in by_shard.items():
+        shard = ckpt.stages[stage]
+        keys = []
+        for n in shard_names:
+            moments = [EXP_AVG + n in shard.keys, EXP_AVG_SQ + n in shard.keys]
+            if moments[0] != moments[1]:
+                raise CheckpointError(f"{shard.path.name} has only one Adam moment of {n}")
+            keys += [PARAMS + n] + ([EXP_AVG + n, EXP_AVG_SQ + n] if moments[0] else [])
+        for key, t in shard.tensors_for(keys).items():
+            group, name = key.split("/", 1)
+            out[group][name] = t
+    return out
+
+
+def check_compatible(manifest: Mapping[str, Any], model_shape: Mapping[str, int]) -> None:
+    """Raise naming every model field where the checkpoint and this run disagree."""
+    saved = manifest.get("model")
+    saved = saved if isinstance(saved, Mapping) else {}
+    problems = [
+        f"checkpoint has no model.{k} (this run has {v})"
+        if k not in saved
+        else f"checkpoint model.{k}={saved[k]} but this run has {v}"
+        for k, v in model_shape.items()
+        if k not in saved or saved[k] != v
+    ]
+    if problems:
+        raise CheckpointError("incompatible checkpoint: " + "; ".join(problems))
+
+
+# --------------------------------------------------------------------------------------------
+# listing, choosing, pruning
+
+
+def _inspect(path: Path, step: int, verify: bool) -> CheckpointInfo:
+    size, mtime = _dir_stats(path)
+    try:
+        doc = _read_manifest(path, step)
+        _check_files(path, doc, verify)
+        if verify:
+            for e in doc["stages"]:
+                _open_stage(path, e)
+    except CheckpointError as e:
+        return CheckpointInfo(path, step, "corrupt", str(e), mtime, size)
+    return CheckpointInfo(path, step, "complete", None, float(doc["time"]), size)
+
+
+def _scan(root: Path) -> Iterator[tuple[Path, int, bool]]:
+    """(path, step, is_tmp) of every checkpoint-like directory; symlinks are never followed."""
+    if not root.is_dir():
+        return
+    with os.scandir(root) as it:
+        entries = sorted(it, key=lambda e: e.name)
+    for entry in entries:
+        if not entry.is_dir(follow_symlinks=False):
+            continue
+        if m := _STEP_RE.match(entry.name):
+            yield Path(entry.path), int(m.group(1)), False
+        elif m := _TMP_RE.match(entry.name):
+            yield Path(entry.path), int(m.group(1)), True
+
+
+def list_checkpoints(root: str | os.PathLike[str], *, verify: bool = False) -> list[CheckpointInfo]:
+    """Every ``step-*`` and ``.tmp-*`` directory, oldest step first, with its status.
+
+    Without `verify` "complete" means the manifest and shard sizes are right; with it the
+    SHA-256s and safetensors headers are checked too.
+    """
+    out = []
+    for path, step, is_tmp in _scan(Path(root)):
+        if is_tmp:
+            size, mtime = _dir_stats(path)
+            reason = "save in progress or interrupted (never committed)"
+            out.append(CheckpointInfo(path, step, "partial", reason, mtime, size))
+        else:
+            out.append(_inspect(path, step, verify))
+    out.sort(key=lambda i: (i.step, i.status == "partial", i.path.name))
+    return out
+
+
+def latest_complete(
+    root: str | os.PathLike[str], on_skip: Callable[[Path, str], None] | None = None
+) -> CheckpointInfo | None:
+    """The newest fully verified checkpoint; each newer unusable one is passed to `on_skip`.
+
+    `on_skip(path, reason)` defaults to a logged warning, so callers can say e.g.
+    "skipping step-00000020: stage-1.safetensors checksum mismatch (...)".
+    """
+
+    def warn(path: Path, reason: str) -> None:
+        log.warning("skipping %s: %s", path.name, reason)
+
+    report = on_skip or warn
+    for path, step, _ in sorted(
+        (s for s in _scan(Path(root)) if not s[2]), key=lambda s: s[1], reverse=True
+    ):
+        info = _inspect(path, step, verify=True)
+        if info.status == "complete":
+            return info
+        report(path, info.reason or "")
+    return None
+
+
+def prune(root: str | os.PathLike[str], keep: int) -> list[Path]:
+    """Delete complete checkpoints older than the newest `keep` verified ones; return them.
+
+    Newer checkpoints that fail verification do not count towards `keep`, so the last good one
+    survives. Also deletes ``.tmp-*`` dirs older than the newest good checkpoint (killed saves).
+    Corrupt ``step-*`` dirs and anything not named like a checkpoint are left alone.
+    """
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    root = Path(root)
+    infos = list_checkpoints(root)
+    good: list[CheckpointInfo] = []
+    deleted: list[Path] = []
+    for info in sorted((i for i in infos if i.status == "complete"), key=lambda i: -i.step):
+        if len(good) < keep:
+            if _inspect(info.path, info.step, verify=True).status == "complete":
+                good.append(info)
+            continue
+        _delete_checkpoint(info.path, info.step)
+        deleted.append(info.path)
+    if good:
+        with _ACTIVE_LOCK:  # a writer being created now must not lose its fresh tmp dir
+            for info in infos:
+                stale = info.status == "partial" and info.step < good[0].step
+                if stale and info.path not in _ACTIVE:
+                    shutil.rmtree(info.path, ignore_errors=True)
+                    if not info.path.exists():
+                        deleted.append(info.path)
+    return deleted
+
+
+# --------------------------------------------------------------------------------------------
+# RNG state
+
+
+def capture_rng() -> dict[str, Any]:
+    """Python, numpy (global) and torch CPU RNG states; all JSON-able except ``"torch"``."""
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    return {
+        "python": [version, list(internal), gauss],
+        "numpy": [str(name), keys.tolist(), int(pos), int(has_gauss), float(cached)],
+        "torch": torch.get_rng_state(),
+    }
+
+
+def restore_rng(state: Mapping[str, Any]) -> None:
+    """Inverse of `capture_rng`; accepts the lists JSON gives back for the tuples."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"].detach().cpu().to(torch.uint8))
