@@ -1,4 +1,4 @@
-"""``geopipe`` command line: plan | simulate | launch | status.
+"""``geopipe`` command line: plan | simulate | launch | status | checkpoints.
 
 Errors in user input (a bad YAML, an impossible setting) print one clear message and exit
 with status 2; a traceback means a bug in geopipe.
@@ -168,6 +168,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         metrics_out=args.metrics_out,
         trace=args.trace,
         progress=not args.no_progress,
+        resume=args.resume,
     )
     ctl = Controller(spec, opts)
     interrupted = False
@@ -207,6 +208,36 @@ def cmd_launch(args: argparse.Namespace) -> int:
             f"{pred.iteration_time_s * 1e3:.0f} ms); bubble "
             f"{sum(m.bubble_ratio for m in tail) / len(tail):.1%}"
         )
+    return 0
+
+
+def cmd_checkpoints(args: argparse.Namespace) -> int:
+    import time
+    from pathlib import Path
+
+    from geopipe.checkpoint.store import list_checkpoints
+
+    root = Path(args.run_dir)
+    if (root / "checkpoints").is_dir():
+        root = root / "checkpoints"
+    if not root.is_dir():
+        print(f"geopipe checkpoints: no such directory {root}", file=sys.stderr)
+        return EXIT_USAGE
+    infos = list_checkpoints(root, verify=not args.fast)
+    if args.json:
+        print(json.dumps([
+            {"path": str(i.path), "step": i.step, "status": i.status, "reason": i.reason,
+             "time": i.time, "size_bytes": i.size_bytes} for i in infos
+        ]))  # fmt: skip
+        return 0
+    if not infos:
+        print(f"no checkpoints under {root}")
+        return 0
+    print(f"{'step':>8}  {'time':19}  {'size':>10}  status")
+    for i in infos:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(i.time))
+        reason = f" ({i.reason})" if i.reason else ""
+        print(f"{i.step:>8}  {when}  {i.size_bytes / 1e6:>8.2f}MB  {i.status}{reason}")
     return 0
 
 
@@ -283,7 +314,17 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--metrics-out", default=None, metavar="FILE.jsonl")
     la.add_argument("--trace", default=None, metavar="FILE", help="measured Chrome trace")
     la.add_argument("--no-progress", action="store_true", help="no progress bar")
+    la.add_argument(
+        "--resume", nargs="?", const=True, default=False, metavar="PATH",
+        help="continue from the newest complete checkpoint of the run (or from PATH)",
+    )  # fmt: skip
     la.set_defaults(func=cmd_launch)
+
+    ck = sub.add_parser("checkpoints", help="list a run's checkpoints and whether they verify")
+    ck.add_argument("run_dir", help="the run directory (or its checkpoints/ directory)")
+    ck.add_argument("--fast", action="store_true", help="skip SHA-256 verification")
+    ck.add_argument("--json", action="store_true")
+    ck.set_defaults(func=cmd_checkpoints)
 
     st = sub.add_parser("status", help="the running (or last) job: stages, sites, step")
     st.add_argument("run_dir", nargs="?", default=None)

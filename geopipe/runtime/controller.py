@@ -12,6 +12,7 @@ import contextlib
 import enum
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,6 +57,8 @@ class LaunchOptions:
     trace: str | None = None
     progress: bool = True
     plan: Plan | None = None  # run this plan instead of searching one
+    resume: str | bool = False  # True: newest complete checkpoint of the run; or a path
+    checkpoint_sync: bool = False  # write checkpoints synchronously (benchmarks compare)
 
 
 @dataclass
@@ -93,6 +96,10 @@ class Controller:
         self.plan: Plan | None = None
         self.predicted: Evaluation | None = None
         self.sink: MetricsSink | None = None
+        self.resume_from: str | None = None
+        self.start_step = 0
+        self.skipped_checkpoints: list[tuple[str, str]] = []
+        self._pending_ckpt = None
 
     # -- PLANNING ------------------------------------------------------------------------------
     def make_plan(self) -> tuple[Plan, Evaluation]:
@@ -125,6 +132,7 @@ class Controller:
     def launch(self) -> None:
         import ray
 
+        self.resume_from, self.start_step = self._find_resume()
         self.plan, self.predicted = self.make_plan()
         self.state = State.LAUNCHING
         self.cluster = connect(self.spec)
@@ -168,10 +176,18 @@ class Controller:
                 row.append(cls.options(**opts).remote(sspec))
             self.actors.append(row)
         self._wire()
+        if self.resume_from is not None:
+            steps = ray.get([a.load_checkpoint.remote(self.resume_from) for a in self._flat()])
+            assert set(steps) == {self.start_step}
         self.run_dir.mkdir(parents=True, exist_ok=True)
         metrics = Path(self.opts.metrics_out) if self.opts.metrics_out else None
         self.sink = MetricsSink(metrics or self.run_dir / "metrics.jsonl", spec.name)
         self.sink.event("plan", plan=plan.to_dict(), predicted=self.predicted.summary())
+        if self.resume_from is not None:
+            self.sink.event("resumed", path=self.resume_from, step=self.start_step)
+
+    def _flat(self) -> list[Any]:
+        return [a for row in self.actors for a in row]
 
     def _wan_peer(self, src: int, dst: int) -> WanPeer | None:
         """How stage ``src`` sends to its neighbour ``dst`` if that hop crosses sites."""
@@ -228,6 +244,11 @@ class Controller:
 
     # -- RUNNING -------------------------------------------------------------------------------
     def train(self) -> RunResult:
+        """Run optimizer steps ``start .. steps-1`` (``start`` > 0 when resuming).
+
+        Ctrl-C finishes the step in flight, saves a checkpoint and then raises
+        KeyboardInterrupt; a second Ctrl-C abandons the step.
+        """
         import ray
 
         plan, spec = self.plan, self.spec
@@ -238,22 +259,45 @@ class Controller:
                            actor_names=list(self.names))  # fmt: skip
         tokens = spec.training.global_batch_size * plan.seq_len
         flat = [a for row in self.actors for a in row]
-        progress = _Progress(spec.training.steps, self.opts.progress)
+        start = self.start_step
+        progress = _Progress(spec.training.steps, self.opts.progress, done=start)
+        every = spec.training.checkpoint.every_steps
         last_results: list[dict] = []
+        interrupted = False
         try:
-            for step in range(spec.training.steps):
+            for step in range(start, spec.training.steps):
                 last = step == spec.training.steps - 1
-                record = step < CALIBRATION_STEPS or (bool(self.opts.trace) and last)
-                results = ray.get([a.run_iteration.remote(step, record) for a in flat])
+                calibrating = step - start < CALIBRATION_STEPS
+                record = calibrating or (bool(self.opts.trace) and last)
+                refs = [a.run_iteration.remote(step, record) for a in flat]
+                try:
+                    results = ray.get(refs)
+                except KeyboardInterrupt:
+                    interrupted = True
+                    print(
+                        "\ngeopipe: finishing the step in flight, then saving a checkpoint "
+                        "(Ctrl-C again to abandon it)",
+                        file=sys.stderr,
+                    )
+                    results = ray.get(refs)
                 m = aggregate(results, plan.num_stages, tokens)
                 result.steps.append(m)
                 self.sink.write(m, {"predicted_iteration_time_s": self.predicted_s})
-                if step < CALIBRATION_STEPS:
-                    self._recalibrate(results, choose_delta_n=step == 0)
+                if calibrating:
+                    self._recalibrate(results, choose_delta_n=step == start)
                     plan = self.plan
                 self._write_status(step + 1)
                 progress.update(m)
                 last_results = results
+                self._poll_checkpoint()
+                if interrupted:
+                    break
+                if every and (step + 1) % every == 0 and not last:
+                    self.save_checkpoint(step + 1)
+            done = start + len(result.steps)
+            if result.steps and (interrupted or done == spec.training.steps):
+                self.save_checkpoint(done)
+            self._poll_checkpoint(wait=True)
         finally:
             progress.close()
         if self.opts.trace and last_results:
@@ -262,8 +306,114 @@ class Controller:
             write_chrome_trace(
                 self.opts.trace, measured_events(last_results), process=f"{spec.name} (measured)"
             )
+        if interrupted:
+            raise KeyboardInterrupt
         self.state = State.FINISHED
         return result
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    @property
+    def checkpoint_root(self) -> Path:
+        d = self.spec.training.checkpoint.dir
+        return Path(d) if d else self.run_dir / "checkpoints"
+
+    def save_checkpoint(self, step: int) -> None:
+        """Snapshot every stage (training stalls only for that) and write shards in the
+        background; the manifest is committed once every shard is on disk (see
+        :meth:`_poll_checkpoint`). One save at a time: a new one first completes the last."""
+        import ray
+
+        from geopipe.checkpoint.store import CheckpointWriter
+
+        self._poll_checkpoint(wait=True)
+        t0 = time.perf_counter()
+        writer = CheckpointWriter(self.checkpoint_root, step)
+        flat = [a for row in self.actors for a in row]
+        stalls = ray.get([a.save_shard.remote(str(writer.tmp_dir)) for a in flat])
+        writers = [row[0] for row in self.actors]
+        self._pending_ckpt = (writer, [a.shard_written.remote() for a in writers], t0, max(stalls))
+        if self.opts.checkpoint_sync:
+            self._poll_checkpoint(wait=True)
+
+    def _poll_checkpoint(self, wait: bool = False) -> None:
+        import ray
+
+        from geopipe.checkpoint.store import prune
+
+        pending = getattr(self, "_pending_ckpt", None)
+        if pending is None:
+            return
+        writer, refs, t0, stall = pending
+        if not wait:
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            if len(ready) < len(refs):
+                return
+        self._pending_ckpt = None
+        try:
+            for info in ray.get(refs):
+                writer.add_shard(info)
+            path = writer.commit(self._manifest(writer.step), num_stages=self.plan.num_stages)
+        except BaseException:
+            writer.abort()  # the previous checkpoint stays the newest complete one
+            raise
+        deleted = prune(self.checkpoint_root, self.spec.training.checkpoint.keep)
+        self.sink.event(
+            "checkpoint",
+            step=writer.step,
+            path=str(path),
+            stall_s=stall,
+            seconds=time.perf_counter() - t0,
+            bytes=sum(f.stat().st_size for f in path.iterdir()),
+            pruned=[p.name for p in deleted],
+        )
+
+    def _manifest(self, step: int) -> dict:
+        m, t = self.spec.model, self.spec.training
+        return {
+            "config_hash": self.spec.digest,
+            "plan": self.plan.to_dict(),
+            "data": {"seed": t.seed, "step": step, "source": t.data},
+            "model": model_shape(self.spec),
+            "run": self.spec.name,
+            "lr": t.lr,
+            "steps_total": t.steps,
+            "global_batch_size": t.global_batch_size,
+            "n_embd": m.n_embd,
+        }
+
+    def _find_resume(self) -> tuple[str | None, int]:
+        """The checkpoint to resume from and its step (None, 0 without --resume)."""
+        from geopipe.checkpoint.store import (
+            CheckpointError,
+            check_compatible,
+            latest_complete,
+            load_checkpoint,
+        )
+
+        res = self.opts.resume
+        if not res:
+            return None, 0
+        if res is True:
+            root = self.checkpoint_root
+            if not root.is_dir():
+                raise LaunchError(f"--resume: no checkpoint directory {root}")
+
+            def skipped(path: Path, reason: str) -> None:
+                print(f"geopipe: skipping checkpoint {path.name}: {reason}", file=sys.stderr)
+                self.skipped_checkpoints.append((path.name, reason))
+
+            info = latest_complete(root, on_skip=skipped)
+            if info is None:
+                raise LaunchError(f"--resume: no complete checkpoint under {root}")
+            path = info.path
+        else:
+            path = Path(res)
+        try:
+            ckpt = load_checkpoint(path)
+            check_compatible(ckpt.manifest, model_shape(self.spec))
+        except CheckpointError as exc:
+            raise LaunchError(f"--resume: {exc}") from None
+        return str(path), ckpt.step
 
     def _recalibrate(self, results: list[dict], choose_delta_n: bool) -> None:
         """Replace the nominal compute model by the measured stage times; re-choose ΔN.
@@ -386,6 +536,14 @@ class Controller:
             path.write_text(json.dumps(data, indent=1))
 
 
+def model_shape(spec: ClusterSpec) -> dict:
+    m = spec.model
+    return {
+        "n_layer": m.n_layer, "n_embd": m.n_embd, "n_head": m.n_head,
+        "vocab_size": m.vocab_size, "max_seq_len": m.max_seq_len,
+    }  # fmt: skip
+
+
 def with_transport_overhead(costs: Any, results: list[dict], plan: Plan) -> Any:
     """Add the real transport's median delay beyond the emulated link to each WAN hop.
 
@@ -455,7 +613,7 @@ def _first(choice: Any, default: int = 1) -> int:
 class _Progress:
     """A rich progress bar with step, loss, tokens/s and bubble ratio."""
 
-    def __init__(self, total: int, enabled: bool) -> None:
+    def __init__(self, total: int, enabled: bool, done: int = 0) -> None:
         self._p = None
         if not enabled:
             return
@@ -466,7 +624,7 @@ class _Progress:
             TextColumn("{task.fields[info]}"),
         )  # fmt: skip
         self._p.start()
-        self._task = self._p.add_task("train", total=total, info="")
+        self._task = self._p.add_task("train", total=total, completed=done, info="")
 
     def update(self, m: StepMetrics) -> None:
         if self._p is None:

@@ -275,6 +275,80 @@ class StageWorker:
     def load_full_state(self, state: dict) -> None:
         self.engine.load_full_state(state)
 
+    # -- checkpoints ---------------------------------------------------------------------------
+    def save_shard(self, directory: str) -> float:
+        """Snapshot this stage to memory and write its shard on a background thread.
+
+        Collective inside the ZeRO-1 group (every replica gathers the full Adam state);
+        replica 0 writes. Returns the seconds training was stalled (the snapshot).
+        """
+        import threading
+
+        from geopipe.checkpoint.store import capture_rng, write_shard_file
+
+        t0 = time.perf_counter()
+        st = self.engine.full_state()
+        self._shard_thread = None
+        if self.spec.replica != 0:
+            return time.perf_counter() - t0
+        tensors = {}
+        for group in ("params", "exp_avg", "exp_avg_sq"):
+            tensors.update({f"{group}/{n}": t for n, t in st[group].items()})
+        for name, ch in (("up", self.up_send), ("down", self.down_send)):
+            if isinstance(ch, WanSender):
+                for stream, t in ch.codec_state().items():
+                    tensors[f"codec/{name}/{stream}"] = t.detach().clone()
+        meta = {"adam_step": st["step"], "lr_step": st["lr_step"], "layers": list(self.layers)}
+        rng = capture_rng()
+        result: dict = {}
+
+        def write() -> None:
+            try:
+                result["info"] = write_shard_file(directory, self.k, tensors, meta, rng=rng)
+            except Exception as exc:  # reported by shard_written()
+                result["error"] = exc
+
+        self._shard_result = result
+        self._shard_thread = threading.Thread(target=write, name="ckpt-write", daemon=True)
+        self._shard_thread.start()
+        return time.perf_counter() - t0
+
+    def shard_written(self) -> Any:
+        """Wait for the background write; returns its ShardInfo (None on non-writers)."""
+        if getattr(self, "_shard_thread", None) is None:
+            return None
+        self._shard_thread.join()
+        self._shard_thread = None
+        if "error" in self._shard_result:
+            raise self._shard_result["error"]
+        return self._shard_result["info"]
+
+    def load_checkpoint(self, path: str) -> int:
+        """Load this stage's layers from a checkpoint of any partition; returns its step.
+
+        Parameters and Adam moments are matched by name. RNG and codec state are restored
+        only when the checkpoint's stage k held exactly these layers (same partition).
+        """
+        from geopipe.checkpoint.store import load_checkpoint, load_state_for_layers, restore_rng
+
+        ckpt = load_checkpoint(path, verify=False)  # the controller verified the checksums
+        names = [n for n, _ in self.engine.module.named_parameters()]
+        state: dict[str, Any] = load_state_for_layers(ckpt, names)
+        meta = ckpt.stages[0].meta
+        state["step"], state["lr_step"] = int(meta["adam_step"]), int(meta["lr_step"])
+        self.engine.load_full_state(state)
+        if self.k < len(ckpt.stages) and ckpt.stages[self.k].meta.get("layers") == list(
+            self.layers
+        ):
+            shard = ckpt.stages[self.k]
+            rng = shard.rng()
+            if rng is not None:
+                restore_rng(rng)
+            for name, ch in (("up", self.up_send), ("down", self.down_send)):
+                if isinstance(ch, WanSender):
+                    ch.load_codec_state(shard.tensors(f"codec/{name}/"))
+        return ckpt.step
+
     def ping(self) -> int:
         return os.getpid()
 
