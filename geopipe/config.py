@@ -163,6 +163,12 @@ class TrainingSpec(_Spec):
     steps: int = Field(ge=1)
     lr: float = Field(gt=0)
     warmup_steps: int = Field(0, ge=0)
+    lr_decay_steps: int | None = Field(
+        None,
+        ge=1,
+        description="cosine LR horizon (default: steps as written in the YAML; `launch "
+        "--steps` only says where to stop, so a stopped run resumes on the same schedule)",
+    )
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(
         0.0, ge=0, description="0 disables clipping (DeepSpeed's default is 1)"

@@ -10,3 +10,34 @@ import os
 
 os.environ.setdefault("RAY_AUTH_MODE", "token")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+import socket
+
+import pytest
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """One embedded Ray per test module, with both sites of the local clusters and the
+    dashboard (the state API needs it). Module scope: tests/test_cli_launch.py needs a
+    machine with no Ray running, so no Ray outlives its module."""
+    import ray
+
+    ray.init(
+        address="local",
+        namespace="geopipe",
+        resources={"site:east": 2, "site:west": 2},
+        include_dashboard=True,
+        dashboard_host="127.0.0.1",
+        dashboard_port=_free_port(),
+        logging_level="WARNING",
+    )
+    yield
+    ray.shutdown()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import math
-import socket
 import time
 from functools import partial
 from pathlib import Path
@@ -33,24 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
-    ray.init(
-        address="local",
-        namespace="geopipe",
-        resources={"site:east": 2, "site:west": 2},
-        include_dashboard=True,
-        dashboard_host="127.0.0.1",
-        dashboard_port=_free_port(),
-        logging_level="WARNING",
-    )
+def _ray(ray_cluster):
     yield
-    ray.shutdown()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tiny_doc(devices: int, pipelines: int, codec: str = "none", steps: int = 3) -> dict:

@@ -80,6 +80,9 @@ class Controller:
 
     def __init__(self, spec: ClusterSpec, options: LaunchOptions | None = None) -> None:
         opts = options or LaunchOptions()
+        # The LR schedule's horizon is the YAML's, not --steps: stopping at N and resuming to
+        # 2N must follow the same schedule as running 2N in one go.
+        self.lr_horizon = spec.training.lr_decay_steps or spec.training.steps
         updates: dict[str, Any] = {}
         if opts.steps is not None:
             updates["training"] = spec.training.model_copy(update={"steps": opts.steps})
@@ -148,7 +151,7 @@ class Controller:
         t = spec.training
         engine = {
             "lr": t.lr, "weight_decay": t.weight_decay, "grad_clip": t.grad_clip,
-            "warmup_steps": t.warmup_steps, "total_steps": t.steps,
+            "warmup_steps": t.warmup_steps, "total_steps": max(self.lr_horizon, t.steps),
             "micro_batches": plan.num_microbatches, "seed": t.seed,
             "micro_batch_size": plan.micro_batch_size,
         }  # fmt: skip
