@@ -57,6 +57,13 @@ def test_resume_is_bit_for_bit(tmp_path):
     second, _, resumed_state, ctl = launch(doc, tmp_path / "b", steps=4, resume=True)
     assert ctl.start_step == 2
     assert first + second == full  # exact equality, not approx
+    # The checkpoint (assembled from each replica's ZeRO-1 partition on a background thread)
+    # holds exactly what DeepSpeed's own full-state gather returns at that point.
+    saved = load_checkpoint(tmp_path / "a" / "checkpoints" / "step-00000004")
+    for shard in saved.stages:
+        for group in ("params", "exp_avg", "exp_avg_sq"):
+            for name, t in shard.tensors(group + "/").items():
+                assert torch.equal(t, full_state[group][name]), (group, name)
     for group in ("params", "exp_avg", "exp_avg_sq"):
         for name, t in full_state[group].items():
             assert torch.equal(t, resumed_state[group][name]), (group, name)

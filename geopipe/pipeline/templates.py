@@ -22,13 +22,16 @@ links form no chain has no template. Every used site hosts a contiguous run of �
 
 [Note: what a prediction assumes] The micro-batch size, sequence length, schedule and the
 codec of each WAN hop are fixed for a template set (taken from the running plan, or the
-YAML's defaults). ΔN per WAN boundary is *not* copied from a plan (stage sizes differ from
-template to template): it is the architecture's estimate ``ceil(round trip / (t_f + t_b))``
-of the upstream stage, snapped into the YAML's ΔN range, halved until the stages fit in
-memory. Memory is checked where in-flight activations peak (``m ≥ p + ΣΔN``), so a
-template that fits, fits for any number of micro-batches. Long runs (``p·m`` above
-:data:`_EXACT_CELLS`) are simulated at two points past that peak and extrapolated along
-the steady state, which is affine in ``m``; shorter ones are simulated exactly.
+YAML's defaults). ΔN per WAN boundary is searched per layout, because the right advance
+depends on the stage sizes: the architecture's estimate ``ceil(round trip / (t_f + t_b))``
+of the upstream stage overshoots (on the shipped clusters the simulator's best is 1/8 to 1/2
+of it, and the estimate itself predicts 25–30 % slower), so a prediction walks the multiples
+:data:`_DELTA_N_SCALES` of it from 1/4 while the time improves, also tries the running
+plan's ΔN on its site pairs, and keeps the fastest that fits in memory. Memory is checked
+where in-flight activations peak (``m ≥ p + ΣΔN``), so a template that fits, fits for any
+number of micro-batches. Long runs (``p·m`` above :data:`_EXACT_CELLS`) are simulated at
+two points past that peak and extrapolated along the steady state, which is affine in
+``m``; shorter ones are simulated exactly.
 
 [Note: bounded enumeration] Small clusters enumerate every vector (``Π (n_s + 1)`` up to
 ``exhaustive_limit``). Large ones (eight sites × 64 devices would be 65^8) precompute only
@@ -81,6 +84,10 @@ _EXACT_CELLS = 4096
 # Heterogeneous instantiation: exhaustive while it needs at most this many (vector, pipelines)
 # predictions (each a simulation), else a hill climb of at most this many steps.
 _MAX_EXHAUSTIVE_PREDICTIONS = 96
+# ΔN is searched over these multiples of the estimate ceil(round trip / (t_f + t_b)), starting
+# at index _DELTA_N_START: on the shipped clusters the best lies between 1/8 and 1/2 of it.
+_DELTA_N_SCALES = (0.0, 0.125, 0.25, 0.5, 1.0)
+_DELTA_N_START = 2
 _MAX_CLIMB_STEPS = 32
 
 
@@ -232,6 +239,7 @@ class TemplateSet:
         seq_len: int,
         schedule: str,
         codecs: Mapping[tuple[str, str], str],
+        plan_delta_n: Mapping[tuple[str, str], int] | None = None,
     ) -> None:
         self.spec = spec
         self.sites: tuple[str, ...] = tuple(site_order(spec))
@@ -249,6 +257,7 @@ class TemplateSet:
         self.templates: dict[Vector, Template] = {}
         self.exhaustive = False
         self._codecs = dict(codecs)
+        self._plan_delta_n = dict(plan_delta_n or {})
         self._ev = _TemplateEvaluator(spec, schedule=schedule)
         self._delta_ns = tuple(sorted(self._ev.space.delta_ns))
         self._orders: dict[frozenset[str], tuple[str, ...] | None] = {}
@@ -308,32 +317,37 @@ class TemplateSet:
                 return x
         return self._delta_ns[-1]
 
-    def _delta_n_ladder(
+    def _delta_n_options(
         self, stage_sites: tuple[str, ...], pipelines: int
-    ) -> list[tuple[int, ...]]:
-        """ΔN per boundary to try, best first: the estimate, then halved, then the minimum."""
+    ) -> tuple[list[tuple[int, ...]], tuple[int, ...] | None]:
+        """ΔN per boundary to search: the estimate scaled by :data:`_DELTA_N_SCALES`
+        (ascending), and the running plan's ΔN on its site pairs (None without a plan)."""
         p = len(stage_sites)
+        zeros = (0,) * (p - 1)
         if self.schedule != "lookahead":
-            return [(0,) * (p - 1)]
-        probe = self._candidate(stage_sites, pipelines, 1, (0,) * (p - 1))
-        plan = self._ev.make_plan(probe)
+            return [zeros], None
+        plan = self._ev.make_plan(self._candidate(stage_sites, pipelines, 1, zeros))
         assert plan is not None
         costs = self._ev.costs(plan)
-        est = [0] * (p - 1)
+        est = [0.0] * (p - 1)
         for j in plan.wan_boundaries:
             rt = costs.ser_f[j] + costs.lat_f[j] + costs.ser_b[j] + costs.lat_b[j]
             est[j] = math.ceil(rt / max(costs.fwd_s[j] + costs.bwd_s[j], 1e-12))
         wan = set(plan.wan_boundaries)
         ladder: list[tuple[int, ...]] = []
-        shift = 0
-        while True:
-            dn = tuple(self._snap(est[j] >> shift) if j in wan else 0 for j in range(p - 1))
+        for scale in _DELTA_N_SCALES:
+            dn = tuple(self._snap(round(est[j] * scale)) if j in wan else 0 for j in range(p - 1))
             if dn not in ladder:
                 ladder.append(dn)
-            if all(est[j] >> shift == 0 for j in wan):
-                break
-            shift += 1
-        return ladder
+        planned = None
+        if self._plan_delta_n:
+            planned = tuple(
+                self._plan_delta_n.get((a, b), self._snap(round(est[j] * _DELTA_N_SCALES[2])))
+                if a != b
+                else 0
+                for j, (a, b) in enumerate(itertools.pairwise(stage_sites))
+            )
+        return ladder, planned
 
     def _candidate(
         self, stage_sites: tuple[str, ...], pipelines: int, m: int, delta_n: tuple[int, ...]
@@ -373,58 +387,84 @@ class TemplateSet:
         return self._predictions[key]
 
     def _predict(self, v: Vector, d: int, m: int) -> Prediction | None:
+        """Search ΔN (module note): walk the scaled estimates from the middle while the time
+        improves, try the running plan's ΔN, keep the fastest that fits."""
         stage_sites = self.stage_sites(v)
         if stage_sites is None or d < 1 or m < 1:
             return None
-        p = len(stage_sites)
-        chosen: Evaluation | None = None
-        ev: Evaluation | None = None
-        dn: tuple[int, ...] = ()
-        for dn in self._delta_n_ladder(stage_sites, d):
-            m_peak = min(m, p + sum(dn))  # in-flight activations peak from here on
-            ev = self._eval(self._candidate(stage_sites, d, m_peak, dn))
-            if not _memory_over(ev):
-                chosen = ev
+        ladder, planned = self._delta_n_options(stage_sites, d)
+        tried: dict[tuple[int, ...], Prediction] = {}
+
+        def at(dn: tuple[int, ...]) -> Prediction:
+            if dn not in tried:
+                tried[dn] = self._predict_at(stage_sites, d, m, dn)
+            return tried[dn]
+
+        def rank(pr: Prediction) -> float:
+            return pr.iteration_time_s if pr.feasible else math.inf
+
+        i = min(len(ladder) - 1, _DELTA_N_START)
+        at(ladder[i])
+        j = i
+        for step in (-1, 1):  # walk downhill; down also past what does not fit in memory
+            while 0 <= j + step < len(ladder):
+                here, there = rank(at(ladder[j])), rank(at(ladder[j + step]))
+                if not (there < here or (step < 0 and math.isinf(here))):
+                    break
+                j += step
+            if j != i:  # unimodal: once going down helped, going up cannot
                 break
-        if chosen is None:  # not even the smallest ΔN fits: report that one
-            assert ev is not None and ev.plan is not None
+        if planned is not None:
+            at(planned)
+        best = min(tried.values(), key=lambda pr: (rank(pr), sum(pr.delta_n)))
+        if not best.feasible:  # report the smallest ΔN: the least memory it can need
+            best = at(ladder[0])
+        return best
+
+    def _predict_at(
+        self, stage_sites: tuple[str, ...], d: int, m: int, dn: tuple[int, ...]
+    ) -> Prediction:
+        """Predict one ΔN: memory at the in-flight peak, time exact or extrapolated."""
+        p = len(stage_sites)
+        m_peak = min(m, p + sum(dn))  # in-flight activations peak from here on
+        peak = self._eval(self._candidate(stage_sites, d, m_peak, dn))
+        assert peak.plan is not None
+        if _memory_over(peak):
             return Prediction(
                 feasible=False,
-                reason=ev.reason,
+                reason=peak.reason,
                 iteration_time_s=math.inf,
-                delta_n=ev.plan.delta_n,
-                codecs=ev.plan.codecs,
-                peak_memory_bytes=tuple(ev.peak_memory_bytes),
+                delta_n=dn,
+                codecs=peak.plan.codecs,
+                peak_memory_bytes=tuple(peak.peak_memory_bytes),
                 exact=True,
                 per_microbatch_s=math.inf,
             )
-        assert chosen.plan is not None
-        m_peak = chosen.plan.num_microbatches  # == m unless m is past the in-flight peak
-        at_m: Evaluation | None = chosen
+        at_m: Evaluation | None = peak
         if m != m_peak:
             at_m = self._sim(stage_sites, d, m, dn) if p * m <= _EXACT_CELLS else None
         # The slope: between the peak and m, or one pipeline depth further (that point may not
         # fit in memory, which does not matter for a slope, hence a plain simulation).
-        if at_m is not None and at_m is not chosen:
+        if at_m is not None and at_m is not peak:
             far = at_m
         else:
             far = self._sim(stage_sites, d, m_peak + max(p, 4), dn)
         assert far.plan is not None
-        slope = (far.iteration_time_s - chosen.iteration_time_s) / (
+        slope = (far.iteration_time_s - peak.iteration_time_s) / (
             far.plan.num_microbatches - m_peak
         )
         if at_m is None:  # a long run: extrapolate along the steady state
-            t, last = chosen.iteration_time_s + slope * (m - m_peak), far
+            t, last = peak.iteration_time_s + slope * (m - m_peak), far
         else:
             t, last = at_m.iteration_time_s, at_m
-        bad = next((e for e in (chosen, last) if not e.feasible), None)
+        bad = next((e for e in (peak, last) if not e.feasible), None)
         return Prediction(
             feasible=bad is None,
             reason="ok" if bad is None else bad.reason,
             iteration_time_s=t,
-            delta_n=chosen.plan.delta_n,
-            codecs=chosen.plan.codecs,
-            peak_memory_bytes=tuple(chosen.peak_memory_bytes),
+            delta_n=dn,
+            codecs=peak.plan.codecs,
+            peak_memory_bytes=tuple(peak.peak_memory_bytes),
             exact=at_m is not None,
             per_microbatch_s=max(slope, 0.0),
         )
@@ -570,12 +610,14 @@ def build_templates(
         for a, z in ((lk.src, lk.dst), (lk.dst, lk.src)):
             c = lk.codec if lk.codec in space.codecs else space.codecs[0]
             codecs.setdefault((a, z), c)
-    if plan is not None:  # the running plan's codec choice wins on its hops
+    plan_dn: dict[tuple[str, str], int] = {}
+    if plan is not None:  # the running plan's codec and ΔN choices on its hops
         for j in plan.wan_boundaries:
             a, z = plan.stage_sites[j], plan.stage_sites[j + 1]
             codecs[(a, z)] = codecs[(z, a)] = plan.codecs[j]
+            plan_dn[(a, z)] = plan.delta_n[j]
     have = devices_per_site or {x.name: x.devices for x in spec.sites}
-    ts = TemplateSet(spec, have, b, s, sched, codecs)
+    ts = TemplateSet(spec, have, b, s, sched, codecs, plan_dn)
     limits = ts.devices
     n_all = math.prod(min(n, ts.num_layers) + 1 for n in limits)
     if n_all <= exhaustive_limit:

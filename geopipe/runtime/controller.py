@@ -333,8 +333,9 @@ class Controller:
         writer = CheckpointWriter(self.checkpoint_root, step)
         flat = [a for row in self.actors for a in row]
         stalls = ray.get([a.save_shard.remote(str(writer.tmp_dir)) for a in flat])
-        writers = [row[0] for row in self.actors]
-        self._pending_ckpt = (writer, [a.shard_written.remote() for a in writers], t0, max(stalls))
+        # Every replica's background thread takes part in the gather; replica 0's writes.
+        refs = [a.shard_written.remote() for a in flat]
+        self._pending_ckpt = (writer, refs, t0, max(stalls))
         if self.opts.checkpoint_sync:
             self._poll_checkpoint(wait=True)
 
@@ -354,7 +355,8 @@ class Controller:
         self._pending_ckpt = None
         try:
             for info in ray.get(refs):
-                writer.add_shard(info)
+                if info is not None:
+                    writer.add_shard(info)
             path = writer.commit(self._manifest(writer.step), num_stages=self.plan.num_stages)
         except BaseException:
             writer.abort()  # the previous checkpoint stays the newest complete one

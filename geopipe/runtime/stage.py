@@ -277,51 +277,59 @@ class StageWorker:
 
     # -- checkpoints ---------------------------------------------------------------------------
     def save_shard(self, directory: str) -> float:
-        """Snapshot this stage to memory and write its shard on a background thread.
+        """Snapshot this stage to memory; gather and write its shard on a background thread.
 
-        Collective inside the ZeRO-1 group (every replica gathers the full Adam state);
-        replica 0 writes. Returns the seconds training was stalled (the snapshot).
+        Every replica copies its own ZeRO-1 partition (no communication: that copy is all
+        the training stalls for); the background threads then gather the partitions on the
+        group's checkpoint-only communicator, and replica 0 writes the shard. Returns the
+        seconds training was stalled.
         """
         import threading
 
         from geopipe.checkpoint.store import capture_rng, write_shard_file
+        from geopipe.runtime.engine import assemble_snapshot
 
         t0 = time.perf_counter()
-        st = self.engine.full_state()
-        self._shard_thread = None
-        if self.spec.replica != 0:
-            return time.perf_counter() - t0
-        tensors = {}
-        for group in ("params", "exp_avg", "exp_avg_sq"):
-            tensors.update({f"{group}/{n}": t for n, t in st[group].items()})
+        eng = self.engine
+        snap = eng.local_snapshot()
+        codec: dict[str, torch.Tensor] = {}
         for name, ch in (("up", self.up_send), ("down", self.down_send)):
             if isinstance(ch, WanSender):
                 for stream, t in ch.codec_state().items():
-                    tensors[f"codec/{name}/{stream}"] = t.detach().clone()
-        meta = {"adam_step": st["step"], "lr_step": st["lr_step"], "layers": list(self.layers)}
+                    codec[f"codec/{name}/{stream}"] = t.detach().clone()
         rng = capture_rng()
+        writer = self.spec.replica == 0
         result: dict = {}
 
-        def write() -> None:
+        def work() -> None:
             try:
+                st = assemble_snapshot(snap, eng.ckpt_group, eng.replicas)
+                if not writer:
+                    return
+                tensors = dict(codec)
+                for group in ("params", "exp_avg", "exp_avg_sq"):
+                    tensors.update({f"{group}/{n}": t for n, t in st[group].items()})
+                meta = {
+                    "adam_step": st["step"], "lr_step": st["lr_step"], "layers": list(self.layers),
+                }  # fmt: skip
                 result["info"] = write_shard_file(directory, self.k, tensors, meta, rng=rng)
             except Exception as exc:  # reported by shard_written()
                 result["error"] = exc
 
         self._shard_result = result
-        self._shard_thread = threading.Thread(target=write, name="ckpt-write", daemon=True)
+        self._shard_thread = threading.Thread(target=work, name="ckpt-write", daemon=True)
         self._shard_thread.start()
         return time.perf_counter() - t0
 
     def shard_written(self) -> Any:
-        """Wait for the background write; returns its ShardInfo (None on non-writers)."""
+        """Wait for the background gather/write; returns its ShardInfo (None on non-writers)."""
         if getattr(self, "_shard_thread", None) is None:
             return None
         self._shard_thread.join()
         self._shard_thread = None
         if "error" in self._shard_result:
             raise self._shard_result["error"]
-        return self._shard_result["info"]
+        return self._shard_result.get("info")
 
     def load_checkpoint(self, path: str) -> int:
         """Load this stage's layers from a checkpoint of any partition; returns its step.

@@ -1,0 +1,117 @@
+"""Checkpoint cost: training stall with asynchronous saving vs a synchronous save, and
+save/load throughput, for the demo model and one ten times larger.
+
+Both models train on the embedded default layout (2 sites × 2 stages-replicas: ZeRO-1
+groups of 2). For each model, after two training steps:
+
+* async: ``save_checkpoint`` blocks only for the snapshot (every replica gathers its
+  group's full Adam state into memory); the shards are written by background threads
+  while training would continue. The stall is that blocking time.
+* sync: the same save, waiting until the shards are written, fsynced and committed.
+* load: verifying every shard's SHA-256 (``latest_complete``) plus every stage loading
+  its layers by name into its engine.
+
+Prints ratios and one JSON line: ``async_stall_ratio`` (worst over the models),
+``save_mb_s``, ``load_mb_s`` (per model), ``models``.
+
+Run: ``.venv/bin/python benchmarks/checkpoint.py``
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+from _common import ROOT, stop_actors
+
+from geopipe.checkpoint.store import latest_complete
+from geopipe.config import parse_cluster
+from geopipe.optimizer.costs import layer_param_counts
+from geopipe.runtime.controller import Controller, LaunchOptions
+
+MODELS = {
+    "demo": {"n_layer": 4, "n_embd": 128, "n_head": 4},
+    "10x": {"n_layer": 10, "n_embd": 256, "n_head": 8},
+}
+
+
+def measure(name: str, model: dict, run_dir: Path) -> dict:
+    import ray
+
+    doc = copy.deepcopy(yaml.safe_load((ROOT / "clusters" / "local-2dc.yaml").read_text()))
+    doc["name"] = f"ckpt-{name}"
+    doc["model"].update(model)
+    doc["training"]["checkpoint"] = {"every_steps": 0, "keep": 10}
+    doc["plan"]["micro_batch_size"] = 4
+    spec = parse_cluster(doc, name)
+    params = sum(layer_param_counts(spec.model))
+    ctl = Controller(spec, LaunchOptions(steps=2, run_dir=str(run_dir), progress=False))
+    try:
+        ctl.launch()
+        ctl.train()  # also writes (and waits for) the step-2 checkpoint
+        t0 = time.perf_counter()
+        ctl.save_checkpoint(100)
+        stall = time.perf_counter() - t0
+        ctl._poll_checkpoint(wait=True)
+        async_total = time.perf_counter() - t0
+        ctl.opts.checkpoint_sync = True
+        t0 = time.perf_counter()
+        ctl.save_checkpoint(101)
+        sync = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        info = latest_complete(ctl.checkpoint_root)
+        verify = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        ray.get([a.load_checkpoint.remote(str(info.path)) for row in ctl.actors for a in row])
+        load = time.perf_counter() - t0
+        size = sum(f.stat().st_size for f in info.path.iterdir())
+    finally:
+        stop_actors(ctl)
+    mb = size / 1e6
+    row = {
+        "params": params,
+        "checkpoint_mb": mb,
+        "async_stall_s": stall,
+        "async_total_s": async_total,
+        "sync_save_s": sync,
+        "async_stall_ratio": stall / sync,
+        "save_mb_s": mb / sync,
+        "load_mb_s": mb / (verify + load),
+        "verify_s": verify,
+        "load_s": load,
+    }
+    print(
+        f"{name:>5}: {params / 1e6:.1f} M params, {mb:.1f} MB; sync save {sync:.3f} s "
+        f"({row['save_mb_s']:.0f} MB/s), async stall {stall:.3f} s "
+        f"({row['async_stall_ratio']:.1%} of sync); load {verify + load:.3f} s "
+        f"({row['load_mb_s']:.0f} MB/s, of which SHA-256 verify {verify:.3f} s)"
+    )
+    return row
+
+
+def main() -> None:
+    import ray
+
+    tmp = Path(tempfile.mkdtemp(prefix="geopipe-ckpt-"))
+    rows = {}
+    try:
+        for name, model in MODELS.items():
+            rows[name] = measure(name, model, tmp / name)
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+    result = {
+        "async_stall_ratio": max(r["async_stall_ratio"] for r in rows.values()),
+        "save_mb_s": {k: r["save_mb_s"] for k, r in rows.items()},
+        "load_mb_s": {k: r["load_mb_s"] for k, r in rows.items()},
+        "models": rows,
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
