@@ -106,12 +106,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
         panels = [("1F1B", report.baselines["1f1b"].sim.events)]
         panels.append((f"{report.best.plan.schedule} (planned)", report.best.sim.events))
         plot_timelines(args.plot, panels, title=f"{spec.name}: simulated iteration")
+    templates = None
+    if args.templates:
+        from geopipe.pipeline.templates import build_templates, format_templates
+
+        templates = build_templates(spec, plan=report.best.plan)
     if args.json:
-        print(json.dumps(report.to_json(), indent=None))
+        doc = report.to_json()
+        if templates is not None:
+            doc["templates"] = format_templates(templates)
+        print(json.dumps(doc, indent=None))
     else:
         from rich.console import Console
 
         _print_plan(spec, report, Console())
+        if templates is not None:
+            print("\npipeline templates (one pipeline's layout for each device count per site):")
+            print(format_templates(templates))
     return 0
 
 
@@ -292,6 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--exhaustive", action="store_true", help="also run exhaustive search")
     pl.add_argument("--trace", metavar="FILE", help="write the simulated Chrome trace")
     pl.add_argument("--plot", metavar="FILE.png", help="plot 1F1B vs the plan's timeline")
+    pl.add_argument(
+        "--templates", action="store_true", help="also print the Oobleck-style pipeline templates"
+    )
     pl.set_defaults(func=cmd_plan)
 
     sm = sub.add_parser("simulate", help="evaluate one fixed configuration")
