@@ -180,6 +180,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         trace=args.trace,
         progress=not args.no_progress,
         resume=args.resume,
+        chaos_kill_every=args.chaos_kill_every,
     )
     ctl = Controller(spec, opts)
     interrupted = False
@@ -331,6 +332,10 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument(
         "--resume", nargs="?", const=True, default=False, metavar="PATH",
         help="continue from the newest complete checkpoint of the run (or from PATH)",
+    )  # fmt: skip
+    la.add_argument(
+        "--chaos-kill-every", type=int, default=None, metavar="N",
+        help="kill a random stage actor in the middle of every N-th step (see recovery)",
     )  # fmt: skip
     la.set_defaults(func=cmd_launch)
 

@@ -58,6 +58,7 @@ class LaunchOptions:
     progress: bool = True
     plan: Plan | None = None  # run this plan instead of searching one
     resume: str | bool = False  # True: newest complete checkpoint of the run; or a path
+    chaos_kill_every: int | None = None  # kill a random stage actor every N steps (demo aid)
     checkpoint_sync: bool = False  # write checkpoints synchronously (benchmarks compare)
 
 
@@ -103,6 +104,10 @@ class Controller:
         self.start_step = 0
         self.skipped_checkpoints: list[tuple[str, str]] = []
         self._pending_ckpt = None
+        self._templates = None
+        self._chaos_done: set[int] = set()
+        self._continue_from = 0
+        self.recoveries: list[dict] = []
 
     # -- PLANNING ------------------------------------------------------------------------------
     def make_plan(self) -> tuple[Plan, Evaluation]:
@@ -141,43 +146,10 @@ class Controller:
         self.cluster = connect(self.spec)
         check_sites(self.spec, self.plan, ray.cluster_resources())
         plan, spec = self.plan, self.spec
-        use_gpu = ray.cluster_resources().get("GPU", 0) >= plan.pipelines * plan.num_stages
-        cls = ray.remote(max_concurrency=8)(StageWorker)
-        m = spec.model
-        model = {
-            "n_layer": m.n_layer, "n_embd": m.n_embd, "n_head": m.n_head,
-            "vocab_size": m.vocab_size, "block_size": m.max_seq_len,
-        }  # fmt: skip
-        t = spec.training
-        engine = {
-            "lr": t.lr, "weight_decay": t.weight_decay, "grad_clip": t.grad_clip,
-            "warmup_steps": t.warmup_steps, "total_steps": max(self.lr_horizon, t.steps),
-            "micro_batches": plan.num_microbatches, "seed": t.seed,
-            "micro_batch_size": plan.micro_batch_size,
-        }  # fmt: skip
+        self._use_gpu = ray.cluster_resources().get("GPU", 0) >= plan.pipelines * plan.num_stages
         self.actors = []
         for k in range(plan.num_stages):
-            row = []
-            for r in range(plan.pipelines):
-                name = plan.actor_name(spec.name, k, r)
-                self.names.append(name)
-                sspec = StageSpec(
-                    run=spec.name, stage=k, replica=r, plan=plan.to_dict(), model=model,
-                    engine=engine, global_batch=t.global_batch_size, seed=t.seed, data=t.data,
-                    data_max_bytes=t.data_max_bytes, topk_ratio=spec.plan.topk_ratio,
-                    up_wan=self._wan_peer(k, k - 1) if k > 0 else None,
-                    down_wan=self._wan_peer(k, k + 1) if k < plan.num_stages - 1 else None,
-                )  # fmt: skip
-                opts: dict[str, Any] = {
-                    "name": name,
-                    "namespace": spec.ray.namespace,
-                    "resources": {site_resource(plan.stage_sites[k]): 1},
-                    "num_cpus": 0,
-                    "num_gpus": 1 if use_gpu else 0,
-                    "runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1"}},
-                }
-                row.append(cls.options(**opts).remote(sspec))
-            self.actors.append(row)
+            self.actors.append([self._create_actor(k, r) for r in range(plan.pipelines)])
         self._wire()
         if self.resume_from is not None:
             steps = ray.get([a.load_checkpoint.remote(self.resume_from) for a in self._flat()])
@@ -191,6 +163,45 @@ class Controller:
 
     def _flat(self) -> list[Any]:
         return [a for row in self.actors for a in row]
+
+    def _stage_spec(self, k: int, r: int) -> StageSpec:
+        plan, spec = self.plan, self.spec
+        m, t = spec.model, spec.training
+        model = {
+            "n_layer": m.n_layer, "n_embd": m.n_embd, "n_head": m.n_head,
+            "vocab_size": m.vocab_size, "block_size": m.max_seq_len,
+        }  # fmt: skip
+        engine = {
+            "lr": t.lr, "weight_decay": t.weight_decay, "grad_clip": t.grad_clip,
+            "warmup_steps": t.warmup_steps, "total_steps": max(self.lr_horizon, t.steps),
+            "micro_batches": plan.num_microbatches, "seed": t.seed,
+            "micro_batch_size": plan.micro_batch_size,
+        }  # fmt: skip
+        return StageSpec(
+            run=spec.name, stage=k, replica=r, plan=plan.to_dict(), model=model,
+            engine=engine, global_batch=t.global_batch_size, seed=t.seed, data=t.data,
+            data_max_bytes=t.data_max_bytes, topk_ratio=spec.plan.topk_ratio,
+            up_wan=self._wan_peer(k, k - 1) if k > 0 else None,
+            down_wan=self._wan_peer(k, k + 1) if k < plan.num_stages - 1 else None,
+        )  # fmt: skip
+
+    def _create_actor(self, k: int, r: int) -> Any:
+        import ray
+
+        plan, spec = self.plan, self.spec
+        name = plan.actor_name(spec.name, k, r)
+        if name in self.names:  # a replacement after a failure gets a fresh name
+            name = f"{name}-{len(self.names)}"
+        self.names.append(name)
+        cls = ray.remote(max_concurrency=8)(StageWorker)
+        return cls.options(
+            name=name,
+            namespace=spec.ray.namespace,
+            resources={site_resource(plan.stage_sites[k]): 1},
+            num_cpus=0,
+            num_gpus=1 if self._use_gpu else 0,
+            runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
+        ).remote(self._stage_spec(k, r))
 
     def _wan_peer(self, src: int, dst: int) -> WanPeer | None:
         """How stage ``src`` sends to its neighbour ``dst`` if that hop crosses sites."""
@@ -252,7 +263,6 @@ class Controller:
         Ctrl-C finishes the step in flight, saves a checkpoint and then raises
         KeyboardInterrupt; a second Ctrl-C abandons the step.
         """
-        import ray
 
         plan, spec = self.plan, self.spec
         self.state = State.RUNNING
@@ -261,45 +271,43 @@ class Controller:
                            dashboard_url=self.cluster.dashboard_url if self.cluster else None,
                            actor_names=list(self.names))  # fmt: skip
         tokens = spec.training.global_batch_size * plan.seq_len
-        flat = [a for row in self.actors for a in row]
         start = self.start_step
         progress = _Progress(spec.training.steps, self.opts.progress, done=start)
         every = spec.training.checkpoint.every_steps
         last_results: list[dict] = []
         interrupted = False
+        calib_base = start
+        step = start
         try:
-            for step in range(start, spec.training.steps):
+            while step < spec.training.steps:
                 last = step == spec.training.steps - 1
-                calibrating = step - start < CALIBRATION_STEPS
+                calibrating = step - calib_base < CALIBRATION_STEPS
                 record = calibrating or (bool(self.opts.trace) and last)
-                refs = [a.run_iteration.remote(step, record) for a in flat]
-                try:
-                    results = ray.get(refs)
-                except KeyboardInterrupt:
-                    interrupted = True
-                    print(
-                        "\ngeopipe: finishing the step in flight, then saving a checkpoint "
-                        "(Ctrl-C again to abandon it)",
-                        file=sys.stderr,
-                    )
-                    results = ray.get(refs)
+                results, interrupted = self._run_step(step, record, interrupted)
+                if results is None:  # a failure: recovered in place, redo from the boundary
+                    step = calib_base = self._continue_from
+                    plan = self.plan
+                    tokens = spec.training.global_batch_size * plan.seq_len
+                    continue
                 m = aggregate(results, plan.num_stages, tokens)
                 result.steps.append(m)
-                self.sink.write(m, {"predicted_iteration_time_s": self.predicted_s})
+                self.sink.write(
+                    m, {"predicted_iteration_time_s": self.predicted_s, "completed_at": time.time()}
+                )
                 if calibrating:
-                    self._recalibrate(results, choose_delta_n=step == start)
+                    self._recalibrate(results, choose_delta_n=step == calib_base)
                     plan = self.plan
                 self._write_status(step + 1)
                 progress.update(m)
                 last_results = results
                 self._poll_checkpoint()
+                step += 1
                 if interrupted:
                     break
-                if every and (step + 1) % every == 0 and not last:
-                    self.save_checkpoint(step + 1)
-            done = start + len(result.steps)
-            if result.steps and (interrupted or done == spec.training.steps):
-                self.save_checkpoint(done)
+                if every and step % every == 0 and not last:
+                    self.save_checkpoint(step)
+            if result.steps and (interrupted or step == spec.training.steps):
+                self.save_checkpoint(step)
             self._poll_checkpoint(wait=True)
         finally:
             progress.close()
@@ -313,6 +321,206 @@ class Controller:
             raise KeyboardInterrupt
         self.state = State.FINISHED
         return result
+
+    def _run_step(self, step: int, record: bool, interrupted: bool) -> tuple[Any, bool]:
+        """One optimizer step on every replica; ``(None, …)`` if it failed and was recovered."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+        flat = self._flat()
+        refs = [a.run_iteration.remote(step, record) for a in flat]
+        self._maybe_chaos(step)
+        timeout = max(120.0, 20 * self.predicted_s)  # a hang is a failure too
+        try:
+            try:
+                return ray.get(refs, timeout=timeout), interrupted
+            except KeyboardInterrupt:
+                print(
+                    "\ngeopipe: finishing the step in flight, then saving a checkpoint "
+                    "(Ctrl-C again to abandon it)",
+                    file=sys.stderr,
+                )
+                return ray.get(refs, timeout=timeout), True
+        except (RayActorError, RayTaskError, GetTimeoutError) as exc:
+            self._recover(step, refs, exc)
+            return None, interrupted
+
+    def _maybe_chaos(self, step: int) -> None:
+        """``--chaos-kill-every N``: kill a random stage actor in the middle of every N-th step."""
+        n = self.opts.chaos_kill_every
+        if not n or step == self.start_step or step % n or step in self._chaos_done:
+            return
+        import random
+        import threading
+
+        import ray
+
+        self._chaos_done.add(step)
+        rng = random.Random(self.spec.training.seed * 7919 + step)
+        k = rng.randrange(self.plan.num_stages)
+        r = rng.randrange(self.plan.pipelines)
+        victim = self.actors[k][r]
+        delay = 0.4 * self.predicted_s
+
+        def kill() -> None:
+            print(f"geopipe chaos: killing stage {k} replica {r} at step {step}", file=sys.stderr)
+            self.sink.event("chaos_kill", step=step, stage=k, replica=r, time=time.time())
+            ray.kill(victim, no_restart=True)
+
+        threading.Timer(delay, kill).start()
+
+    # -- recovery -------------------------------------------------------------------------------
+    def _recover(self, step: int, refs: list, exc: BaseException) -> None:
+        """Re-form the job on the surviving actors, from the last step boundary.
+
+        1. find the dead (ping) and make the survivors' iteration fail fast (abort), then let
+           them leave their process groups — which also frees peers stuck in a collective;
+        2. choose the state: the newest step boundary every stage still holds in some
+           survivor's memory (the iteration in flight is redone, no optimizer step is lost or
+           half-applied), else the latest complete checkpoint, else fail;
+        3. choose the layout: the best pipeline template for the devices still alive (a dead
+           actor's device counts as lost, as in Oobleck) with the same global batch;
+        4. reconfigure the survivors, re-form the ZeRO-1 groups and restore the state —
+           each from its own memory when it keeps its layers, else by parameter name.
+        """
+        import ray
+
+        from geopipe.checkpoint.store import latest_complete
+        from geopipe.pipeline.templates import best_uniform, build_templates
+
+        t0 = time.perf_counter()
+        self._settle_pending_checkpoint()
+        roles = {(k, r): a for k, row in enumerate(self.actors) for r, a in enumerate(row)}
+        ref_of = dict(zip(roles, refs, strict=True))
+        dead = [key for key, a in roles.items() if not _alive(a)]
+        if not dead:  # a hang: whoever has not finished is presumed stuck
+            _, stuck = ray.wait(refs, num_returns=len(refs), timeout=0)
+            dead = [key for key, ref in ref_of.items() if ref in stuck]
+            for key in dead:
+                ray.kill(roles[key], no_restart=True)
+        err = str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else type(exc).__name__
+        names = {key: self.plan.actor_name(self.spec.name, *key) for key in roles}
+        self.sink.event("failure", step=step, dead=[names[k] for k in dead], error=err)
+        print(
+            f"geopipe: step {step} failed ({len(dead)} actor(s) lost): recovering", file=sys.stderr
+        )
+        alive = {key: a for key, a in roles.items() if key not in dead}
+        for a in alive.values():
+            a.abort.remote()
+        done, stuck = ray.wait([ref_of[k] for k in alive], num_returns=len(alive), timeout=5)
+        done_keys = [k for k in alive if ref_of[k] in done]
+        _quiet_get([alive[k].leave.remote() for k in done_keys], 30)
+        if stuck:
+            _, still = ray.wait(stuck, num_returns=len(stuck), timeout=30)
+            for k in list(alive):
+                if ref_of[k] in still:  # could not be released: give up on it
+                    ray.kill(alive.pop(k), no_restart=True)
+                    dead.append(k)
+            _quiet_get([alive[k].leave.remote() for k in alive if k not in done_keys], 30)
+
+        # 2. which state
+        have = {
+            k: set(_quiet_get([a.boundary_steps.remote()], 30)[0] or []) for k, a in alive.items()
+        }
+        p = self.plan.num_stages
+        boundary, holders = None, {}
+        for s_ in sorted(set().union(*have.values()) if have else set(), reverse=True):
+            found = {k: [key for key in alive if key[0] == k and s_ in have[key]] for k in range(p)}
+            if all(found.values()):
+                boundary, holders = s_, found
+                break
+        ckpt = None
+        if boundary is None:
+            info = latest_complete(self.checkpoint_root) if self.checkpoint_root.is_dir() else None
+            if info is None:
+                lost = [k for k in range(p) if not any(key[0] == k for key in alive)]
+                raise LaunchError(
+                    f"unrecoverable: no surviving replica holds stage(s) {lost} and there is no "
+                    f"complete checkpoint under {self.checkpoint_root}"
+                )
+            ckpt = info
+
+        # 3. which layout
+        devices = {s.name: 0 for s in self.spec.sites}
+        for k, _r in alive:
+            devices[self.plan.stage_sites[k]] += 1
+        if self._templates is None:
+            self._templates = build_templates(self.spec, plan=self.plan)
+        gbs, b = self.spec.training.global_batch_size, self.plan.micro_batch_size
+        choice = best_uniform(self._templates, devices, gbs, b) if any(devices.values()) else None
+        if choice is None:
+            raise LaunchError(
+                f"unrecoverable: the model no longer fits the devices left ({devices}); the "
+                f"last checkpoint under {self.checkpoint_root} is intact"
+            )
+        template, d = choice
+        old_plan = self.plan
+        new_plan = self._templates.plan_for(template, d, gbs // (d * b))
+        # 4. who takes which slot: per site, prefer actors that keep their layers
+        pool: dict[str, list] = {}
+        for key in alive:
+            pool.setdefault(old_plan.stage_sites[key[0]], []).append(key)
+        slots: dict[tuple[int, int], tuple[int, int]] = {}
+        for k in range(new_plan.num_stages):
+            site = new_plan.stage_sites[k]
+            for r in range(new_plan.pipelines):
+                same = [x for x in pool[site] if old_plan.partition[x[0]] == new_plan.partition[k]]
+                pick = (same or pool[site])[0]
+                pool[site].remove(pick)
+                slots[(k, r)] = pick
+        for rest in pool.values():
+            for key in rest:
+                ray.kill(alive[key], no_restart=True)
+        state_ref = None
+        if ckpt is None and any(
+            old_plan.partition[slots[kr][0]] != new_plan.partition[kr[0]]
+            or boundary not in have[slots[kr]]
+            for kr in slots
+        ):
+            merged: dict = {"params": {}, "exp_avg": {}, "exp_avg_sq": {}}
+            for k in range(p):
+                st = ray.get(alive[holders[k][0]].boundary_state.remote(boundary))
+                for group in ("params", "exp_avg", "exp_avg_sq"):
+                    merged[group].update(st[group])
+                merged["step"], merged["lr_step"] = st["step"], st["lr_step"]
+            state_ref = ray.put(merged)
+        self.plan = new_plan
+        self.actors = [
+            [alive[slots[(k, r)]] for r in range(new_plan.pipelines)]
+            for k in range(new_plan.num_stages)
+        ]
+        ray.get([a.reconfigure.remote(self._stage_spec(k, r))
+                 for k, row in enumerate(self.actors) for r, a in enumerate(row)])  # fmt: skip
+        self._wire()
+        loads = []
+        for (k, r), old in slots.items():
+            a = self.actors[k][r]
+            if ckpt is not None:
+                loads.append(a.load_checkpoint.remote(str(ckpt.path)))
+            elif old_plan.partition[old[0]] == new_plan.partition[k] and boundary in have[old]:
+                loads.append(a.load_boundary.remote(boundary))
+            else:
+                loads.append(a.load_state.remote(state_ref))
+        ray.get(loads)
+        resume_at = ckpt.step if ckpt is not None else boundary
+        seconds = time.perf_counter() - t0
+        self.sink.event(
+            "recovered",
+            step=resume_at,
+            failed_step=step,
+            lost_steps=step - resume_at,
+            source="checkpoint" if ckpt is not None else "surviving replicas",
+            seconds=seconds,
+            plan=new_plan.to_dict(),
+        )
+        how = f"checkpoint {ckpt.path.name}" if ckpt is not None else "surviving replicas"
+        print(
+            f"geopipe: recovered in {seconds:.1f} s from {how}: {new_plan.pipelines} pipeline(s) "
+            f"× {new_plan.num_stages} stages, continuing at step {resume_at}",
+            file=sys.stderr,
+        )
+        self.recoveries.append({"seconds": seconds, "step": resume_at, "failed_step": step})
+        self._continue_from = resume_at
 
     # -- checkpoints ---------------------------------------------------------------------------
     @property
@@ -332,7 +540,7 @@ class Controller:
         t0 = time.perf_counter()
         writer = CheckpointWriter(self.checkpoint_root, step)
         flat = [a for row in self.actors for a in row]
-        stalls = ray.get([a.save_shard.remote(str(writer.tmp_dir)) for a in flat])
+        stalls = ray.get([a.save_shard.remote(str(writer.tmp_dir), step) for a in flat])
         # Every replica's background thread takes part in the gather; replica 0's writes.
         refs = [a.shard_written.remote() for a in flat]
         self._pending_ckpt = (writer, refs, t0, max(stalls))
@@ -371,6 +579,27 @@ class Controller:
             bytes=sum(f.stat().st_size for f in path.iterdir()),
             pruned=[p.name for p in deleted],
         )
+
+    def _settle_pending_checkpoint(self) -> None:
+        """After a failure: commit the save in progress if every shard made it, else drop it
+        (the previous complete checkpoint stays the newest)."""
+        pending, self._pending_ckpt = self._pending_ckpt, None
+        if pending is None:
+            return
+        import ray
+
+        writer, refs = pending[0], pending[1]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=10)
+        if len(ready) == len(refs):
+            self._pending_ckpt = pending
+            try:
+                self._poll_checkpoint(wait=True)
+                return
+            except Exception:  # a shard failed with its writer: _poll_checkpoint aborted it
+                pass
+        else:
+            writer.abort()
+        self.sink.event("checkpoint_abandoned", step=writer.step)
 
     def _manifest(self, step: int) -> dict:
         m, t = self.spec.model, self.spec.training
@@ -539,6 +768,29 @@ class Controller:
             data["state"] = self.state.value
             data["pid"] = None
             path.write_text(json.dumps(data, indent=1))
+
+
+def _alive(actor: Any) -> bool:
+    import ray
+
+    try:
+        ray.get(actor.ping.remote(), timeout=10)
+    except Exception:
+        return False
+    return True
+
+
+def _quiet_get(refs: list, timeout: float) -> list:
+    """ray.get that turns each failure into None (for best-effort calls on survivors)."""
+    import ray
+
+    out = []
+    for ref in refs:
+        try:
+            out.append(ray.get(ref, timeout=timeout))
+        except Exception:
+            out.append(None)
+    return out
 
 
 def model_shape(spec: ClusterSpec) -> dict:

@@ -70,7 +70,18 @@ class StageWorker:
     """The actor body (wrapped with ``ray.remote`` by the controller)."""
 
     def __init__(self, spec: StageSpec) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
+        self.engine = None
+        # One thread runs every job on the checkpoint communicator (boundary snapshots,
+        # checkpoint shards), in submission order — the same order on every replica.
+        self._keeper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="state-keeper")
+        self._boundary: dict[int, Any] = {}  # step -> Future of the full state at that step
+        self._configure(spec)
+
+    def _configure(self, spec: StageSpec) -> None:
+        """(Re)build everything that depends on the plan: program, data, channels."""
         self.spec = spec
         self.plan = Plan.from_dict(spec.plan)
         k, p = spec.stage, self.plan.num_stages
@@ -84,7 +95,6 @@ class StageWorker:
         if self.first or self.last:
             self.stream = TokenStream(Corpus(spec.data, max_bytes=spec.data_max_bytes), spec.seed)
         self.inbox = Inbox()
-        self.engine = None
         self.up_send: Any = None
         self.down_send: Any = None
         self.up_recv: P2PReceiver | None = None
@@ -219,6 +229,8 @@ class StageWorker:
         for r in (self.up_recv, self.down_recv):
             if r is not None:
                 r.join()
+        if self.spec.extra.get("boundary_snapshots", True):
+            self._snapshot_boundary(step + 1)
         t_end = time.monotonic()
         transfers = [t for t in self.inbox.transfers if t[0][1] == step]
         self.inbox.transfers = [t for t in self.inbox.transfers if t[0][1] > step]
@@ -276,60 +288,73 @@ class StageWorker:
         self.engine.load_full_state(state)
 
     # -- checkpoints ---------------------------------------------------------------------------
-    def save_shard(self, directory: str) -> float:
-        """Snapshot this stage to memory; gather and write its shard on a background thread.
-
-        Every replica copies its own ZeRO-1 partition (no communication: that copy is all
-        the training stalls for); the background threads then gather the partitions on the
-        group's checkpoint-only communicator, and replica 0 writes the shard. Returns the
-        seconds training was stalled.
-        """
-        import threading
-
-        from geopipe.checkpoint.store import capture_rng, write_shard_file
+    # -- state at step boundaries: recovery and checkpoints ------------------------------------
+    def _snapshot_boundary(self, step: int) -> float:
+        """Copy this replica's ZeRO-1 partition now; gather the stage's full state in the
+        background (on the checkpoint communicator). Keeps the two newest boundaries: after a
+        failure every survivor can roll back to the last step boundary all stages reached,
+        so no optimizer step is ever half-applied and none is lost."""
         from geopipe.runtime.engine import assemble_snapshot
 
         t0 = time.perf_counter()
         eng = self.engine
         snap = eng.local_snapshot()
+        self._boundary[step] = self._keeper.submit(
+            assemble_snapshot, snap, eng.ckpt_group, eng.replicas
+        )
+        for old in sorted(self._boundary)[:-2]:
+            del self._boundary[old]
+        return time.perf_counter() - t0
+
+    def boundary_steps(self) -> list[int]:
+        """Steps whose full state this replica holds (gathered completely)."""
+        return sorted(
+            st for st, f in self._boundary.items()
+            if f.done() and f.exception() is None
+        )  # fmt: skip
+
+    def boundary_state(self, step: int) -> dict:
+        return self._boundary[step].result()
+
+    def save_shard(self, directory: str, step: int) -> float:
+        """Write this stage's shard of the checkpoint at ``step`` (a step boundary).
+
+        The full state comes from the boundary snapshot taken when the step finished (or is
+        taken now), so training stalls at most for a memory copy of the replica's own
+        partition; gathering and writing run on the state-keeper thread. Replica 0 writes.
+        Returns the seconds training was stalled.
+        """
+        from geopipe.checkpoint.store import capture_rng, write_shard_file
+
+        t0 = time.perf_counter()
+        if step not in self._boundary:
+            self._snapshot_boundary(step)
+        future = self._boundary[step]
         codec: dict[str, torch.Tensor] = {}
         for name, ch in (("up", self.up_send), ("down", self.down_send)):
             if isinstance(ch, WanSender):
                 for stream, t in ch.codec_state().items():
                     codec[f"codec/{name}/{stream}"] = t.detach().clone()
         rng = capture_rng()
-        writer = self.spec.replica == 0
-        result: dict = {}
+        layers, k = list(self.layers), self.k
 
-        def work() -> None:
-            try:
-                st = assemble_snapshot(snap, eng.ckpt_group, eng.replicas)
-                if not writer:
-                    return
-                tensors = dict(codec)
-                for group in ("params", "exp_avg", "exp_avg_sq"):
-                    tensors.update({f"{group}/{n}": t for n, t in st[group].items()})
-                meta = {
-                    "adam_step": st["step"], "lr_step": st["lr_step"], "layers": list(self.layers),
-                }  # fmt: skip
-                result["info"] = write_shard_file(directory, self.k, tensors, meta, rng=rng)
-            except Exception as exc:  # reported by shard_written()
-                result["error"] = exc
+        def write() -> Any:
+            st = future.result()
+            if self.spec.replica != 0:
+                return None
+            tensors = dict(codec)
+            for group in ("params", "exp_avg", "exp_avg_sq"):
+                tensors.update({f"{group}/{n}": t for n, t in st[group].items()})
+            meta = {"adam_step": st["step"], "lr_step": st["lr_step"], "layers": layers}
+            return write_shard_file(directory, k, tensors, meta, rng=rng)
 
-        self._shard_result = result
-        self._shard_thread = threading.Thread(target=work, name="ckpt-write", daemon=True)
-        self._shard_thread.start()
+        self._shard_future = self._keeper.submit(write)
         return time.perf_counter() - t0
 
     def shard_written(self) -> Any:
         """Wait for the background gather/write; returns its ShardInfo (None on non-writers)."""
-        if getattr(self, "_shard_thread", None) is None:
-            return None
-        self._shard_thread.join()
-        self._shard_thread = None
-        if "error" in self._shard_result:
-            raise self._shard_result["error"]
-        return self._shard_result.get("info")
+        future, self._shard_future = getattr(self, "_shard_future", None), None
+        return None if future is None else future.result()
 
     def load_checkpoint(self, path: str) -> int:
         """Load this stage's layers from a checkpoint of any partition; returns its step.
@@ -359,6 +384,44 @@ class StageWorker:
 
     def ping(self) -> int:
         return os.getpid()
+
+    def abort(self) -> None:
+        """Make a running iteration fail fast (a peer died): waiting receives raise."""
+        self.inbox.close()
+
+    def leave(self) -> None:
+        """Drop the engine, channels and process group (after a failure). Closing our
+        connections also releases peers still blocked in a collective with us."""
+        from geopipe.runtime.engine import destroy_process_group
+
+        self.inbox.close()
+        for ch in (self.up_send, self.down_send):
+            if isinstance(ch, WanSender):
+                ch.close()
+        if self.engine is not None:
+            self.engine.destroy()
+            self.engine = None
+        destroy_process_group()
+
+    def reconfigure(self, spec: StageSpec) -> tuple[int, tuple[int, int]]:
+        """Take the stage this new spec describes; the actor and its memory (the boundary
+        snapshots) survive, the engine and channels are rebuilt by the next :meth:`setup`.
+        Returns the stage and layers it had."""
+        before = (self.k, self.layers)
+        if self.engine is not None:
+            self.leave()
+        self._configure(spec)
+        return before
+
+    def load_boundary(self, step: int) -> None:
+        """Restore the full state this replica kept for ``step`` (same stage and layers)."""
+        self.engine.load_full_state(self._boundary[step].result())
+        self._boundary = {}
+
+    def load_state(self, state: dict) -> None:
+        """Restore a full state handed over by the controller (layers matched by name)."""
+        self.engine.load_full_state(state)
+        self._boundary = {}
 
     def shutdown(self) -> None:
         from geopipe.runtime.engine import destroy_process_group
