@@ -433,10 +433,12 @@ class Controller:
         if boundary is None:
             info = latest_complete(self.checkpoint_root) if self.checkpoint_root.is_dir() else None
             if info is None:
-                lost = [k for k in range(p) if not any(key[0] == k for key in alive)]
+                lost = [k for k in range(p) if not any(key[0] == k and have[key] for key in alive)]
+                held = {f"stage{k}/r{r}": sorted(v) for (k, r), v in have.items()}
                 raise LaunchError(
-                    f"unrecoverable: no surviving replica holds stage(s) {lost} and there is no "
-                    f"complete checkpoint under {self.checkpoint_root}"
+                    f"unrecoverable: no surviving replica holds stage(s) {lost} at a common step "
+                    f"boundary (survivors hold {held}) and there is no complete checkpoint "
+                    f"under {self.checkpoint_root}"
                 )
             ckpt = info
 

@@ -392,12 +392,22 @@ class StageWorker:
     def leave(self) -> None:
         """Drop the engine, channels and process group (after a failure). Closing our
         connections also releases peers still blocked in a collective with us."""
+        from concurrent.futures import ThreadPoolExecutor
+
         from geopipe.runtime.engine import destroy_process_group
 
         self.inbox.close()
         for ch in (self.up_send, self.down_send):
             if isinstance(ch, WanSender):
                 ch.close()
+        # A gather of the old layout may wait forever for a peer that failed before joining
+        # it: keep only the boundaries that completed, and start a fresh state keeper.
+        self._boundary = {
+            st: f for st, f in self._boundary.items() if f.done() and f.exception() is None
+        }
+        self._keeper.shutdown(wait=False, cancel_futures=True)
+        self._keeper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="state-keeper")
+        self._shard_future = None
         if self.engine is not None:
             self.engine.destroy()
             self.engine = None
