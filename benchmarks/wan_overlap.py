@@ -128,6 +128,8 @@ def main() -> None:
         "final_loss": {k: v["losses"][-1] for k, v in out.items()},
         "ideal_efficiency": (1 - out["ideal"]["bubble_ratio"])
         / out["ideal"]["allowed_busy_fraction"],
+        "ideal_lookahead_efficiency": (1 - out["ideal_lookahead"]["bubble_ratio"])
+        / out["ideal_lookahead"]["allowed_busy_fraction"],
     }
     print(
         f"bound = ideal + RTT = {bound:.3f} s; look-ahead {result['lookahead_over_bound']:+.1%} "
@@ -136,7 +138,8 @@ def main() -> None:
         f"({result['bubble_reduction']:.1%} less); speed-up {result['speedup_vs_1f1b']:.2f}x; "
         f"worst prediction error {result['max_prediction_error']:.1%}; ideal-link busy fraction "
         f"{1 - out['ideal']['bubble_ratio']:.1%} of an allowed "
-        f"{out['ideal']['allowed_busy_fraction']:.1%} ({result['ideal_efficiency']:.1%})"
+        f"{out['ideal']['allowed_busy_fraction']:.1%} ({result['ideal_efficiency']:.1%}); "
+        f"with look-ahead on the ideal link {result['ideal_lookahead_efficiency']:.1%}"
     )
     print(json.dumps(result))
 

@@ -271,6 +271,8 @@ class Controller:
                            dashboard_url=self.cluster.dashboard_url if self.cluster else None,
                            actor_names=list(self.names))  # fmt: skip
         tokens = spec.training.global_batch_size * plan.seq_len
+        from ray.exceptions import RayActorError, RayTaskError
+
         start = self.start_step
         progress = _Progress(spec.training.steps, self.opts.progress, done=start)
         every = spec.training.checkpoint.every_steps
@@ -305,7 +307,13 @@ class Controller:
                 if interrupted:
                     break
                 if every and step % every == 0 and not last:
-                    self.save_checkpoint(step)
+                    try:
+                        self.save_checkpoint(step)
+                    except (RayActorError, RayTaskError) as exc:  # died between steps
+                        self._recover(step, [a.ping.remote() for a in self._flat()], exc)
+                        step = calib_base = self._continue_from
+                        plan = self.plan
+                        tokens = spec.training.global_batch_size * plan.seq_len
             if result.steps and (interrupted or step == spec.training.steps):
                 self.save_checkpoint(step)
             self._poll_checkpoint(wait=True)
@@ -386,7 +394,8 @@ class Controller:
         import ray
 
         from geopipe.checkpoint.store import latest_complete
-        from geopipe.pipeline.templates import best_uniform, build_templates
+        from geopipe.pipeline.templates import build_templates
+        from geopipe.runtime.recovery import Fail, Failure, RestoreFromCheckpoint, decide
 
         t0 = time.perf_counter()
         self._settle_pending_checkpoint()
@@ -429,35 +438,33 @@ class Controller:
             if all(found.values()):
                 boundary, holders = s_, found
                 break
-        ckpt = None
-        if boundary is None:
-            info = latest_complete(self.checkpoint_root) if self.checkpoint_root.is_dir() else None
-            if info is None:
-                lost = [k for k in range(p) if not any(key[0] == k and have[key] for key in alive)]
-                held = {f"stage{k}/r{r}": sorted(v) for (k, r), v in have.items()}
-                raise LaunchError(
-                    f"unrecoverable: no surviving replica holds stage(s) {lost} at a common step "
-                    f"boundary (survivors hold {held}) and there is no complete checkpoint "
-                    f"under {self.checkpoint_root}"
-                )
-            ckpt = info
-
-        # 3. which layout
-        devices = {s.name: 0 for s in self.spec.sites}
+        # 3. the decision (pure policy, unit-tested exhaustively): reconfigure, restore from
+        # the latest checkpoint, or fail — and the template for the devices still alive.
+        devices = {site.name: 0 for site in self.spec.sites}
         for k, _r in alive:
             devices[self.plan.stage_sites[k]] += 1
         if self._templates is None:
             self._templates = build_templates(self.spec, plan=self.plan)
-        gbs, b = self.spec.training.global_batch_size, self.plan.micro_batch_size
-        choice = best_uniform(self._templates, devices, gbs, b) if any(devices.values()) else None
-        if choice is None:
+        info = latest_complete(self.checkpoint_root) if self.checkpoint_root.is_dir() else None
+        held = frozenset(holders) if boundary is not None else frozenset()
+        failure = Failure(
+            plan=self.plan,
+            dead=frozenset(dead),
+            devices_alive=devices,
+            params_available=held,
+            optimizer_available=held,
+            checkpoint_step=info.step if info is not None else None,
+        )
+        decision = decide(failure, self._templates)
+        if isinstance(decision, Fail):
             raise LaunchError(
-                f"unrecoverable: the model no longer fits the devices left ({devices}); the "
-                f"last checkpoint under {self.checkpoint_root} is intact"
+                f"unrecoverable: {decision.reason} (survivors hold step boundaries "
+                f"{ {f'stage{k}/r{r}': sorted(v) for (k, r), v in have.items()} }); the last "
+                f"checkpoint under {self.checkpoint_root} is intact"
             )
-        template, d = choice
+        ckpt = info if isinstance(decision, RestoreFromCheckpoint) else None
         old_plan = self.plan
-        new_plan = self._templates.plan_for(template, d, gbs // (d * b))
+        new_plan = decision.plan
         # 4. who takes which slot: per site, prefer actors that keep their layers
         pool: dict[str, list] = {}
         for key in alive:
@@ -542,7 +549,11 @@ class Controller:
         t0 = time.perf_counter()
         writer = CheckpointWriter(self.checkpoint_root, step)
         flat = [a for row in self.actors for a in row]
-        stalls = ray.get([a.save_shard.remote(str(writer.tmp_dir), step) for a in flat])
+        try:
+            stalls = ray.get([a.save_shard.remote(str(writer.tmp_dir), step) for a in flat])
+        except BaseException:
+            writer.abort()
+            raise
         # Every replica's background thread takes part in the gather; replica 0's writes.
         refs = [a.shard_written.remote() for a in flat]
         self._pending_ckpt = (writer, refs, t0, max(stalls))
