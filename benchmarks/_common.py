@@ -20,6 +20,8 @@ def two_site_doc(name: str, latency_ms: float, bandwidth_gbps: float, micro_batc
     """clusters/local-2dc.yaml with one device per site (one stage each), D = 1."""
     doc = copy.deepcopy(yaml.safe_load((ROOT / "clusters" / "local-2dc.yaml").read_text()))
     doc["name"] = name
+    # No dashboard: on a 2-core machine its processes steal enough CPU to blur timings.
+    doc["ray"]["dashboard"] = False
     for s in doc["sites"]:
         s["devices_per_node"] = 1
     doc["links"][0].update(latency_ms=latency_ms, bandwidth_gbps=bandwidth_gbps, codec=codec)

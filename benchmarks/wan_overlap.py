@@ -11,7 +11,8 @@ exceeds the compute of one micro-batch. In one process (one embedded Ray):
   cannot hide, so this is the stricter reference for the synchronous bound.
 
 Measured iteration time = median over the steps after calibration (step 0 measures the
-stages; step 1 is the first with the re-chosen ΔN). Prints ratios and one JSON line.
+stages and re-chooses ΔN; steps 1-2 measure under it and set the prediction). Prints
+ratios and one JSON line.
 
 Run: ``.venv/bin/python benchmarks/wan_overlap.py [--steps N] [--latency-ms L]``
 """
@@ -29,9 +30,10 @@ from _common import run, spec_of, two_site_doc
 
 def measure(spec, schedule: str, steps: int, run_dir: Path) -> dict:
     ctl, res, events = run(spec, steps, run_dir, schedule)
-    # Steps 0 and 1 calibrate (the second under the re-chosen ΔN): measure the rest.
-    times = [m.iteration_time_s for m in res.steps[2:]]
-    bubbles = [m.bubble_ratio for m in res.steps[2:]]
+    # Steps 0-2 calibrate (ΔN is re-chosen after step 0; steps 1-2 measure under it and
+    # set the prediction): measure the rest.
+    times = [m.iteration_time_s for m in res.steps[3:]]
+    bubbles = [m.bubble_ratio for m in res.steps[3:]]
     cal = [e for e in events if e["event"] == "calibrated"][-1]
     return {
         "iteration_time_s": statistics.median(times),
@@ -39,7 +41,7 @@ def measure(spec, schedule: str, steps: int, run_dir: Path) -> dict:
         "predicted_iteration_time_s": ctl.predicted_s,
         "delta_n": [ctl.plan.delta_n[j] for j in ctl.plan.wan_boundaries],
         "compute_per_mb_s": cal["forward_s"][0] + cal["backward_s"][0],
-        "busy_fraction": [1 - m.bubble_ratio for m in res.steps[2:]],
+        "busy_fraction": [1 - m.bubble_ratio for m in res.steps[3:]],
         "losses": [m.loss for m in res.steps],
         "allowed_busy_fraction": _allowed_busy(ctl, cal),
     }
@@ -64,7 +66,7 @@ def _allowed_busy(ctl, cal: dict) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=9)
     ap.add_argument("--latency-ms", type=float, default=60.0)
     ap.add_argument("--bandwidth-gbps", type=float, default=1.0)
     ap.add_argument("--micro-batches", type=int, default=64)

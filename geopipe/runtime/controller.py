@@ -36,7 +36,7 @@ from geopipe.transport.link import LinkParams
 __all__ = ["Controller", "LaunchOptions", "RunResult", "State"]
 
 
-CALIBRATION_STEPS = 2  # steps whose measured stage times re-calibrate the prediction
+CALIBRATION_STEPS = 3  # steps whose measured stage times re-calibrate the prediction
 
 
 class State(enum.Enum):
@@ -106,6 +106,7 @@ class Controller:
         self._pending_ckpt = None
         self._templates = None
         self._chaos_done: set[int] = set()
+        self._calib_pool: list[dict] = []
         self._continue_from = 0
         self.recoveries: list[dict] = []
 
@@ -297,7 +298,10 @@ class Controller:
                     m, {"predicted_iteration_time_s": self.predicted_s, "completed_at": time.time()}
                 )
                 if calibrating:
-                    self._recalibrate(results, choose_delta_n=step == calib_base)
+                    first = step == calib_base
+                    # After ΔN is chosen (first step), pool the following steps' measurements.
+                    self._calib_pool = [] if first else [*self._calib_pool, *results]
+                    self._recalibrate(self._calib_pool or results, choose_delta_n=first)
                     plan = self.plan
                 self._write_status(step + 1)
                 progress.update(m)
@@ -815,7 +819,7 @@ def model_shape(spec: ClusterSpec) -> dict:
 
 
 def with_transport_overhead(costs: Any, results: list[dict], plan: Plan) -> Any:
-    """Add the real transport's median delay beyond the emulated link to each WAN hop.
+    """Add the real transport's mean delay beyond the emulated link to each WAN hop.
 
     Messages between sites travel over Ray (serialise, object store, actor call, decode):
     a few milliseconds that the link model alone does not contain.
@@ -824,13 +828,18 @@ def with_transport_overhead(costs: Any, results: list[dict], plan: Plan) -> Any:
     from dataclasses import replace
 
     lat_f, lat_b = list(costs.lat_f), list(costs.lat_b)
-    for r in results:
-        k = r["stage"]
+    fwd: dict[int, list[float]] = {}
+    bwd: dict[int, list[float]] = {}
+    for r in results:  # pooled over every replica (and step) of a stage
         ex = r.get("transport_excess_s", {})
-        if ex.get("F") and k > 0:
-            lat_f[k - 1] = max(lat_f[k - 1], costs.lat_f[k - 1] + statistics.median(ex["F"]))
-        if ex.get("B") and k < plan.num_stages - 1:
-            lat_b[k] = max(lat_b[k], costs.lat_b[k] + statistics.median(ex["B"]))
+        fwd.setdefault(r["stage"], []).extend(ex.get("F", []))
+        bwd.setdefault(r["stage"], []).extend(ex.get("B", []))
+    for k, xs in fwd.items():
+        if xs and k > 0:
+            lat_f[k - 1] = costs.lat_f[k - 1] + statistics.mean(xs)
+    for k, xs in bwd.items():
+        if xs and k < plan.num_stages - 1:
+            lat_b[k] = costs.lat_b[k] + statistics.mean(xs)
     return replace(costs, lat_f=tuple(lat_f), lat_b=tuple(lat_b))
 
 
