@@ -159,6 +159,10 @@ class Controller:
         metrics = Path(self.opts.metrics_out) if self.opts.metrics_out else None
         self.sink = MetricsSink(metrics or self.run_dir / "metrics.jsonl", spec.name)
         self.sink.event("plan", plan=plan.to_dict(), predicted=self.predicted.summary())
+        # Pipeline templates for every device count are ready before anything fails.
+        from geopipe.pipeline.templates import build_templates
+
+        self._templates = build_templates(spec, plan=plan)
         if self.resume_from is not None:
             self.sink.event("resumed", path=self.resume_from, step=self.start_step)
 
