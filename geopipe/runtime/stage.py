@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from geopipe.model.data import Corpus, TokenStream, global_indices
-from geopipe.model.gpt import GPTConfig, GPTStage
+from geopipe.model.gpt import GPTConfig
 from geopipe.pipeline.schedule import Kind, make_schedule
 from geopipe.plan import Plan
 from geopipe.transport.channel import Inbox, P2PReceiver, P2PSender, WanSender
@@ -262,25 +262,6 @@ class StageWorker:
         return ch.send(key, tensor, stream=f"{key[0]}/mb{key[2]}")
 
     # -- profiling, state, lifecycle -------------------------------------------------------------
-    def profile(self, reps: int = 3) -> tuple[float, float]:
-        """Seconds of one forward and one backward on this stage (a throwaway copy of it)."""
-        mod = GPTStage(self.model_cfg, *self.layers, seed=self.spec.seed)
-        b, s, h = self.shape
-        if mod.has_embed:
-            x = torch.randint(0, self.model_cfg.vocab_size, (b, s))
-        else:
-            x = torch.randn(b, s, h, requires_grad=True)
-        fwd, bwd = [], []
-        for _ in range(reps + 1):
-            t0 = time.perf_counter()
-            out = mod(x)
-            t1 = time.perf_counter()
-            out.backward(torch.ones_like(out))
-            t2 = time.perf_counter()
-            fwd.append(t1 - t0)
-            bwd.append(t2 - t1)
-        return sorted(fwd[1:])[reps // 2], sorted(bwd[1:])[reps // 2]
-
     def full_state(self) -> dict:
         return self.engine.full_state()
 
