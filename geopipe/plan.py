@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 
 from geopipe.config import ClusterSpec
-from geopipe.optimizer.costs import boundary_message_elems, elem_bytes, layer_forward_flops
+from geopipe.optimizer.costs import layer_forward_flops
 from geopipe.pipeline.partition import balanced_partition, order_sites
 from geopipe.transport.wire import transfer_time
 
@@ -158,9 +158,3 @@ def partition_for(spec: ClusterSpec, shape: Shape, seq_len: int) -> tuple[tuple[
     flops = tuple(layer_forward_flops(spec.model, seq_len))
     speeds = tuple(spec.site(s).flops_per_s for s in shape.stage_sites)
     return _partition_cached(flops, speeds)
-
-
-def boundary_bytes(spec: ClusterSpec, micro_batch: int, seq_len: int) -> int:
-    """Raw bytes of one activation crossing a stage boundary (before any codec)."""
-    elems = boundary_message_elems(spec.model, micro_batch, seq_len)
-    return elems * elem_bytes(spec.training.precision)

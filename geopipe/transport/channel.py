@@ -53,7 +53,6 @@ class Inbox:
 
     def __init__(self) -> None:
         self._box = DelayedMailbox()
-        self.bytes_received = 0
         # (key, delay) of emulated inter-site messages: how much later than the link model
         # the data became usable (encoding plus real transport beyond the emulated delivery;
         # same-host clocks).
@@ -64,7 +63,6 @@ class Inbox:
         try:
             enc = open_sealed(sealed)
             payload: Any = decode(enc)
-            self.bytes_received += enc.payload_nbytes
         except CorruptPayloadError as exc:
             payload = _Failure(exc)
         if deliver_at > 0:
@@ -111,7 +109,6 @@ class WanSender:
         self._topk_ratio = topk_ratio
         self._direction = direction
         self._emulator = LinkEmulator(link) if link is not None else None
-        self.bytes_sent = 0
         self.pending: list[Any] = []
         self._queue: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
@@ -130,7 +127,6 @@ class WanSender:
             self._topk_ratio,
         )  # fmt: skip
         self._queue.put((key, t, stream, time.monotonic()))
-        self.bytes_sent += nbytes
         return nbytes
 
     def _run(self) -> None:
