@@ -485,22 +485,7 @@ class Controller:
                 pick = (same or pool[site])[0]
                 pool[site].remove(pick)
                 slots[(k, r)] = pick
-        for rest in pool.values():
-            for key in rest:
-                ray.kill(alive[key], no_restart=True)
-        state_ref = None
-        if ckpt is None and any(
-            old_plan.partition[slots[kr][0]] != new_plan.partition[kr[0]]
-            or boundary not in have[slots[kr]]
-            for kr in slots
-        ):
-            merged: dict = {"params": {}, "exp_avg": {}, "exp_avg_sq": {}}
-            for k in range(p):
-                st = ray.get(alive[holders[k][0]].boundary_state.remote(boundary))
-                for group in ("params", "exp_avg", "exp_avg_sq"):
-                    merged[group].update(st[group])
-                merged["step"], merged["lr_step"] = st["step"], st["lr_step"]
-            state_ref = ray.put(merged)
+        spares = [alive[key] for rest in pool.values() for key in rest]
         self.plan = new_plan
         self.actors = [
             [alive[slots[(k, r)]] for r in range(new_plan.pipelines)]
@@ -509,6 +494,10 @@ class Controller:
         ray.get([a.reconfigure.remote(self._stage_spec(k, r))
                  for k, row in enumerate(self.actors) for r, a in enumerate(row)])  # fmt: skip
         self._wire()
+        # Restore: own memory when an actor keeps its layers, else fetched actor to actor
+        # from the survivors holding the boundary (one per old stage); then forget old
+        # snapshots (only after every fetch is done).
+        peers = [alive[holders[k][0]] for k in range(p)] if ckpt is None else []
         loads = []
         for (k, r), old in slots.items():
             a = self.actors[k][r]
@@ -517,8 +506,11 @@ class Controller:
             elif old_plan.partition[old[0]] == new_plan.partition[k] and boundary in have[old]:
                 loads.append(a.load_boundary.remote(boundary))
             else:
-                loads.append(a.load_state.remote(state_ref))
+                loads.append(a.load_from_peers.remote(peers, boundary))
         ray.get(loads)
+        ray.get([a.drop_boundaries.remote() for a in self._flat()])
+        for a in spares:  # survivors the new layout has no slot for (after they served)
+            ray.kill(a, no_restart=True)
         resume_at = ckpt.step if ckpt is not None else boundary
         seconds = time.perf_counter() - t0
         self.sink.event(

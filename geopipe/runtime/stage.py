@@ -407,12 +407,26 @@ class StageWorker:
     def load_boundary(self, step: int) -> None:
         """Restore the full state this replica kept for ``step`` (same stage and layers)."""
         self.engine.load_full_state(self._boundary[step].result())
+
+    def drop_boundaries(self) -> None:
+        """Forget the snapshots of the layout before a reconfiguration (once all restored)."""
         self._boundary = {}
 
-    def load_state(self, state: dict) -> None:
-        """Restore a full state handed over by the controller (layers matched by name)."""
-        self.engine.load_full_state(state)
-        self._boundary = {}
+    def load_from_peers(self, peers: list, step: int) -> None:
+        """Restore this stage's layers from surviving replicas' step-``step`` snapshots.
+
+        The tensors travel actor to actor (through the object store of the node they share,
+        or across nodes when the only copy is elsewhere), never through the driver; each
+        peer's whole-stage state is merged and layers are matched by name.
+        """
+        import ray
+
+        merged: dict[str, Any] = {"params": {}, "exp_avg": {}, "exp_avg_sq": {}}
+        for st in ray.get([p.boundary_state.remote(step) for p in peers]):
+            for group in ("params", "exp_avg", "exp_avg_sq"):
+                merged[group].update(st[group])
+            merged["step"], merged["lr_step"] = st["step"], st["lr_step"]
+        self.engine.load_full_state(merged)
 
     def shutdown(self) -> None:
         from geopipe.runtime.engine import destroy_process_group
