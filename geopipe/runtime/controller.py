@@ -315,6 +315,10 @@ class Controller:
                 if interrupted:
                     break
                 if every and step % every == 0 and not last:
+                    if self.recoveries and self._maybe_grow(step):
+                        plan = self.plan
+                        tokens = spec.training.global_batch_size * plan.seq_len
+                        calib_base = step
                     try:
                         self.save_checkpoint(step)
                     except (RayActorError, RayTaskError) as exc:  # died between steps
@@ -530,6 +534,101 @@ class Controller:
         )
         self.recoveries.append({"seconds": seconds, "step": resume_at, "failed_step": step})
         self._continue_from = resume_at
+
+    def _vector(self, plan: Plan) -> tuple[int, ...]:
+        """Stages per site (in the templates' site order) of ``plan``."""
+        return tuple(plan.stage_sites.count(site) for site in self._templates.sites)
+
+    def _maybe_grow(self, step: int) -> bool:
+        """Back in: after a recovery, when devices are free again (a node returned or
+        joined), switch at this step boundary to the better template they allow.
+
+        New actors take the free devices; state moves from the running replicas' snapshots
+        of this boundary, actor to actor. Only a predicted gain of 5 % or more is worth it.
+        """
+        import ray
+
+        from geopipe.pipeline.templates import best_uniform
+
+        plan, spec = self.plan, self.spec
+        avail = ray.available_resources()
+        used = {site.name: 0 for site in spec.sites}
+        for k, row in enumerate(self.actors):
+            used[plan.stage_sites[k]] += len(row)
+        devices = {
+            site.name: min(
+                site.devices, used[site.name] + int(avail.get(site_resource(site.name), 0))
+            )
+            for site in spec.sites
+        }
+        if devices == used:
+            return False
+        gbs, b = spec.training.global_batch_size, plan.micro_batch_size
+        choice = best_uniform(self._templates, devices, gbs, b)
+        if choice is None:
+            return False
+        template, d = choice
+        new_plan = self._templates.plan_for(template, d, gbs // (d * b))
+        now = self._templates.predict(self._vector(plan), plan.pipelines, plan.num_microbatches)
+        new = self._templates.predict(self._vector(new_plan), d, new_plan.num_microbatches)
+        if now is None or new is None or new.iteration_time_s > 0.95 * now.iteration_time_s:
+            return False
+        t0 = time.perf_counter()
+        holders = [row[0] for row in self.actors]
+        old_roles = {id(a): (k, r) for k, row in enumerate(self.actors) for r, a in enumerate(row)}
+        for a in self._flat():  # the boundary snapshot of this step, complete everywhere
+            deadline = time.time() + 60
+            while step not in ray.get(a.boundary_steps.remote()) and time.time() < deadline:
+                time.sleep(0.05)
+        ray.get([a.leave.remote() for a in self._flat()])
+        pool: dict[str, list] = {}
+        for a in self._flat():
+            pool.setdefault(plan.stage_sites[old_roles[id(a)][0]], []).append(a)
+        old_plan = plan
+        self.plan = new_plan
+        rows: list[list[Any]] = []
+        keep: list[tuple[Any, int, int]] = []
+        for k in range(new_plan.num_stages):
+            site, row = new_plan.stage_sites[k], []
+            for r in range(new_plan.pipelines):
+                cands = pool.get(site, [])
+                same = [
+                    a
+                    for a in cands
+                    if old_plan.partition[old_roles[id(a)][0]] == new_plan.partition[k]
+                ]
+                if same or cands:
+                    a = (same or cands)[0]
+                    cands.remove(a)
+                    keep.append((a, k, r))
+                else:
+                    a = self._create_actor(k, r)
+                row.append(a)
+            rows.append(row)
+        spares = [a for rest in pool.values() for a in rest]
+        self.actors = rows
+        ray.get([a.reconfigure.remote(self._stage_spec(k, r)) for a, k, r in keep])
+        self._wire()
+        loads = []
+        for k, row in enumerate(rows):
+            for a in row:
+                old = old_roles.get(id(a))
+                if old is not None and old_plan.partition[old[0]] == new_plan.partition[k]:
+                    loads.append(a.load_boundary.remote(step))
+                else:
+                    loads.append(a.load_from_peers.remote(holders, step))
+        ray.get(loads)
+        ray.get([a.drop_boundaries.remote() for a in self._flat()])
+        for a in spares:
+            ray.kill(a, no_restart=True)
+        seconds = time.perf_counter() - t0
+        self.sink.event("grown", step=step, seconds=seconds, plan=new_plan.to_dict())
+        print(
+            f"geopipe: devices are back: now {new_plan.pipelines} pipeline(s) × "
+            f"{new_plan.num_stages} stages (took {seconds:.1f} s), at step {step}",
+            file=sys.stderr,
+        )
+        return True
 
     # -- checkpoints ---------------------------------------------------------------------------
     @property
