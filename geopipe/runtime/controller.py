@@ -477,44 +477,20 @@ class Controller:
         ckpt = info if isinstance(decision, RestoreFromCheckpoint) else None
         old_plan = self.plan
         new_plan = decision.plan
-        # 4. who takes which slot: per site, prefer actors that keep their layers
-        pool: dict[str, list] = {}
-        for key in alive:
-            pool.setdefault(old_plan.stage_sites[key[0]], []).append(key)
-        slots: dict[tuple[int, int], tuple[int, int]] = {}
-        for k in range(new_plan.num_stages):
-            site = new_plan.stage_sites[k]
-            for r in range(new_plan.pipelines):
-                same = [x for x in pool[site] if old_plan.partition[x[0]] == new_plan.partition[k]]
-                pick = (same or pool[site])[0]
-                pool[site].remove(pick)
-                slots[(k, r)] = pick
-        spares = [alive[key] for rest in pool.values() for key in rest]
-        self.plan = new_plan
-        self.actors = [
-            [alive[slots[(k, r)]] for r in range(new_plan.pipelines)]
-            for k in range(new_plan.num_stages)
-        ]
-        ray.get([a.reconfigure.remote(self._stage_spec(k, r))
-                 for k, row in enumerate(self.actors) for r, a in enumerate(row)])  # fmt: skip
-        self._wire()
-        # Restore: own memory when an actor keeps its layers, else fetched actor to actor
-        # from the survivors holding the boundary (one per old stage); then forget old
-        # snapshots (only after every fetch is done).
+        # 4. re-lay the survivors; each restores from its own memory when it keeps its
+        # layers, else fetches them actor to actor from the holders of the boundary.
         peers = [alive[holders[k][0]] for k in range(p)] if ckpt is None else []
-        loads = []
-        for (k, r), old in slots.items():
-            a = self.actors[k][r]
+        have_of = {id(a): have[key] for key, a in alive.items()}
+
+        def load(a: Any, k: int, old_k: int | None) -> Any:
             if ckpt is not None:
-                loads.append(a.load_checkpoint.remote(str(ckpt.path)))
-            elif old_plan.partition[old[0]] == new_plan.partition[k] and boundary in have[old]:
-                loads.append(a.load_boundary.remote(boundary))
-            else:
-                loads.append(a.load_from_peers.remote(peers, boundary))
-        ray.get(loads)
-        ray.get([a.drop_boundaries.remote() for a in self._flat()])
-        for a in spares:  # survivors the new layout has no slot for (after they served)
-            ray.kill(a, no_restart=True)
+                return a.load_checkpoint.remote(str(ckpt.path))
+            keeps = old_k is not None and old_plan.partition[old_k] == new_plan.partition[k]
+            if keeps and boundary in have_of.get(id(a), ()):
+                return a.load_boundary.remote(boundary)
+            return a.load_from_peers.remote(peers, boundary)
+
+        self._relayout(new_plan, [(a, key[0]) for key, a in alive.items()], load)
         resume_at = ckpt.step if ckpt is not None else boundary
         seconds = time.perf_counter() - t0
         self.sink.event(
@@ -534,6 +510,45 @@ class Controller:
         )
         self.recoveries.append({"seconds": seconds, "step": resume_at, "failed_step": step})
         self._continue_from = resume_at
+
+    def _relayout(self, new_plan: Plan, pool: list[tuple[Any, int]], load: Any) -> None:
+        """Lay ``new_plan`` over ``pool`` — (actor, stage it held) pairs whose process groups
+        are already left — preferring, per site, actors that keep their layers; slots no
+        pooled actor can take get new actors. ``load(actor, stage, old_stage)`` returns the
+        call that restores that actor's state; pooled actors left over serve as sources
+        until every load is done, then stop."""
+        import ray
+
+        old_plan = self.plan
+        by_site: dict[str, list[tuple[Any, int]]] = {}
+        for a, old_k in pool:
+            by_site.setdefault(old_plan.stage_sites[old_k], []).append((a, old_k))
+        self.plan = new_plan
+        rows: list[list[Any]] = []
+        slots: list[tuple[Any, int, int | None]] = []
+        keep: list[tuple[Any, int, int]] = []
+        for k in range(new_plan.num_stages):
+            cands = by_site.get(new_plan.stage_sites[k], [])
+            row = []
+            for r in range(new_plan.pipelines):
+                same = [c for c in cands if old_plan.partition[c[1]] == new_plan.partition[k]]
+                if same or cands:
+                    a, old_k = (same or cands)[0]
+                    cands.remove((a, old_k))
+                    keep.append((a, k, r))
+                else:
+                    a, old_k = self._create_actor(k, r), None
+                row.append(a)
+                slots.append((a, k, old_k))
+            rows.append(row)
+        spares = [a for rest in by_site.values() for a, _ in rest]
+        self.actors = rows
+        ray.get([a.reconfigure.remote(self._stage_spec(k, r)) for a, k, r in keep])
+        self._wire()
+        ray.get([load(a, k, old_k) for a, k, old_k in slots])
+        ray.get([a.drop_boundaries.remote() for a in self._flat()])
+        for a in spares:
+            ray.kill(a, no_restart=True)
 
     def _vector(self, plan: Plan) -> tuple[int, ...]:
         """Stages per site (in the templates' site order) of ``plan``."""
@@ -575,52 +590,19 @@ class Controller:
             return False
         t0 = time.perf_counter()
         holders = [row[0] for row in self.actors]
-        old_roles = {id(a): (k, r) for k, row in enumerate(self.actors) for r, a in enumerate(row)}
+        pool = [(a, k) for k, row in enumerate(self.actors) for a in row]
         for a in self._flat():  # the boundary snapshot of this step, complete everywhere
             deadline = time.time() + 60
             while step not in ray.get(a.boundary_steps.remote()) and time.time() < deadline:
                 time.sleep(0.05)
         ray.get([a.leave.remote() for a in self._flat()])
-        pool: dict[str, list] = {}
-        for a in self._flat():
-            pool.setdefault(plan.stage_sites[old_roles[id(a)][0]], []).append(a)
-        old_plan = plan
-        self.plan = new_plan
-        rows: list[list[Any]] = []
-        keep: list[tuple[Any, int, int]] = []
-        for k in range(new_plan.num_stages):
-            site, row = new_plan.stage_sites[k], []
-            for r in range(new_plan.pipelines):
-                cands = pool.get(site, [])
-                same = [
-                    a
-                    for a in cands
-                    if old_plan.partition[old_roles[id(a)][0]] == new_plan.partition[k]
-                ]
-                if same or cands:
-                    a = (same or cands)[0]
-                    cands.remove(a)
-                    keep.append((a, k, r))
-                else:
-                    a = self._create_actor(k, r)
-                row.append(a)
-            rows.append(row)
-        spares = [a for rest in pool.values() for a in rest]
-        self.actors = rows
-        ray.get([a.reconfigure.remote(self._stage_spec(k, r)) for a, k, r in keep])
-        self._wire()
-        loads = []
-        for k, row in enumerate(rows):
-            for a in row:
-                old = old_roles.get(id(a))
-                if old is not None and old_plan.partition[old[0]] == new_plan.partition[k]:
-                    loads.append(a.load_boundary.remote(step))
-                else:
-                    loads.append(a.load_from_peers.remote(holders, step))
-        ray.get(loads)
-        ray.get([a.drop_boundaries.remote() for a in self._flat()])
-        for a in spares:
-            ray.kill(a, no_restart=True)
+
+        def load(a: Any, k: int, old_k: int | None) -> Any:
+            if old_k is not None and plan.partition[old_k] == new_plan.partition[k]:
+                return a.load_boundary.remote(step)
+            return a.load_from_peers.remote(holders, step)
+
+        self._relayout(new_plan, pool, load)
         seconds = time.perf_counter() - t0
         self.sink.event("grown", step=step, seconds=seconds, plan=new_plan.to_dict())
         print(
