@@ -89,6 +89,11 @@ def test_ctrl_c_stops_actors_and_ray(tmp_path):
     assert wait_no_ray() == []
     status = json.loads((tmp_path / "status.json").read_text())
     assert status["state"] == "interrupted" and status["pid"] is None
+    # The step in flight was finished and saved: resuming continues right after it.
+    from geopipe.checkpoint.store import latest_complete
+
+    saved = latest_complete(tmp_path / "checkpoints")
+    assert saved is not None and saved.step == status["step"] >= 1
 
 
 @pytest.mark.parametrize(

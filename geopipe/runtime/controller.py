@@ -93,6 +93,7 @@ class Controller:
         auth_env(self.spec)  # before anything imports ray: it reads RAY_AUTH_MODE at import
         self.opts = opts
         self.state = State.PLANNING
+        self._stop_requested = False  # set by the first Ctrl-C during train()
         self.run_dir = run_dir_for(self.spec, opts.run_dir)
         self.cluster: ClusterInfo | None = None
         self.actors: list[list[Any]] = []  # [stage][replica]
@@ -165,6 +166,7 @@ class Controller:
         self._templates = build_templates(spec, plan=plan)
         if self.resume_from is not None:
             self.sink.event("resumed", path=self.resume_from, step=self.start_step)
+        self._write_status(self.start_step)  # `geopipe status` works from the first step on
 
     def _flat(self) -> list[Any]:
         return [a for row in self.actors for a in row]
@@ -285,52 +287,57 @@ class Controller:
         interrupted = False
         calib_base = start
         step = start
-        try:
-            while step < spec.training.steps:
-                last = step == spec.training.steps - 1
-                calibrating = step - calib_base < CALIBRATION_STEPS
-                record = calibrating or (bool(self.opts.trace) and last)
-                results, interrupted = self._run_step(step, record, interrupted)
-                if results is None:  # a failure: recovered in place, redo from the boundary
-                    step = calib_base = self._continue_from
-                    plan = self.plan
-                    tokens = spec.training.global_batch_size * plan.seq_len
-                    continue
-                m = aggregate(results, plan.num_stages, tokens)
-                result.steps.append(m)
-                self.sink.write(
-                    m, {"predicted_iteration_time_s": self.predicted_s, "completed_at": time.time()}
-                )
-                if calibrating:
-                    first = step == calib_base
-                    # After ΔN is chosen (first step), pool the following steps' measurements.
-                    self._calib_pool = [] if first else [*self._calib_pool, *results]
-                    self._recalibrate(self._calib_pool or results, choose_delta_n=first)
-                    plan = self.plan
-                self._write_status(step + 1)
-                progress.update(m)
-                last_results = results
-                self._poll_checkpoint()
-                step += 1
-                if interrupted:
-                    break
-                if every and step % every == 0 and not last:
-                    if self.recoveries and self._maybe_grow(step):
-                        plan = self.plan
-                        tokens = spec.training.global_batch_size * plan.seq_len
-                        calib_base = step
-                    try:
-                        self.save_checkpoint(step)
-                    except (RayActorError, RayTaskError) as exc:  # died between steps
-                        self._recover(step, [a.ping.remote() for a in self._flat()], exc)
+        with self._graceful_sigint():
+            try:
+                while step < spec.training.steps:
+                    last = step == spec.training.steps - 1
+                    calibrating = step - calib_base < CALIBRATION_STEPS
+                    record = calibrating or (bool(self.opts.trace) and last)
+                    results, interrupted = self._run_step(step, record, interrupted)
+                    if results is None:  # a failure: recovered in place, redo from the boundary
                         step = calib_base = self._continue_from
                         plan = self.plan
                         tokens = spec.training.global_batch_size * plan.seq_len
-            if result.steps and (interrupted or step == spec.training.steps):
-                self.save_checkpoint(step)
-            self._poll_checkpoint(wait=True)
-        finally:
-            progress.close()
+                        continue
+                    m = aggregate(results, plan.num_stages, tokens)
+                    result.steps.append(m)
+                    self.sink.write(
+                        m,
+                        {
+                            "predicted_iteration_time_s": self.predicted_s,
+                            "completed_at": time.time(),
+                        },
+                    )
+                    if calibrating:
+                        first = step == calib_base
+                        # After ΔN is chosen (first step), pool the following steps' measurements.
+                        self._calib_pool = [] if first else [*self._calib_pool, *results]
+                        self._recalibrate(self._calib_pool or results, choose_delta_n=first)
+                        plan = self.plan
+                    self._write_status(step + 1)
+                    progress.update(m)
+                    last_results = results
+                    self._poll_checkpoint()
+                    step += 1
+                    if interrupted:
+                        break
+                    if every and step % every == 0 and not last:
+                        if self.recoveries and self._maybe_grow(step):
+                            plan = self.plan
+                            tokens = spec.training.global_batch_size * plan.seq_len
+                            calib_base = step
+                        try:
+                            self.save_checkpoint(step)
+                        except (RayActorError, RayTaskError) as exc:  # died between steps
+                            self._recover(step, [a.ping.remote() for a in self._flat()], exc)
+                            step = calib_base = self._continue_from
+                            plan = self.plan
+                            tokens = spec.training.global_batch_size * plan.seq_len
+                if result.steps and (interrupted or step == spec.training.steps):
+                    self.save_checkpoint(step)
+                self._poll_checkpoint(wait=True)
+            finally:
+                progress.close()
         if self.opts.trace and last_results:
             from geopipe.timeline import write_chrome_trace
 
@@ -343,7 +350,10 @@ class Controller:
         return result
 
     def _run_step(self, step: int, record: bool, interrupted: bool) -> tuple[Any, bool]:
-        """One optimizer step on every replica; ``(None, …)`` if it failed and was recovered."""
+        """One optimizer step on every replica; ``(None, …)`` if it failed and was recovered.
+
+        ``interrupted`` turns true once a Ctrl-C arrived (see ``_graceful_sigint``).
+        """
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
@@ -352,18 +362,43 @@ class Controller:
         self._maybe_chaos(step)
         timeout = max(120.0, 20 * self.predicted_s)  # a hang is a failure too
         try:
-            try:
-                return ray.get(refs, timeout=timeout), interrupted
-            except KeyboardInterrupt:
-                print(
-                    "\ngeopipe: finishing the step in flight, then saving a checkpoint "
-                    "(Ctrl-C again to abandon it)",
-                    file=sys.stderr,
-                )
-                return ray.get(refs, timeout=timeout), True
+            results = ray.get(refs, timeout=timeout)
         except (RayActorError, RayTaskError, GetTimeoutError) as exc:
             self._recover(step, refs, exc)
-            return None, interrupted
+            return None, interrupted or self._stop_requested
+        return results, interrupted or self._stop_requested
+
+    @contextlib.contextmanager
+    def _graceful_sigint(self):
+        """First Ctrl-C: finish the step in flight, save a checkpoint, stop. Second: abandon.
+
+        A handler that only sets a flag, rather than Python's default KeyboardInterrupt, so
+        the interrupt can never land between writing a step's metrics and its status, or in
+        the middle of a checkpoint's bookkeeping.
+        """
+        import signal
+        import threading
+
+        self._stop_requested = False
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def handler(signum: int, frame: Any) -> None:
+            if self._stop_requested:
+                raise KeyboardInterrupt
+            self._stop_requested = True
+            print(
+                "\ngeopipe: finishing the step in flight, then saving a checkpoint "
+                "(Ctrl-C again to abandon it)",
+                file=sys.stderr,
+            )
+
+        previous = signal.signal(signal.SIGINT, handler)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
 
     def _maybe_chaos(self, step: int) -> None:
         """``--chaos-kill-every N``: kill a random stage actor in the middle of every N-th step."""
@@ -857,11 +892,14 @@ class Controller:
 
     def _write_status_final(self) -> None:
         path = self.run_dir / "status.json"
-        if path.exists():
-            data = json.loads(path.read_text())
-            data["state"] = self.state.value
-            data["pid"] = None
-            path.write_text(json.dumps(data, indent=1))
+        if not path.exists():
+            self._write_status(self.start_step)
+        data = json.loads(path.read_text())
+        data["state"] = self.state.value
+        data["pid"] = None
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        tmp.replace(path)
 
 
 def _alive(actor: Any) -> bool:
