@@ -103,6 +103,7 @@ def main() -> None:
         "restart_resumed_from_step": restart_from,
         "lost_steps": rec["lost_steps"],
         "failed_step": k,
+        "state_moved_bytes": rec["moved"],
         "new_plan": {key: rec["plan"][key] for key in ("pipelines", "stage_sites", "partition")},
         "loss_before": chaos_losses[k - 1],
         "loss_after": chaos_losses[k],
@@ -119,6 +120,7 @@ def main() -> None:
         f"checkpoint step {restart_from} takes {restart_s:.1f} s "
         f"({result['restart_over_recovery']:.1f}x longer)"
     )
+    print(f"state moved to the new layout (bytes per path): {rec['moved']}")
     print(
         f"loss: step {k - 1} {result['loss_before']:.4f}, step {k} {result['loss_after']:.4f} "
         f"(uninterrupted {result['reference_loss_after']:.4f}); worst deviation over the run "

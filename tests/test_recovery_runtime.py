@@ -3,6 +3,7 @@ middle of an iteration, the only holder of a stage killed, too many devices lost
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -73,6 +74,10 @@ def test_replica_killed_mid_iteration_recovers_in_place(tmp_path):
     recovered = events(tmp_path / "chaos", "recovered")
     assert len(failure) == 1 and failure[0]["step"] == 2 and len(failure[0]["dead"]) == 1
     assert recovered[0]["lost_steps"] == 0 and recovered[0]["source"] == "surviving replicas"
+    # 3 survivors re-form as 1 pipeline × 3 stages; each new stage is a subset of what its
+    # actor held before, so nothing needs to move: every layer comes from its own memory.
+    assert recovered[0]["plan"]["partition"] == [[0, 2], [2, 3], [3, 4]]
+    assert recovered[0]["moved"] == {"p2p_bytes": 0, "object_store_bytes": 0}
     got, ref = losses(tmp_path / "chaos"), losses(tmp_path / "ref")
     assert len(got) == 4
     assert got == pytest.approx(ref, abs=1e-4)
@@ -134,6 +139,8 @@ def test_grows_back_when_devices_return(tmp_path):
     assert events(tmp_path / "chaos", "recovered")
     grown = events(tmp_path / "chaos", "grown")
     assert grown and grown[0]["step"] == 3 and grown[0]["plan"]["pipelines"] == 2
+    # The new actors' layers come from holders in their own site, over torch.distributed.
+    assert grown[0]["moved"]["p2p_bytes"] > 0 and grown[0]["moved"]["object_store_bytes"] == 0
     assert ctl.plan.pipelines == 2
     assert losses(tmp_path / "chaos") == pytest.approx(losses(tmp_path / "ref"), abs=1e-4)
     import torch
@@ -142,3 +149,53 @@ def test_grows_back_when_devices_return(tmp_path):
         for name, t in states[0]["params"].items():
             for other in states[1:]:
                 assert torch.equal(t, other["params"][name]), name
+
+
+def test_frozen_actor_is_caught_by_heartbeat_and_replaced(tmp_path):
+    """A stage process that stops answering (SIGSTOP: as a hung host or a partitioned node
+    looks from the controller) raises no actor error; the heartbeat finds it, the job
+    re-forms on the others without losing a step, and the frozen process is gone after."""
+    import os
+    import signal
+
+    doc = tiny_doc(2, 2, steps=6)
+    frozen: list[int] = []
+
+    def freeze(ctl: Controller) -> None:
+        run_dir = tmp_path / "frozen"
+        while ctl.state.value != "running" or not events_ready(run_dir):
+            time.sleep(0.05)
+        pid = ray.get(ctl.actors[1][1].ping.remote())
+        os.kill(pid, signal.SIGSTOP)
+        frozen.append(pid)
+
+    run(doc, tmp_path / "ref", steps=6)
+    try:
+        _, state = run(doc, tmp_path / "frozen", steps=6, kill=freeze)
+        failure = events(tmp_path / "frozen", "failure")
+        assert len(failure) == 1 and "heartbeat" in failure[0]["error"]
+        assert len(failure[0]["dead"]) == 1 and failure[0]["dead"][0].endswith("stage1/r1")
+        recovered = events(tmp_path / "frozen", "recovered")
+        assert recovered[0]["lost_steps"] == 0
+        assert losses(tmp_path / "frozen") == pytest.approx(losses(tmp_path / "ref"), abs=1e-4)
+        assert state["step"] == 6
+        deadline = time.time() + 15
+        while time.time() < deadline and _exists(frozen[0]):
+            time.sleep(0.2)
+        assert not _exists(frozen[0]), "the frozen stage process outlived the recovery"
+    finally:
+        for pid in frozen:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _exists(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (killed, not yet reaped by its raylet) is gone for our purposes.
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and stat.read_text().split(") ")[-1].startswith("Z"))

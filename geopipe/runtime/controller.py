@@ -37,6 +37,16 @@ __all__ = ["Controller", "LaunchOptions", "RunResult", "State"]
 
 
 CALIBRATION_STEPS = 3  # steps whose measured stage times re-calibrate the prediction
+HEARTBEAT_S = 1.0  # while a step runs, each unfinished actor is pinged this often …
+UNRESPONSIVE_S = 10.0  # … and one that leaves a ping unanswered this long is lost
+
+
+class ActorsUnresponsive(RuntimeError):
+    """Stage actors stopped answering heartbeats (frozen process, lost or partitioned node)."""
+
+    def __init__(self, indices: list[int], seconds: float) -> None:
+        super().__init__(f"{len(indices)} actor(s) unanswered heartbeat for {seconds:.0f} s")
+        self.indices = indices
 
 
 class State(enum.Enum):
@@ -237,6 +247,7 @@ class Controller:
 
         plan = self.plan
         sites = list(dict.fromkeys(plan.stage_sites))
+        self._site_rank: dict[int, int] = {}  # id(actor) -> rank in its site's world
         calls = []
         for site in sites:
             stages = [k for k in range(plan.num_stages) if plan.stage_sites[k] == site]
@@ -245,6 +256,8 @@ class Controller:
             rank = {(k, r): li * d + r for li, k in enumerate(stages) for r in range(d)}
             groups = [[li * d + r for r in range(d)] for li in range(len(stages))]
             master = ray.get(self.actors[stages[0]][0].endpoint.remote())
+            for (k, r), rk in rank.items():
+                self._site_rank[id(self.actors[k][r])] = rk
             for li, k in enumerate(stages):
                 for r in range(d):
                     up_rank = rank.get((k - 1, r))
@@ -354,19 +367,50 @@ class Controller:
 
         ``interrupted`` turns true once a Ctrl-C arrived (see ``_graceful_sigint``).
         """
-        import ray
         from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
         flat = self._flat()
         refs = [a.run_iteration.remote(step, record) for a in flat]
         self._maybe_chaos(step)
-        timeout = max(120.0, 20 * self.predicted_s)  # a hang is a failure too
         try:
-            results = ray.get(refs, timeout=timeout)
-        except (RayActorError, RayTaskError, GetTimeoutError) as exc:
+            results = self._await_step(flat, refs)
+        except (RayActorError, RayTaskError, GetTimeoutError, ActorsUnresponsive) as exc:
             self._recover(step, refs, exc)
             return None, interrupted or self._stop_requested
         return results, interrupted or self._stop_requested
+
+    def _await_step(self, flat: list[Any], refs: list) -> list:
+        """The step's results, failing fast: an actor error as soon as one is known, a frozen
+        actor after ``UNRESPONSIVE_S`` of unanswered heartbeats, a hang (actors answer but
+        the step makes no progress) after max(120 s, 20 × predicted step)."""
+        import ray
+        from ray.exceptions import GetTimeoutError
+
+        hang_s = max(120.0, 20 * self.predicted_s)
+        deadline = time.monotonic() + hang_s
+        pings: dict[int, tuple[Any, float]] = {}  # actor index -> (ping in flight, sent at)
+        while True:
+            ready, pending = ray.wait(refs, num_returns=len(refs), timeout=HEARTBEAT_S)
+            ray.get(ready)  # an actor error surfaces now, not when the others finish
+            if not pending:
+                return ray.get(refs)
+            now = time.monotonic()
+            if now > deadline:
+                raise GetTimeoutError(f"step unfinished after {hang_s:.0f} s: a hang")
+            waiting = set(pending)
+            lost = []
+            for i, ref in enumerate(refs):
+                if ref not in waiting:
+                    pings.pop(i, None)
+                    continue
+                ping, sent = pings.get(i, (None, now))
+                if ping is not None and not ray.wait([ping], timeout=0)[0]:
+                    if now - sent > UNRESPONSIVE_S:
+                        lost.append(i)
+                    continue
+                pings[i] = (flat[i].ping.remote(), now)
+            if lost:
+                raise ActorsUnresponsive(lost, UNRESPONSIVE_S)
 
     @contextlib.contextmanager
     def _graceful_sigint(self):
@@ -448,7 +492,15 @@ class Controller:
         self._settle_pending_checkpoint()
         roles = {(k, r): a for k, row in enumerate(self.actors) for r, a in enumerate(row)}
         ref_of = dict(zip(roles, refs, strict=True))
-        dead = [key for key, a in roles.items() if not _alive(a)]
+        if isinstance(exc, ActorsUnresponsive):  # frozen: no ping would come back either
+            keys = list(roles)
+            dead = [keys[i] for i in exc.indices]
+            for key in dead:
+                ray.kill(roles[key], no_restart=True)
+        else:
+            dead = [
+                key for key, ok in zip(roles, _alive(list(roles.values())), strict=True) if not ok
+            ]
         if not dead:  # a hang: whoever has not finished is presumed stuck
             _, stuck = ray.wait(refs, num_returns=len(refs), timeout=0)
             dead = [key for key, ref in ref_of.items() if ref in stuck]
@@ -510,22 +562,13 @@ class Controller:
                 f"checkpoint under {self.checkpoint_root} is intact"
             )
         ckpt = info if isinstance(decision, RestoreFromCheckpoint) else None
-        old_plan = self.plan
         new_plan = decision.plan
-        # 4. re-lay the survivors; each restores from its own memory when it keeps its
-        # layers, else fetches them actor to actor from the holders of the boundary.
-        peers = [alive[holders[k][0]] for k in range(p)] if ckpt is None else []
-        have_of = {id(a): have[key] for key, a in alive.items()}
-
-        def load(a: Any, k: int, old_k: int | None) -> Any:
-            if ckpt is not None:
-                return a.load_checkpoint.remote(str(ckpt.path))
-            keeps = old_k is not None and old_plan.partition[old_k] == new_plan.partition[k]
-            if keeps and boundary in have_of.get(id(a), ()):
-                return a.load_boundary.remote(boundary)
-            return a.load_from_peers.remote(peers, boundary)
-
-        self._relayout(new_plan, [(a, key[0]) for key, a in alive.items()], load)
+        # 4. re-lay the survivors; each restores from its own memory what it keeps, the
+        # rest from the holders of the boundary (intra-site over torch.distributed).
+        sources = [] if ckpt is not None else [(alive[key], key[0]) for key in alive
+                                               if boundary in have[key]]  # fmt: skip
+        moved = self._relayout(new_plan, [(a, key[0]) for key, a in alive.items()],
+                               boundary, sources, ckpt)  # fmt: skip
         resume_at = ckpt.step if ckpt is not None else boundary
         seconds = time.perf_counter() - t0
         self.sink.event(
@@ -535,6 +578,7 @@ class Controller:
             lost_steps=step - resume_at,
             source="checkpoint" if ckpt is not None else "surviving replicas",
             seconds=seconds,
+            moved=moved,
             plan=new_plan.to_dict(),
         )
         how = f"checkpoint {ckpt.path.name}" if ckpt is not None else "surviving replicas"
@@ -546,12 +590,20 @@ class Controller:
         self.recoveries.append({"seconds": seconds, "step": resume_at, "failed_step": step})
         self._continue_from = resume_at
 
-    def _relayout(self, new_plan: Plan, pool: list[tuple[Any, int]], load: Any) -> None:
+    def _relayout(
+        self,
+        new_plan: Plan,
+        pool: list[tuple[Any, int]],
+        step: int,
+        holders: list[tuple[Any, int]],
+        ckpt: Any = None,
+    ) -> dict[str, int]:
         """Lay ``new_plan`` over ``pool`` — (actor, stage it held) pairs whose process groups
         are already left — preferring, per site, actors that keep their layers; slots no
-        pooled actor can take get new actors. ``load(actor, stage, old_stage)`` returns the
-        call that restores that actor's state; pooled actors left over serve as sources
-        until every load is done, then stop."""
+        pooled actor can take get new actors. Then restore every actor to step boundary
+        ``step`` from ``holders`` — (actor, old stage) pairs with that snapshot — or from
+        ``ckpt``; pooled actors left over serve as sources until every load is done, then
+        stop. Returns the bytes moved per path (see :mod:`geopipe.runtime.handoff`)."""
         import ray
 
         old_plan = self.plan
@@ -580,10 +632,42 @@ class Controller:
         self.actors = rows
         ray.get([a.reconfigure.remote(self._stage_spec(k, r)) for a, k, r in keep])
         self._wire()
-        ray.get([load(a, k, old_k) for a, k, old_k in slots])
+        if ckpt is not None:
+            ray.get([a.load_checkpoint.remote(str(ckpt.path)) for a, _k, _old in slots])
+            moved = {"checkpoint": len(slots)}
+        else:
+            moved = self._handoff(step, holders, old_plan)
         ray.get([a.drop_boundaries.remote() for a in self._flat()])
         for a in spares:
             ray.kill(a, no_restart=True)
+        return moved
+
+    def _handoff(self, step: int, holders: list[tuple[Any, int]], old_plan: Plan) -> dict:
+        """Every actor of the (just wired) layout loads boundary ``step``, as planned by
+        :func:`geopipe.runtime.handoff.plan_handoff`."""
+        import ray
+
+        from geopipe.runtime.handoff import Holder, Receiver, Restore, plan_handoff
+
+        plan, flat = self.plan, self._flat()
+        site = {id(a): plan.stage_sites[k] for k, row in enumerate(self.actors) for a in row}
+        shapes = ray.get([a.param_shapes.remote() for a in flat])
+        names = ray.get([a.boundary_names.remote(step) for a, _ in holders])
+        by_id = {id(a): a for a, _ in holders}
+        hs = [
+            Holder(id(a), old_plan.stage_sites[k], self._site_rank.get(id(a)), frozenset(n))
+            for (a, k), n in zip(holders, names, strict=True)
+        ]
+        rs = [Receiver(id(a), site[id(a)], self._site_rank[id(a)], sh)
+              for a, sh in zip(flat, shapes, strict=True)]  # fmt: skip
+        todo = plan_handoff(rs, hs)
+        calls = []
+        for a in flat:
+            r = todo.get(id(a), Restore())
+            fetch = [(by_id[key], n) for key, n in r.fetch]
+            calls.append(a.restore_boundary.remote(step, r.own, r.sends, r.recvs, fetch))
+        stats = ray.get(calls)
+        return {key: sum(s[key] for s in stats) for key in ("p2p_bytes", "object_store_bytes")}
 
     def _vector(self, plan: Plan) -> tuple[int, ...]:
         """Stages per site (in the templates' site order) of ``plan``."""
@@ -624,22 +708,15 @@ class Controller:
         if now is None or new is None or new.iteration_time_s > 0.95 * now.iteration_time_s:
             return False
         t0 = time.perf_counter()
-        holders = [row[0] for row in self.actors]
         pool = [(a, k) for k, row in enumerate(self.actors) for a in row]
         for a in self._flat():  # the boundary snapshot of this step, complete everywhere
             deadline = time.time() + 60
             while step not in ray.get(a.boundary_steps.remote()) and time.time() < deadline:
                 time.sleep(0.05)
         ray.get([a.leave.remote() for a in self._flat()])
-
-        def load(a: Any, k: int, old_k: int | None) -> Any:
-            if old_k is not None and plan.partition[old_k] == new_plan.partition[k]:
-                return a.load_boundary.remote(step)
-            return a.load_from_peers.remote(holders, step)
-
-        self._relayout(new_plan, pool, load)
+        moved = self._relayout(new_plan, pool, step, pool)
         seconds = time.perf_counter() - t0
-        self.sink.event("grown", step=step, seconds=seconds, plan=new_plan.to_dict())
+        self.sink.event("grown", step=step, seconds=seconds, moved=moved, plan=new_plan.to_dict())
         print(
             f"geopipe: devices are back: now {new_plan.pipelines} pipeline(s) × "
             f"{new_plan.num_stages} stages (took {seconds:.1f} s), at step {step}",
@@ -902,14 +979,13 @@ class Controller:
         tmp.replace(path)
 
 
-def _alive(actor: Any) -> bool:
+def _alive(actors: list[Any], timeout: float = UNRESPONSIVE_S) -> list[bool]:
+    """Which actors answer a ping within ``timeout`` (all pinged at once)."""
     import ray
 
-    try:
-        ray.get(actor.ping.remote(), timeout=10)
-    except Exception:
-        return False
-    return True
+    refs = [a.ping.remote() for a in actors]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+    return [r in ready and _quiet_get([r], 0)[0] is not None for r in refs]
 
 
 def _quiet_get(refs: list, timeout: float) -> list:

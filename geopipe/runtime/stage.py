@@ -35,6 +35,7 @@ from geopipe.transport.link import LinkParams
 __all__ = ["StageSpec", "StageWorker", "WanPeer"]
 
 _F, _B, _SF, _RF, _SB, _RB = (int(k) for k in Kind)
+_STATE_TAG = 7 << 20  # p2p tags of the state hand-off; iterations use small tags
 
 
 @dataclass(frozen=True)
@@ -404,29 +405,83 @@ class StageWorker:
         self._configure(spec)
         return before
 
-    def load_boundary(self, step: int) -> None:
-        """Restore the full state this replica kept for ``step`` (same stage and layers)."""
-        self.engine.load_full_state(self._boundary[step].result())
-
     def drop_boundaries(self) -> None:
         """Forget the snapshots of the layout before a reconfiguration (once all restored)."""
         self._boundary = {}
 
-    def load_from_peers(self, peers: list, step: int) -> None:
-        """Restore this stage's layers from surviving replicas' step-``step`` snapshots.
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {n: tuple(p.shape) for n, p in self.engine.module.named_parameters()}
 
-        The tensors travel actor to actor (through the object store of the node they share,
-        or across nodes when the only copy is elsewhere), never through the driver; each
-        peer's whole-stage state is merged and layers are matched by name.
-        """
+    def boundary_names(self, step: int) -> list[str]:
+        return list(self._boundary[step].result()["params"])
+
+    def boundary_subset(self, step: int, names: list[str]) -> dict:
+        """Part of the step-``step`` snapshot, for a receiver that fetches it through the
+        object store (a holder in another site, or outside the new layout)."""
+        from geopipe.runtime.handoff import GROUPS
+
+        st = self._boundary[step].result()
+        return {
+            **{g: {n: st[g][n] for n in names} for g in GROUPS},
+            "step": st["step"],
+            "lr_step": st["lr_step"],
+        }
+
+    def restore_boundary(
+        self,
+        step: int,
+        own: list[str],
+        sends: list[tuple[int, list[str]]],
+        recvs: list[tuple[int, list[str]]],
+        fetch: list[tuple[Any, list[str]]],
+    ) -> dict[str, int]:
+        """Take part in the hand-off :func:`geopipe.runtime.handoff.plan_handoff` planned:
+        keep ``own`` names from this replica's snapshot, send to and receive from site
+        ranks over the re-formed ``torch.distributed`` world (all posted at once, so no
+        order of calls across actors can deadlock), fetch the rest through the object
+        store, then load the merged step-``step`` state. Returns the bytes per path."""
         import ray
+        import torch.distributed as dist
 
-        merged: dict[str, Any] = {"params": {}, "exp_avg": {}, "exp_avg_sq": {}}
-        for st in ray.get([p.boundary_state.remote(step) for p in peers]):
-            for group in ("params", "exp_avg", "exp_avg_sq"):
-                merged[group].update(st[group])
-            merged["step"], merged["lr_step"] = st["step"], st["lr_step"]
+        from geopipe.runtime.handoff import GROUPS, flat_size, pack, unpack
+
+        shapes = self.param_shapes()
+        dev = self.engine.device if dist.get_backend() == "nccl" else torch.device("cpu")
+        mine = self._boundary[step].result() if (own or sends) else None
+        ops, received, p2p = [], [], 0
+        for dst, names in sends:
+            header, flat = pack(mine, names)
+            ops += [
+                dist.P2POp(dist.isend, header.to(dev), dst, tag=_STATE_TAG),
+                dist.P2POp(dist.isend, flat.to(dev), dst, tag=_STATE_TAG + 1),
+            ]
+        for src, names in recvs:
+            header = torch.empty(2, dtype=torch.int64, device=dev)
+            flat = torch.empty(flat_size(shapes, names), dtype=torch.float32, device=dev)
+            ops += [
+                dist.P2POp(dist.irecv, header, src, tag=_STATE_TAG),
+                dist.P2POp(dist.irecv, flat, src, tag=_STATE_TAG + 1),
+            ]
+            received.append((names, header, flat))
+            p2p += flat.numel() * flat.element_size()
+        works = dist.batch_isend_irecv(ops) if ops else []
+        parts = ray.get([a.boundary_subset.remote(step, names) for a, names in fetch])
+        fetched = sum(t.numel() * t.element_size() for p in parts for t in p["params"].values())
+        for work in works:
+            work.wait()
+        if own:
+            parts.append({**{g: {n: mine[g][n] for n in own} for g in GROUPS},
+                          "step": mine["step"], "lr_step": mine["lr_step"]})  # fmt: skip
+        parts += [unpack(h.cpu(), f.cpu(), names, shapes) for names, h, f in received]
+        merged: dict[str, Any] = {g: {} for g in GROUPS}
+        for part in parts:
+            for g in GROUPS:
+                merged[g].update(part[g])
+            if merged.setdefault("step", part["step"]) != part["step"]:
+                raise RuntimeError(f"hand-off mixes Adam steps {merged['step']} and {part['step']}")
+            merged["lr_step"] = part["lr_step"]
         self.engine.load_full_state(merged)
+        return {"own": len(own), "p2p_bytes": p2p, "object_store_bytes": 3 * fetched}
 
     def shutdown(self) -> None:
         from geopipe.runtime.engine import destroy_process_group

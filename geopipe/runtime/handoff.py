@@ -1,0 +1,129 @@
+"""Handing a stage's state from surviving replicas to the actors of a new layout.
+
+After a recovery or a grow-back every actor of the new layout must hold its layers'
+parameters and Adam moments as of one step boundary. Who has what: each surviving replica
+kept full snapshots of its *old* stage; the new layout may give an actor other layers.
+
+:func:`plan_handoff` (pure logic) decides, per parameter name, where it comes from:
+
+1. the actor's own snapshot, when it already holds that name;
+2. else a holder **in the same site and in the new layout**: a point-to-point transfer on
+   the site's freshly re-formed ``torch.distributed`` world (NCCL on GPUs, gloo on CPU) —
+   the intra-site, RDMA-class path;
+3. else any other holder through Ray's object store (a holder in another site, where no
+   process group reaches by design, or a left-over replica outside the new layout).
+
+Among equal candidates the one with the fewest bytes assigned so far is chosen, so several
+receivers spread over the holders. :func:`pack` and :func:`unpack` turn a name list into
+one flat buffer per (sender, receiver) pair, so a transfer is one message, not 3 × names.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["Holder", "Receiver", "Restore", "pack", "plan_handoff", "unpack"]
+
+GROUPS = ("params", "exp_avg", "exp_avg_sq")
+
+
+@dataclass(frozen=True)
+class Holder:
+    """A surviving replica with a snapshot of the boundary: the names it holds, and where it
+    sits (``rank`` in its site's new world; None when it is not part of the new layout)."""
+
+    key: Hashable
+    site: str
+    rank: int | None
+    names: frozenset[str]
+
+
+@dataclass(frozen=True)
+class Receiver:
+    """An actor of the new layout and the parameters (name → shape) its stage needs."""
+
+    key: Hashable
+    site: str
+    rank: int
+    shapes: dict[str, tuple[int, ...]]
+
+
+@dataclass
+class Restore:
+    """What one new-layout actor does: keep ``own`` names from its snapshot, ``sends`` to
+    and ``recvs`` from site ranks, and ``fetch`` from holders through the object store."""
+
+    own: list[str] = field(default_factory=list)
+    sends: list[tuple[int, list[str]]] = field(default_factory=list)  # (dst rank, names)
+    recvs: list[tuple[int, list[str]]] = field(default_factory=list)  # (src rank, names)
+    fetch: list[tuple[Hashable, list[str]]] = field(default_factory=list)  # (holder, names)
+
+
+def plan_handoff(receivers: Sequence[Receiver], holders: Sequence[Holder]) -> dict:
+    """``{receiver or holder key: Restore}`` covering every name every receiver needs.
+
+    Raises KeyError naming the first parameter no holder has (the caller decides whether
+    that means a checkpoint fallback). Deterministic: same inputs, same plan, and the
+    pairs' name lists are in the receiver's parameter order on both sides.
+    """
+    load: dict[Hashable, int] = {h.key: 0 for h in holders}
+    out: dict[Hashable, Restore] = {}
+    own_names = {h.key: h.names for h in holders}
+    for rc in receivers:
+        mine = out.setdefault(rc.key, Restore())
+        by_src: dict[Hashable, list[str]] = {}
+        for name, shape in rc.shapes.items():
+            if name in own_names.get(rc.key, ()):
+                mine.own.append(name)
+                continue
+            cands = [h for h in holders if name in h.names and h.key != rc.key]
+            if not cands:
+                raise KeyError(name)
+            local = [h for h in cands if h.site == rc.site and h.rank is not None]
+            src = min(local or cands, key=lambda h: load[h.key])
+            load[src.key] += 3 * math.prod(shape)
+            by_src.setdefault(src.key, []).append(name)
+        for h in holders:
+            names = by_src.get(h.key)
+            if not names:
+                continue
+            if h.site == rc.site and h.rank is not None:
+                mine.recvs.append((h.rank, names))
+                out.setdefault(h.key, Restore()).sends.append((rc.rank, names))
+            else:
+                mine.fetch.append((h.key, names))
+    return out
+
+
+def pack(state: dict, names: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(header, flat)``: the int64 header holds the Adam and LR step; ``flat`` the fp32
+    parameters, then first and second moments, of ``names`` in order."""
+    header = torch.tensor([int(state["step"]), int(state["lr_step"])], dtype=torch.int64)
+    parts = [state[g][n].detach().reshape(-1).to(torch.float32) for g in GROUPS for n in names]
+    flat = torch.cat(parts) if parts else torch.empty(0, dtype=torch.float32)
+    return header, flat
+
+
+def flat_size(shapes: dict[str, tuple[int, ...]], names: Sequence[str]) -> int:
+    return len(GROUPS) * sum(math.prod(shapes[n]) for n in names)
+
+
+def unpack(header: torch.Tensor, flat: torch.Tensor, names: Sequence[str], shapes: dict) -> dict:
+    """The inverse of :func:`pack` given the receiver's shapes: a partial full-state dict."""
+    if flat.numel() != flat_size(shapes, names):
+        raise ValueError(
+            f"state buffer has {flat.numel()} values, expected {flat_size(shapes, names)}"
+        )
+    out: dict = {g: {} for g in GROUPS}
+    offset = 0
+    for g in GROUPS:
+        for n in names:
+            size = math.prod(shapes[n])
+            out[g][n] = flat[offset : offset + size].reshape(shapes[n]).clone()
+            offset += size
+    out["step"], out["lr_step"] = int(header[0]), int(header[1])
+    return out
