@@ -199,3 +199,27 @@ def _exists(pid: int) -> bool:
     # A zombie (killed, not yet reaped by its raylet) is gone for our purposes.
     stat = Path(f"/proc/{pid}/stat")
     return not (stat.exists() and stat.read_text().split(") ")[-1].startswith("Z"))
+
+
+def test_survivor_stuck_in_a_collective_is_replaced(tmp_path):
+    """Stage 0 replica 1 stalls before its last send of step 2 and then dies. Meanwhile its
+    pipeline's stage-1 replica waits for that activation, so stage 1 replica 0 — which got
+    everything — sits in the ZeRO-1 gradient all-reduce with a partner that will never
+    join. Nothing can release it but its partner's exit (gloo keeps the connection), so the
+    controller replaces it with a new actor on the same device, which loads stage 1 from
+    its partner over the re-formed intra-site process group. No step is lost."""
+    doc = tiny_doc(2, 2, steps=4)
+
+    def fault(ctl: Controller) -> None:
+        ray.get(ctl.actors[0][1].inject_fault.remote(2, 3.0))
+
+    run(doc, tmp_path / "ref", steps=4)
+    _, state = run(doc, tmp_path / "stuck", steps=4, kill=fault)
+    failure = events(tmp_path / "stuck", "failure")
+    assert len(failure) == 1 and failure[0]["dead"][0].endswith("stage0/r1")
+    rec = events(tmp_path / "stuck", "recovered")[0]
+    assert len(rec["replaced_stuck"]) == 1 and rec["replaced_stuck"][0].endswith("stage1/r0")
+    assert rec["lost_steps"] == 0
+    assert rec["moved"]["p2p_bytes"] > 0  # the replacement's layers, from its site peer
+    assert losses(tmp_path / "stuck") == pytest.approx(losses(tmp_path / "ref"), abs=1e-4)
+    assert state["step"] == 4

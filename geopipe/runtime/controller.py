@@ -388,21 +388,22 @@ class Controller:
 
         hang_s = max(120.0, 20 * self.predicted_s)
         deadline = time.monotonic() + hang_s
+        index = {ref: i for i, ref in enumerate(refs)}
+        pending = list(refs)
         pings: dict[int, tuple[Any, float]] = {}  # actor index -> (ping in flight, sent at)
-        while True:
-            ready, pending = ray.wait(refs, num_returns=len(refs), timeout=HEARTBEAT_S)
-            ray.get(ready)  # an actor error surfaces now, not when the others finish
-            if not pending:
-                return ray.get(refs)
+        beat = time.monotonic() + HEARTBEAT_S
+        while pending:
+            wait_s = max(0.0, beat - time.monotonic())
+            ready, pending = ray.wait(pending, num_returns=1, timeout=wait_s)
+            ray.get(ready)  # an actor error surfaces at once, not when the others finish
             now = time.monotonic()
+            if now < beat or not pending:
+                continue
+            beat = now + HEARTBEAT_S
             if now > deadline:
                 raise GetTimeoutError(f"step unfinished after {hang_s:.0f} s: a hang")
-            waiting = set(pending)
             lost = []
-            for i, ref in enumerate(refs):
-                if ref not in waiting:
-                    pings.pop(i, None)
-                    continue
+            for i in (index[ref] for ref in pending):
                 ping, sent = pings.get(i, (None, now))
                 if ping is not None and not ray.wait([ping], timeout=0)[0]:
                     if now - sent > UNRESPONSIVE_S:
@@ -411,6 +412,7 @@ class Controller:
                 pings[i] = (flat[i].ping.remote(), now)
             if lost:
                 raise ActorsUnresponsive(lost, UNRESPONSIVE_S)
+        return ray.get(refs)
 
     @contextlib.contextmanager
     def _graceful_sigint(self):
@@ -473,7 +475,8 @@ class Controller:
         """Re-form the job on the surviving actors, from the last step boundary.
 
         1. find the dead (ping) and make the survivors' iteration fail fast (abort), then let
-           them leave their process groups — which also frees peers stuck in a collective;
+           them leave their process groups; a survivor stuck in a collective with a stopped
+           replica is replaced by a fresh actor on its device;
         2. choose the state: the newest step boundary every stage still holds in some
            survivor's memory (the iteration in flight is redone, no optimizer step is lost or
            half-applied), else the latest complete checkpoint, else fail;
@@ -515,16 +518,17 @@ class Controller:
         alive = {key: a for key, a in roles.items() if key not in dead}
         for a in alive.values():
             a.abort.remote()
-        done, stuck = ray.wait([ref_of[k] for k in alive], num_returns=len(alive), timeout=5)
-        done_keys = [k for k in alive if ref_of[k] in done]
-        _quiet_get([alive[k].leave.remote() for k in done_keys], 30)
-        if stuck:
-            _, still = ray.wait(stuck, num_returns=len(stuck), timeout=30)
-            for k in list(alive):
-                if ref_of[k] in still:  # could not be released: give up on it
-                    ray.kill(alive.pop(k), no_restart=True)
-                    dead.append(k)
-            _quiet_get([alive[k].leave.remote() for k in alive if k not in done_keys], 30)
+        grace = max(5.0, 2 * self.predicted_s)
+        _, stuck = ray.wait([ref_of[k] for k in alive], num_returns=len(alive), timeout=grace)
+        # Still running after the abort: blocked in a collective with a replica that has
+        # stopped. Neither gloo nor NCCL lets such a peer go until that replica's process
+        # exits or the collective times out (measured: abort(), shutdown() and
+        # destroy_process_group() on the other side do not close gloo's connections). The
+        # actor and its device are healthy, so it is replaced now: its device stays usable.
+        released = [k for k in alive if ref_of[k] in stuck]
+        for k in released:
+            ray.kill(alive.pop(k), no_restart=True)
+        _quiet_get([a.leave.remote() for a in alive.values()], 30)
 
         # 2. which state
         have = {
@@ -540,7 +544,7 @@ class Controller:
         # 3. the decision (pure policy, unit-tested exhaustively): reconfigure, restore from
         # the latest checkpoint, or fail — and the template for the devices still alive.
         devices = {site.name: 0 for site in self.spec.sites}
-        for k, _r in alive:
+        for k, _r in [*alive, *released]:
             devices[self.plan.stage_sites[k]] += 1
         if self._templates is None:
             self._templates = build_templates(self.spec, plan=self.plan)
@@ -548,7 +552,7 @@ class Controller:
         held = frozenset(holders) if boundary is not None else frozenset()
         failure = Failure(
             plan=self.plan,
-            dead=frozenset(dead),
+            dead=frozenset([*dead, *released]),
             devices_alive=devices,
             params_available=held,
             optimizer_available=held,
@@ -578,6 +582,7 @@ class Controller:
             lost_steps=step - resume_at,
             source="checkpoint" if ckpt is not None else "surviving replicas",
             seconds=seconds,
+            replaced_stuck=[names[k] for k in released],
             moved=moved,
             plan=new_plan.to_dict(),
         )

@@ -79,6 +79,7 @@ class StageWorker:
         # checkpoint shards), in submission order — the same order on every replica.
         self._keeper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="state-keeper")
         self._boundary: dict[int, Any] = {}  # step -> Future of the full state at that step
+        self._fault: tuple[int, float] | None = None  # see inject_fault
         self._configure(spec)
 
     def _configure(self, spec: StageSpec) -> None:
@@ -192,7 +193,11 @@ class StageWorker:
         wan_bytes = 0
         timeout = self.spec.recv_timeout_s
         eng = self.engine
-        for c, mb in self.program:
+        sends = [i for i, (c, _) in enumerate(self.program) if c in (_SF, _SB)]
+        for i, (c, mb) in enumerate(self.program):
+            if self._fault is not None and self._fault[0] == step and sends and i == sends[-1]:
+                time.sleep(self._fault[1])
+                os._exit(1)  # the injected failure: a process dying mid-iteration
             t0 = time.monotonic()
             if c == _RF:
                 inputs[mb] = self.inbox.get(("F", step, mb), timeout=timeout)
@@ -367,13 +372,20 @@ class StageWorker:
     def ping(self) -> int:
         return os.getpid()
 
+    def inject_fault(self, step: int, delay_s: float) -> None:
+        """Fault injection for tests: at ``step``, stall ``delay_s`` before this replica's
+        last send, then exit — so its peers get as far as they can without it (e.g. into a
+        gradient all-reduce) before it dies."""
+        self._fault = (step, delay_s)
+
     def abort(self) -> None:
         """Make a running iteration fail fast (a peer died): waiting receives raise."""
         self.inbox.close()
 
     def leave(self) -> None:
-        """Drop the engine, channels and process group (after a failure). Closing our
-        connections also releases peers still blocked in a collective with us."""
+        """Drop the engine, channels and process group (after a failure). A peer blocked in a
+        collective with us is *not* released by this (gloo keeps its connections until the
+        process exits): the controller replaces such a peer."""
         from concurrent.futures import ThreadPoolExecutor
 
         from geopipe.runtime.engine import destroy_process_group
