@@ -107,6 +107,10 @@ class SiteSpec(_Spec):
     device_mem_bw_gb_per_s: float = Field(1000.0, gt=0, description="device memory bandwidth")
     intra_bandwidth_gbps: float = Field(100.0, gt=0)
     intra_latency_ms: float = Field(0.01, ge=0)
+    host_memory_gb: float | None = Field(
+        None, gt=0, description="host RAM per node; when given, the planner checks that the "
+        "recovery snapshots (training.recovery_snapshots) fit in it",
+    )  # fmt: skip
 
     @property
     def devices(self) -> int:
@@ -179,6 +183,11 @@ class TrainingSpec(_Spec):
     data_max_bytes: int = Field(4_000_000, ge=1024)
     run_dir: str | None = Field(None, description="default: runs/<name>")
     checkpoint: CheckpointSpec = CheckpointSpec()
+    recovery_snapshots: bool = Field(
+        True, description="keep every stage's full state of the last two step boundaries in "
+        "host RAM (24 B per parameter per replica) so a failure loses no step; off: recover "
+        "from the latest checkpoint",
+    )  # fmt: skip
 
 
 class GASpec(_Spec):

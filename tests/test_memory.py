@@ -21,7 +21,7 @@ import pytest
 from geopipe.config import ModelSpec, load_cluster
 from geopipe.optimizer.costs import activation_bytes, layer_param_counts
 from geopipe.optimizer.evaluate import INFEASIBLE, Candidate, Evaluator
-from geopipe.optimizer.memory import MemoryBreakdown, stage_memory
+from geopipe.optimizer.memory import MemoryBreakdown, snapshot_bytes, stage_memory
 
 ROOT = Path(__file__).resolve().parents[1]
 TOY = ModelSpec(n_layer=2, n_embd=8, n_head=2, vocab_size=16, max_seq_len=4)
@@ -169,3 +169,46 @@ def test_infeasible_penalty_grows_with_overshoot() -> None:
     b = Evaluator(_shrink_memory(spec, peak / 4 / GiB)).evaluate(c)
     assert not a.feasible and not b.feasible
     assert b.fitness > a.fitness >= INFEASIBLE
+
+
+def test_snapshot_bytes_by_hand() -> None:
+    # fp32 weights + both Adam moments (12 B/param) for each of the 2 kept boundaries.
+    assert snapshot_bytes(TOY, (0, 2)) == (160 + 872) * 12 * 2
+    assert snapshot_bytes(TOY, (2, 4), kept=1) == (872 + 144) * 12
+
+
+def _with(spec, site_updates: dict | None = None, **training):
+    sites = [s.model_copy(update=site_updates or {}) for s in spec.sites]
+    return spec.model_copy(
+        update={"sites": sites, "training": spec.training.model_copy(update=training)}
+    )
+
+
+def test_evaluator_checks_host_ram_for_recovery_snapshots() -> None:
+    """Per node: devices_per_node replicas of the site's biggest stage (worst placement).
+    Too little host RAM makes the plan infeasible with a reason that names the switch;
+    turning snapshots off (recover from checkpoints) makes it feasible again."""
+    spec = load_cluster(ROOT / "clusters" / "local-2dc.yaml")
+    c = Candidate(2, 2, 128, (2,), ("int8",))
+    e = Evaluator(spec).evaluate(c)
+    assert e.feasible and e.host_memory_limit_bytes == {}  # no host_memory_gb: not checked
+    plan = e.plan
+    for site in spec.sites:
+        want = max(
+            snapshot_bytes(spec.model, plan.partition[k]) * site.devices_per_node
+            for k in range(plan.num_stages)
+            if plan.stage_sites[k] == site.name
+        )
+        assert e.host_memory_bytes[site.name] == want
+    need = max(e.host_memory_bytes.values())
+
+    roomy = Evaluator(_with(spec, {"host_memory_gb": need * 1.01 / GiB})).evaluate(c)
+    assert roomy.feasible, roomy.reason
+    tight = Evaluator(_with(spec, {"host_memory_gb": need * 0.99 / GiB})).evaluate(c)
+    assert not tight.feasible and tight.fitness >= INFEASIBLE
+    assert "recovery snapshots need" in tight.reason
+    assert "training.recovery_snapshots: false" in tight.reason
+    off = _with(spec, {"host_memory_gb": need * 0.99 / GiB}, recovery_snapshots=False)
+    e_off = Evaluator(off).evaluate(c)
+    assert e_off.feasible and e_off.host_memory_bytes == {}
+    assert e_off.iteration_time_s == e.iteration_time_s

@@ -37,6 +37,13 @@ def losses(run_dir: Path) -> list[float]:
     return [x["loss"] for x in lines if "event" not in x]
 
 
+def last_loss_per_step(run_dir: Path) -> list[float]:
+    """Per step, the loss of its last run (steps redone after a rollback appear twice)."""
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    by_step = {x["step"]: x["loss"] for x in lines if "event" not in x}
+    return [by_step[k] for k in sorted(by_step)]
+
+
 def run(doc: dict, run_dir: Path, steps: int, chaos: int | None = None, kill=None):
     ctl = Controller(
         parse_cluster(doc, "t"),
@@ -49,6 +56,7 @@ def run(doc: dict, run_dir: Path, steps: int, chaos: int | None = None, kill=Non
         ctl.train()
         # Every replica's own full state (collective per ZeRO-1 group: all asked at once).
         ctl.replica_states = [ray.get([a.full_state.remote() for a in row]) for row in ctl.actors]
+        ctl.kept_boundaries = ray.get([a.boundary_steps.remote() for a in ctl._flat()])
         return ctl, ctl.gather_state()
     finally:
         ctl.close()
@@ -223,3 +231,21 @@ def test_survivor_stuck_in_a_collective_is_replaced(tmp_path):
     assert rec["moved"]["p2p_bytes"] > 0  # the replacement's layers, from its site peer
     assert losses(tmp_path / "stuck") == pytest.approx(losses(tmp_path / "ref"), abs=1e-4)
     assert state["step"] == 4
+
+
+def test_without_recovery_snapshots_a_failure_restores_the_checkpoint(tmp_path):
+    """training.recovery_snapshots: false (host RAM too small for them): replicas keep no
+    state between steps, so a failure restores the latest checkpoint — in place, on the
+    survivors — and the run still matches the uninterrupted one."""
+    doc = tiny_doc(2, 2, steps=4)
+    doc["training"]["recovery_snapshots"] = False
+    doc["training"]["checkpoint"] = {"every_steps": 1, "keep": 5}
+    run(doc, tmp_path / "ref", steps=4)
+    ctl, state = run(doc, tmp_path / "off", steps=4, chaos=2)
+    rec = events(tmp_path / "off", "recovered")
+    assert len(rec) == 1 and rec[0]["source"] == "checkpoint"
+    # The checkpoint of step 2 if its shards were all written before the kill, else step 1.
+    assert rec[0]["step"] in (1, 2) and rec[0]["lost_steps"] == 2 - rec[0]["step"]
+    assert last_loss_per_step(tmp_path / "off") == pytest.approx(losses(tmp_path / "ref"), abs=1e-4)
+    assert state["step"] == 4
+    assert ctl.kept_boundaries == [[] for _ in ctl.kept_boundaries]  # nothing held over

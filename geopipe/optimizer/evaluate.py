@@ -19,7 +19,7 @@ from geopipe.optimizer.costs import (
     layer_forward_flops,
     layer_param_counts,
 )
-from geopipe.optimizer.memory import MemoryBreakdown, stage_memory
+from geopipe.optimizer.memory import MemoryBreakdown, snapshot_bytes, stage_memory
 from geopipe.optimizer.simulator import PipelineCosts, SimResult, lower_bound, simulate
 from geopipe.pipeline.schedule import Schedule, make_schedule
 from geopipe.plan import Plan, Shape, candidate_shapes, partition_for
@@ -54,6 +54,9 @@ class Evaluation:
     bubble_ratio: float = 1.0
     memory: list[MemoryBreakdown] = field(default_factory=list)
     memory_limit_bytes: list[float] = field(default_factory=list)
+    # Host RAM per node of each site for the recovery snapshots, and its limit (if known).
+    host_memory_bytes: dict[str, float] = field(default_factory=dict)
+    host_memory_limit_bytes: dict[str, float] = field(default_factory=dict)
     wan_bytes: float = 0.0
     link_utilization: list[float] = field(default_factory=list)
     sim: SimResult | None = None
@@ -77,13 +80,13 @@ class Evaluation:
         if self.plan is None:
             return INFEASIBLE * 10
         if not self.feasible:
-            over = max(
-                (
-                    m / lim
-                    for m, lim in zip(self.peak_memory_bytes, self.memory_limit_bytes, strict=True)
-                ),
-                default=1.0,
-            )
+            ratios = [
+                *(m / lim for m, lim in zip(self.peak_memory_bytes, self.memory_limit_bytes,
+                                            strict=True)),
+                *(self.host_memory_bytes[s] / lim
+                  for s, lim in self.host_memory_limit_bytes.items()),
+            ]  # fmt: skip
+            over = max(ratios, default=1.0)
             return INFEASIBLE * (1.0 + over)
         return self.iteration_time_s / self.tokens_per_iteration
 
@@ -103,6 +106,8 @@ class Evaluation:
             "bubble_ratio": self.bubble_ratio,
             "peak_memory_bytes": self.peak_memory_bytes,
             "memory_limit_bytes": self.memory_limit_bytes,
+            "host_memory_bytes_per_node": self.host_memory_bytes,
+            "host_memory_limit_bytes": self.host_memory_limit_bytes,
             "wan_bytes": self.wan_bytes,
             "link_utilization": self.link_utilization,
             "feasible": self.feasible,
@@ -266,6 +271,24 @@ class Evaluator:
         )  # fmt: skip
 
     # -- evaluation ----------------------------------------------------------------------------
+    def _host_memory(self, plan: Plan) -> tuple[dict[str, float], dict[str, float]]:
+        """Host RAM per node the recovery snapshots take in each site (worst case: every
+        device of the node runs a replica of the site's biggest stage), and the limits the
+        YAML states. Nothing when snapshots are off."""
+        spec = self.spec
+        if not spec.training.recovery_snapshots:
+            return {}, {}
+        need: dict[str, float] = {}
+        for k, site in enumerate(plan.stage_sites):
+            b = snapshot_bytes(spec.model, plan.partition[k])
+            need[site] = max(need.get(site, 0.0), b * spec.site(site).devices_per_node)
+        limits = {
+            s: spec.site(s).host_memory_gb * (1 << 30)
+            for s in need
+            if spec.site(s).host_memory_gb is not None
+        }
+        return need, limits
+
     def evaluate(self, c: Candidate, record: bool = False, prune: bool = False) -> Evaluation:
         """Score ``c``. With ``prune`` (the searches), skip the simulation when memory already
         rules the candidate out or its lower bound loses to the best plan seen so far. Such
@@ -300,6 +323,8 @@ class Evaluator:
         ]  # fmt: skip
         limits = [self._device_memory[s] for s in plan.stage_sites]
         over = [k for k in range(plan.num_stages) if mem[k].total > limits[k]]
+        host, host_limits = self._host_memory(plan)
+        host_over = [s for s, lim in host_limits.items() if host[s] > lim]
         wan_bytes = 0.0
         elems = boundary_message_elems(spec.model, plan.micro_batch_size, plan.seq_len)
         e = elem_bytes(spec.training.precision)
@@ -312,19 +337,29 @@ class Evaluator:
         base = Evaluation(
             candidate=c,
             plan=plan,
-            feasible=not over,
+            feasible=not over and not host_over,
             reason="ok",
             tokens_per_iteration=spec.training.global_batch_size * plan.seq_len,
             memory=mem,
             memory_limit_bytes=limits,
+            host_memory_bytes=host,
+            host_memory_limit_bytes=host_limits,
             wan_bytes=wan_bytes,
         )
-        if over:
-            k = over[0]
-            base.reason = (
-                f"stage {k} needs {mem[k].total / (1 << 30):.2f} GiB, "
-                f"device has {limits[k] / (1 << 30):.2f} GiB"
-            )
+        if over or host_over:
+            if over:
+                k = over[0]
+                base.reason = (
+                    f"stage {k} needs {mem[k].total / (1 << 30):.2f} GiB, "
+                    f"device has {limits[k] / (1 << 30):.2f} GiB"
+                )
+            else:
+                s = host_over[0]
+                base.reason = (
+                    f"site {s}: recovery snapshots need {host[s] / (1 << 30):.2f} GiB of host "
+                    f"RAM per node, nodes have {host_limits[s] / (1 << 30):.2f} GiB (set "
+                    "training.recovery_snapshots: false to recover from checkpoints instead)"
+                )
             if prune_above is not None:
                 base.skipped_simulation = True
                 return base  # the penalty depends on memory only: no need to simulate

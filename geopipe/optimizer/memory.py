@@ -18,7 +18,9 @@ from dataclasses import dataclass
 
 from geopipe.optimizer.costs import activation_bytes, elem_bytes, layer_param_counts
 
-__all__ = ["MemoryBreakdown", "stage_memory"]
+__all__ = ["SNAPSHOTS_KEPT", "MemoryBreakdown", "snapshot_bytes", "stage_memory"]
+
+SNAPSHOTS_KEPT = 2  # step boundaries each replica keeps for recovery (the runtime's choice)
 
 
 @dataclass(frozen=True)
@@ -56,3 +58,11 @@ def stage_memory(
         optimizer=float(params * opt_bytes) / replicas,
         activations=per_mb * in_flight,
     )
+
+
+def snapshot_bytes(model, layers: tuple[int, int], kept: int = SNAPSHOTS_KEPT) -> float:
+    """Host RAM one replica of layers ``[a, b)`` uses for its recovery snapshots: the full
+    (unsharded) fp32 weights and both Adam moments, 12 B per parameter, per kept boundary.
+    Independent of precision: the snapshots hold the fp32 master state."""
+    a, b = layers
+    return float(sum(layer_param_counts(model)[a:b]) * 12 * kept)

@@ -200,6 +200,7 @@ class Controller:
             data_max_bytes=t.data_max_bytes, topk_ratio=spec.plan.topk_ratio,
             up_wan=self._wan_peer(k, k - 1) if k > 0 else None,
             down_wan=self._wan_peer(k, k + 1) if k < plan.num_stages - 1 else None,
+            extra={"boundary_snapshots": spec.training.recovery_snapshots},
         )  # fmt: skip
 
     def _create_actor(self, k: int, r: int) -> Any:
@@ -714,6 +715,8 @@ class Controller:
             return False
         t0 = time.perf_counter()
         pool = [(a, k) for k, row in enumerate(self.actors) for a in row]
+        if not spec.training.recovery_snapshots:  # then none is kept between steps
+            ray.get([a.snapshot.remote(step) for a in self._flat()])
         for a in self._flat():  # the boundary snapshot of this step, complete everywhere
             deadline = time.time() + 60
             while step not in ray.get(a.boundary_steps.remote()) and time.time() < deadline:
@@ -761,7 +764,7 @@ class Controller:
     def _poll_checkpoint(self, wait: bool = False) -> None:
         import ray
 
-        from geopipe.checkpoint.store import prune
+        from geopipe.checkpoint.store import CheckpointError, prune
 
         pending = getattr(self, "_pending_ckpt", None)
         if pending is None:
@@ -773,10 +776,23 @@ class Controller:
                 return
         self._pending_ckpt = None
         try:
-            for info in ray.get(refs):
+            # A replica that failed after its stage's shard was written (by replica 0) does
+            # not spoil the checkpoint: commit() checks that every stage's shard is there.
+            errors = []
+            for ref in refs:
+                try:
+                    info = ray.get(ref)
+                except Exception as exc:
+                    errors.append(exc)
+                    continue
                 if info is not None:
                     writer.add_shard(info)
-            path = writer.commit(self._manifest(writer.step), num_stages=self.plan.num_stages)
+            try:
+                path = writer.commit(self._manifest(writer.step), num_stages=self.plan.num_stages)
+            except CheckpointError:
+                if errors:  # a stage's writer failed: say why, not just "shard missing"
+                    raise errors[0] from None
+                raise
         except BaseException:
             writer.abort()  # the previous checkpoint stays the newest complete one
             raise

@@ -27,6 +27,7 @@ import torch
 
 from geopipe.model.data import Corpus, TokenStream, global_indices
 from geopipe.model.gpt import GPTConfig
+from geopipe.optimizer.memory import SNAPSHOTS_KEPT
 from geopipe.pipeline.schedule import Kind, make_schedule
 from geopipe.plan import Plan
 from geopipe.transport.channel import Inbox, P2PReceiver, P2PSender, WanSender
@@ -289,9 +290,14 @@ class StageWorker:
         self._boundary[step] = self._keeper.submit(
             assemble_snapshot, snap, eng.ckpt_group, eng.replicas
         )
-        for old in sorted(self._boundary)[:-2]:
+        for old in sorted(self._boundary)[:-SNAPSHOTS_KEPT]:
             del self._boundary[old]
         return time.perf_counter() - t0
+
+    def snapshot(self, step: int) -> None:
+        """Take the snapshot of boundary ``step`` now (when they are not taken every step)."""
+        if step not in self._boundary:
+            self._snapshot_boundary(step)
 
     def boundary_steps(self) -> list[int]:
         """Steps whose full state this replica holds (gathered completely)."""
@@ -327,6 +333,8 @@ class StageWorker:
 
         def write() -> Any:
             st = future.result()
+            if not self.spec.extra.get("boundary_snapshots", True):
+                self._boundary.pop(step, None)  # taken for this checkpoint only
             if self.spec.replica != 0:
                 return None
             tensors = dict(codec)
