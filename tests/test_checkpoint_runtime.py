@@ -121,6 +121,28 @@ def test_checkpoint_of_another_model_is_a_clear_error(tmp_path):
         ctl.close()
 
 
+def test_resume_on_other_data_is_a_clear_error(tmp_path):
+    """The manifest records the sha256 of the bytes the actors read; resuming on data that
+    reads differently (an edited file; another Python's stdlib) is refused, not silently
+    continued on other batches."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog\n" * 200)
+    doc = doc_with_ckpt(1, 1)
+    doc["training"]["data"] = str(corpus)
+    _, _, _, ctl = launch(doc, tmp_path / "run", steps=2)
+    manifest = load_checkpoint(tmp_path / "run" / "checkpoints" / "step-00000002").manifest
+    assert manifest["data"]["digest"] == ctl.data_digest and len(ctl.data_digest) == 64
+    corpus.write_text("a different corpus, same path\n" * 200)
+    other = Controller(
+        parse_cluster(doc, "t"), LaunchOptions(run_dir=str(tmp_path / "run"), resume=True)
+    )
+    try:
+        with pytest.raises(LaunchError, match=r"checkpoint was trained on data with sha256 "):
+            other.launch()
+    finally:
+        other.close()
+
+
 @pytest.mark.parametrize("where", ["missing", "not-a-checkpoint"])
 def test_cli_resume_from_bad_path_exits_nonzero(tmp_path, where):
     path = tmp_path / "nope"

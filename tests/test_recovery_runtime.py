@@ -147,8 +147,9 @@ def test_grows_back_when_devices_return(tmp_path):
     assert events(tmp_path / "chaos", "recovered")
     grown = events(tmp_path / "chaos", "grown")
     assert grown and grown[0]["step"] == 3 and grown[0]["plan"]["pipelines"] == 2
-    # The new actors' layers come from holders in their own site, over torch.distributed.
-    assert grown[0]["moved"]["p2p_bytes"] > 0 and grown[0]["moved"]["object_store_bytes"] == 0
+    # The new actors' layers come from holders in their own site, over torch.distributed
+    # (and through the object store only for layers whose one copy is in the other site).
+    assert grown[0]["moved"]["p2p_bytes"] > 0
     assert ctl.plan.pipelines == 2
     assert losses(tmp_path / "chaos") == pytest.approx(losses(tmp_path / "ref"), abs=1e-4)
     import torch
@@ -238,6 +239,7 @@ def test_without_recovery_snapshots_a_failure_restores_the_checkpoint(tmp_path):
     state between steps, so a failure restores the latest checkpoint — in place, on the
     survivors — and the run still matches the uninterrupted one."""
     doc = tiny_doc(2, 2, steps=4)
+    doc["name"] = "nosnap"
     doc["training"]["recovery_snapshots"] = False
     doc["training"]["checkpoint"] = {"every_steps": 1, "keep": 5}
     run(doc, tmp_path / "ref", steps=4)

@@ -104,6 +104,7 @@ class Controller:
         self.opts = opts
         self.state = State.PLANNING
         self._stop_requested = False  # set by the first Ctrl-C during train()
+        self.data_digest: str | None = None  # sha256 of the corpus the actors read
         self.run_dir = run_dir_for(self.spec, opts.run_dir)
         self.cluster: ClusterInfo | None = None
         self.actors: list[list[Any]] = []  # [stage][replica]
@@ -163,6 +164,7 @@ class Controller:
         for k in range(plan.num_stages):
             self.actors.append([self._create_actor(k, r) for r in range(plan.pipelines)])
         self._wire()
+        self._check_data()
         if self.resume_from is not None:
             steps = ray.get([a.load_checkpoint.remote(self.resume_from) for a in self._flat()])
             assert set(steps) == {self.start_step}
@@ -177,6 +179,37 @@ class Controller:
         if self.resume_from is not None:
             self.sink.event("resumed", path=self.resume_from, step=self.start_step)
         self._write_status(self.start_step)  # `geopipe status` works from the first step on
+
+    def _check_data(self) -> None:
+        """Every actor must read the same bytes (the batches are a function of them), and a
+        resumed run the bytes its checkpoint was trained on. ``stdlib`` differs between
+        Python versions, so nodes with different Pythons would silently disagree."""
+        import ray
+
+        digests = ray.get([a.data_digest.remote() for a in self._flat()])
+        names = [
+            self.plan.actor_name(self.spec.name, k, r)
+            for k, row in enumerate(self.actors)
+            for r in range(len(row))
+        ]
+        if len(set(digests)) > 1:
+            seen: dict[str, list[str]] = {}
+            for name, d in zip(names, digests, strict=True):
+                seen.setdefault(d[:12], []).append(name)
+            raise LaunchError(
+                f"training.data ({self.spec.training.data!r}) reads differently on the nodes: "
+                + "; ".join(f"sha256 {d}… on {', '.join(n)}" for d, n in seen.items())
+                + " (different Python versions, for 'stdlib'?): point training.data at a "
+                "file every node has"
+            )
+        self.data_digest = digests[0]
+        want = getattr(self, "_resume_data_digest", None)
+        if want is not None and want != self.data_digest:
+            raise LaunchError(
+                f"--resume: the checkpoint was trained on data with sha256 {want[:12]}…, "
+                f"training.data ({self.spec.training.data!r}) now reads as "
+                f"{self.data_digest[:12]}…; resuming would not continue the same run"
+            )
 
     def _flat(self) -> list[Any]:
         return [a for row in self.actors for a in row]
@@ -527,6 +560,14 @@ class Controller:
         # destroy_process_group() on the other side do not close gloo's connections). The
         # actor and its device are healthy, so it is replaced now: its device stays usable.
         released = [k for k in alive if ref_of[k] in stuck]
+        # A stuck replica whose stage has no free survivor holds state nobody else has: its
+        # partner in the collective must be one of the dead, whose process is still going
+        # (a frozen one takes Ray a few seconds to SIGKILL). Its exit releases the stuck one.
+        needed = [k for k in released
+                  if not any(j[0] == k[0] and j not in released for j in alive)]  # fmt: skip
+        if needed:
+            done, _ = ray.wait([ref_of[k] for k in needed], num_returns=len(needed), timeout=60)
+            released = [k for k in released if ref_of[k] not in done]
         for k in released:
             ray.kill(alive.pop(k), no_restart=True)
         _quiet_get([a.leave.remote() for a in alive.values()], 30)
@@ -833,7 +874,7 @@ class Controller:
         return {
             "config_hash": self.spec.digest,
             "plan": self.plan.to_dict(),
-            "data": {"seed": t.seed, "step": step, "source": t.data},
+            "data": {"seed": t.seed, "step": step, "source": t.data, "digest": self.data_digest},
             "model": model_shape(self.spec),
             "run": self.spec.name,
             "lr": t.lr,
@@ -874,6 +915,7 @@ class Controller:
             check_compatible(ckpt.manifest, model_shape(self.spec))
         except CheckpointError as exc:
             raise LaunchError(f"--resume: {exc}") from None
+        self._resume_data_digest = ckpt.manifest.get("data", {}).get("digest")
         return str(path), ckpt.step
 
     def _recalibrate(self, results: list[dict], choose_delta_n: bool) -> None:

@@ -380,6 +380,9 @@ class StageWorker:
     def ping(self) -> int:
         return os.getpid()
 
+    def data_digest(self) -> str:
+        return self.stream.corpus.digest
+
     def inject_fault(self, step: int, delay_s: float) -> None:
         """Fault injection for tests: at ``step``, stall ``delay_s`` before this replica's
         last send, then exit — so its peers get as far as they can without it (e.g. into a
