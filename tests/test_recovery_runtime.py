@@ -251,3 +251,15 @@ def test_without_recovery_snapshots_a_failure_restores_the_checkpoint(tmp_path):
     assert last_loss_per_step(tmp_path / "off") == pytest.approx(losses(tmp_path / "ref"), abs=1e-4)
     assert state["step"] == 4
     assert ctl.kept_boundaries == [[] for _ in ctl.kept_boundaries]  # nothing held over
+
+
+def test_hang_timeout_follows_the_measured_step(tmp_path):
+    """20 × the predicted step once it is calibrated from measured stage and link times (a
+    slow WAN gets a long timeout), with a 30 s floor — 120 s before calibration."""
+    ctl = Controller(parse_cluster(tiny_doc(1, 1), "t"), LaunchOptions(run_dir=str(tmp_path)))
+    ctl.predicted_s = 0.05
+    assert ctl.hang_timeout_s() == 120.0
+    ctl._calibrated = True
+    assert ctl.hang_timeout_s() == 30.0
+    ctl.predicted_s = 10.0
+    assert ctl.hang_timeout_s() == 200.0

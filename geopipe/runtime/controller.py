@@ -105,6 +105,7 @@ class Controller:
         self.state = State.PLANNING
         self._stop_requested = False  # set by the first Ctrl-C during train()
         self.data_digest: str | None = None  # sha256 of the corpus the actors read
+        self._calibrated = False  # predicted_s comes from measured stage and link times
         self.run_dir = run_dir_for(self.spec, opts.run_dir)
         self.cluster: ClusterInfo | None = None
         self.actors: list[list[Any]] = []  # [stage][replica]
@@ -321,6 +322,7 @@ class Controller:
         plan, spec = self.plan, self.spec
         self.state = State.RUNNING
         self.predicted_s = self.predicted.iteration_time_s
+        self._calibrated = False
         result = RunResult(plan, self.predicted, run_dir=self.run_dir,
                            dashboard_url=self.cluster.dashboard_url if self.cluster else None,
                            actor_names=list(self.names))  # fmt: skip
@@ -413,6 +415,14 @@ class Controller:
             return None, interrupted or self._stop_requested
         return results, interrupted or self._stop_requested
 
+    def hang_timeout_s(self) -> float:
+        """How long a step may run before it counts as hung: 20 × the predicted step — after
+        calibration a prediction from the measured stage times and link delays, so a slow
+        WAN gets a long timeout and a fast one a short one — but at least 30 s (120 s
+        before calibration, whose first steps include warm-up)."""
+        floor = 30.0 if self._calibrated else 120.0
+        return max(floor, 20 * self.predicted_s)
+
     def _await_step(self, flat: list[Any], refs: list) -> list:
         """The step's results, failing fast: an actor error as soon as one is known, a frozen
         actor after ``UNRESPONSIVE_S`` of unanswered heartbeats, a hang (actors answer but
@@ -420,7 +430,7 @@ class Controller:
         import ray
         from ray.exceptions import GetTimeoutError
 
-        hang_s = max(120.0, 20 * self.predicted_s)
+        hang_s = self.hang_timeout_s()
         deadline = time.monotonic() + hang_s
         index = {ref: i for i, ref in enumerate(refs)}
         pending = list(refs)
@@ -653,6 +663,7 @@ class Controller:
         stop. Returns the bytes moved per path (see :mod:`geopipe.runtime.handoff`)."""
         import ray
 
+        self._calibrated = False  # new layout, new actors: re-calibrated over the next steps
         old_plan = self.plan
         by_site: dict[str, list[tuple[Any, int]]] = {}
         for a, old_k in pool:
@@ -958,6 +969,7 @@ class Controller:
             ray.get([a.set_delta_n.remote(list(new.delta_n)) for row in self.actors for a in row])
         self.plan = new
         self.predicted_s = t
+        self._calibrated = True
 
     def _write_status(self, step: int) -> None:
         plan = self.plan
