@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import ray
+import torch
 from ray.util.state import list_actors
 from test_runtime import tiny_doc
 
@@ -263,3 +264,36 @@ def test_hang_timeout_follows_the_measured_step(tmp_path):
     assert ctl.hang_timeout_s() == 30.0
     ctl.predicted_s = 10.0
     assert ctl.hang_timeout_s() == 200.0
+
+
+def test_writer_dying_mid_save_keeps_the_checkpoint(tmp_path):
+    """Replica 0 of stage 0 writes the stage's shard; it is killed while writing the step-2
+    checkpoint. Its partner gathered the same full state for the save, so it writes the
+    shard instead and the checkpoint commits — identical, tensor for tensor, to the one an
+    undisturbed run writes — while training recovers from the survivors' snapshots."""
+    from geopipe.checkpoint.store import load_checkpoint
+
+    doc = tiny_doc(2, 2, steps=5)
+    doc["name"] = "standin"
+    doc["training"]["checkpoint"] = {"every_steps": 2, "keep": 5}
+    run_dir = tmp_path / "killed"
+
+    def kill_writer(ctl: Controller) -> None:
+        victim = ctl.actors[0][0]
+        ray.get(victim.inject_fault.remote(-1, -1, write_delay_s=5.0))
+        root = run_dir / "checkpoints"
+        while not (root.is_dir() and any(root.glob(".tmp-step-00000002-*"))):
+            time.sleep(0.02)
+        time.sleep(1.0)  # inside its 5 s write
+        ray.kill(victim, no_restart=True)
+
+    run(doc, tmp_path / "ref", steps=5)
+    run(doc, run_dir, steps=5, kill=kill_writer)
+    assert [e["stage"] for e in events(run_dir, "checkpoint_stand_in") if e["step"] == 2] == [0]
+    assert 2 in [e["step"] for e in events(run_dir, "checkpoint")]
+    got = load_checkpoint(run_dir / "checkpoints" / "step-00000002")  # verifies checksums
+    want = load_checkpoint(tmp_path / "ref" / "checkpoints" / "step-00000002")
+    for prefix in ("params/", "exp_avg/", "exp_avg_sq/"):
+        a, b = got.stages[0].tensors(prefix), want.stages[0].tensors(prefix)
+        assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    assert last_loss_per_step(run_dir) == pytest.approx(losses(tmp_path / "ref"), abs=1e-4)

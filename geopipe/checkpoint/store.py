@@ -331,6 +331,11 @@ class CheckpointWriter:
                 if info is not None:
                     self._shards[stage] = info
 
+    @property
+    def stages_written(self) -> set[int]:
+        with self._lock:
+            return set(self._shards)
+
     def add_shard(self, info: ShardInfo) -> None:
         """Record a shard another process wrote into `tmp_dir` with `write_shard_file`."""
         self._claim(info.stage)

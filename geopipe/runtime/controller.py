@@ -837,8 +837,10 @@ class Controller:
                 except Exception as exc:
                     errors.append(exc)
                     continue
-                if info is not None:
+                if info is not None and info.stage not in writer.stages_written:
                     writer.add_shard(info)
+            if errors:  # a replica died while saving: survivors write the shards it owed
+                self._stand_in_writers(writer, refs)
             try:
                 path = writer.commit(self._manifest(writer.step), num_stages=self.plan.num_stages)
             except CheckpointError:
@@ -848,6 +850,8 @@ class Controller:
         except BaseException:
             writer.abort()  # the previous checkpoint stays the newest complete one
             raise
+        for a in self._flat():  # the stand-in copies are no longer needed
+            a.release_shard.remote(writer.step)
         deleted = prune(self.checkpoint_root, self.spec.training.checkpoint.keep)
         self.sink.event(
             "checkpoint",
@@ -870,6 +874,7 @@ class Controller:
         writer, refs = pending[0], pending[1]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=10)
         if len(ready) == len(refs):
+            self._stand_in_writers(writer, refs)
             self._pending_ckpt = pending
             try:
                 self._poll_checkpoint(wait=True)
@@ -879,6 +884,32 @@ class Controller:
         else:
             writer.abort()
         self.sink.event("checkpoint_abandoned", step=writer.step)
+
+    def _stand_in_writers(self, writer: Any, refs: list) -> None:
+        """Shards whose writer (replica 0) died mid-save are written by a surviving replica
+        of the same stage: every replica gathered the same full state for the save."""
+        import ray
+
+        flat = self._flat()
+        for ref in refs:
+            try:
+                info = ray.get(ref, timeout=0)
+            except Exception:
+                continue
+            if info is not None and info.stage not in writer.stages_written:
+                writer.add_shard(info)
+        refs_of = dict(zip(map(id, flat), refs, strict=True))
+        for k, row in enumerate(self.actors):
+            if k in writer.stages_written:
+                continue
+            for a in row[1:]:
+                if ref_failed(refs_of[id(a)]):
+                    continue
+                info = _quiet_get([a.write_shard_instead.remote(writer.step)], 60)[0]
+                if info is not None:
+                    writer.add_shard(info)
+                    self.sink.event("checkpoint_stand_in", step=writer.step, stage=k)
+                    break
 
     def _manifest(self, step: int) -> dict:
         m, t = self.spec.model, self.spec.training
@@ -1061,6 +1092,17 @@ def _alive(actors: list[Any], timeout: float = UNRESPONSIVE_S) -> list[bool]:
     refs = [a.ping.remote() for a in actors]
     ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
     return [r in ready and _quiet_get([r], 0)[0] is not None for r in refs]
+
+
+def ref_failed(ref: Any) -> bool:
+    """Whether a finished task's result is an error."""
+    import ray
+
+    try:
+        ray.get(ref, timeout=0)
+    except Exception:
+        return True
+    return False
 
 
 def _quiet_get(refs: list, timeout: float) -> list:

@@ -79,8 +79,12 @@ class StageWorker:
         # One thread runs every job on the checkpoint communicator (boundary snapshots,
         # checkpoint shards), in submission order — the same order on every replica.
         self._keeper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="state-keeper")
+        # Shard files are written on their own thread: a slow disk must not hold up the
+        # keeper's gathers, in which the other replicas wait for this one.
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-writer")
         self._boundary: dict[int, Any] = {}  # step -> Future of the full state at that step
         self._fault: tuple[int, float] | None = None  # see inject_fault
+        self._fault_write_delay_s = 0.0  # see inject_fault
         self._configure(spec)
 
     def _configure(self, spec: StageSpec) -> None:
@@ -290,8 +294,12 @@ class StageWorker:
         self._boundary[step] = self._keeper.submit(
             assemble_snapshot, snap, eng.ckpt_group, eng.replicas
         )
-        for old in sorted(self._boundary)[:-SNAPSHOTS_KEPT]:
-            del self._boundary[old]
+        # Keep the newest SNAPSHOTS_KEPT *complete* boundaries (and those still gathering):
+        # dropping a complete one for a gather that then fails would leave nothing.
+        done = sorted(st for st, f in self._boundary.items() if f.done() and f.exception() is None)
+        for old in [st for st in self._boundary if self._boundary[st].done()]:
+            if old not in done[-SNAPSHOTS_KEPT:]:
+                del self._boundary[old]
         return time.perf_counter() - t0
 
     def snapshot(self, step: int) -> None:
@@ -331,20 +339,39 @@ class StageWorker:
         rng = capture_rng()
         layers, k = list(self.layers), self.k
 
-        def write() -> Any:
+        def write_file() -> Any:
             st = future.result()
-            if not self.spec.extra.get("boundary_snapshots", True):
-                self._boundary.pop(step, None)  # taken for this checkpoint only
-            if self.spec.replica != 0:
-                return None
             tensors = dict(codec)
             for group in ("params", "exp_avg", "exp_avg_sq"):
                 tensors.update({f"{group}/{n}": t for n, t in st[group].items()})
             meta = {"adam_step": st["step"], "lr_step": st["lr_step"], "layers": layers}
+            if self._fault_write_delay_s:
+                time.sleep(self._fault_write_delay_s)
             return write_shard_file(directory, k, tensors, meta, rng=rng)
 
-        self._shard_future = self._keeper.submit(write)
+        def write() -> Any:
+            future.result()  # every replica takes part in the gather
+            if not self.spec.extra.get("boundary_snapshots", True):
+                self._boundary.pop(step, None)  # taken for this checkpoint only
+            return write_file() if self.spec.replica == 0 else None
+
+        # Any replica holds the gathered state: if replica 0 dies mid-save, another writes.
+        self._shard_fallback = (step, write_file)
+        self._shard_future = self._writer.submit(write)
         return time.perf_counter() - t0
+
+    def release_shard(self, step: int) -> None:
+        """Checkpoint ``step`` is committed: drop the state kept for a stand-in write."""
+        if getattr(self, "_shard_fallback", (None,))[0] == step:
+            self._shard_fallback = None
+
+    def write_shard_instead(self, step: int) -> Any:
+        """Write this stage's shard of checkpoint ``step`` in place of a replica 0 that died
+        while saving it (same gathered state); returns its ShardInfo."""
+        fallback = getattr(self, "_shard_fallback", None)
+        if fallback is None or fallback[0] != step:
+            raise RuntimeError(f"no pending shard of step {step} on this replica")
+        return fallback[1]()
 
     def shard_written(self) -> Any:
         """Wait for the background gather/write; returns its ShardInfo (None on non-writers)."""
@@ -383,11 +410,13 @@ class StageWorker:
     def data_digest(self) -> str:
         return self.stream.corpus.digest
 
-    def inject_fault(self, step: int, delay_s: float) -> None:
+    def inject_fault(self, step: int, delay_s: float, write_delay_s: float = 0.0) -> None:
         """Fault injection for tests: at ``step``, stall ``delay_s`` before this replica's
         last send, then exit — so its peers get as far as they can without it (e.g. into a
-        gradient all-reduce) before it dies."""
-        self._fault = (step, delay_s)
+        gradient all-reduce) before it dies. ``write_delay_s`` slows its checkpoint writes
+        (to kill it mid-save)."""
+        self._fault = (step, delay_s) if delay_s >= 0 else None
+        self._fault_write_delay_s = write_delay_s
 
     def abort(self) -> None:
         """Make a running iteration fail fast (a peer died): waiting receives raise."""
