@@ -273,6 +273,13 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"run {data['run']}: {state}, step {data['step']}/{data['steps']}")
     if data.get("dashboard_url"):
         print(f"Ray dashboard: {data['dashboard_url']}")
+    rec = data.get("recoveries") or []
+    if rec:
+        last = rec[-1]
+        print(
+            f"recovered in place {len(rec)} time(s); last: step {last['failed_step']} failed, "
+            f"continued at step {last['step']} after {last['seconds']:.1f} s"
+        )
     for st in data["stages"]:
         print(
             f"  stage {st['stage']:>2}  site {st['site']:<12} layers {st['layers']}  "

@@ -71,7 +71,7 @@ def run(doc: dict, run_dir: Path, steps: int, chaos: int | None = None, kill=Non
         assert not names & alive, "actors left behind"
 
 
-def test_replica_killed_mid_iteration_recovers_in_place(tmp_path):
+def test_replica_killed_mid_iteration_recovers_in_place(tmp_path, capsys):
     """ZeRO-1 groups of 2; a replica dies during step 2. The job re-forms on the survivors
     from their step-2 boundary snapshot (no step lost), the global batch is preserved, so the
     losses match an uninterrupted run up to float summation order (measured ~1e-6; bound
@@ -84,14 +84,27 @@ def test_replica_killed_mid_iteration_recovers_in_place(tmp_path):
     assert len(failure) == 1 and failure[0]["step"] == 2 and len(failure[0]["dead"]) == 1
     assert recovered[0]["lost_steps"] == 0 and recovered[0]["source"] == "surviving replicas"
     # 3 survivors re-form as 1 pipeline × 3 stages; each new stage is a subset of what its
-    # actor held before, so nothing needs to move: every layer comes from its own memory.
+    # actor held before, so nothing moves — unless the timing left a survivor stuck in the
+    # all-reduce with the dead one's partner: then its replacement loads its layers from
+    # its site peer over torch.distributed. Never through the object store here.
     assert recovered[0]["plan"]["partition"] == [[0, 2], [2, 3], [3, 4]]
-    assert recovered[0]["moved"] == {"p2p_bytes": 0, "object_store_bytes": 0}
+    moved = recovered[0]["moved"]
+    assert moved["object_store_bytes"] == 0
+    assert (moved["p2p_bytes"] > 0) == bool(recovered[0]["replaced_stuck"])
     got, ref = losses(tmp_path / "chaos"), losses(tmp_path / "ref")
     assert len(got) == 4
     assert got == pytest.approx(ref, abs=1e-4)
     assert ctl.plan.pipelines * ctl.plan.num_stages <= 3  # one device is gone
     assert state["step"] == 4
+    # `geopipe status` shows the recovery and the actors that run now, not the dead one.
+    status = json.loads((tmp_path / "chaos" / "status.json").read_text())
+    names = [n for st in status["stages"] for n in st["actors"]]
+    assert len(names) == 3 and failure[0]["dead"][0] not in names
+    assert [r["failed_step"] for r in status["recoveries"]] == [2]
+    from geopipe.cli import main
+
+    assert main(["status", str(tmp_path / "chaos")]) == 0
+    assert "recovered in place 1 time(s); last: step 2 failed" in capsys.readouterr().out
 
 
 def test_only_holder_of_a_stage_falls_back_to_checkpoint(tmp_path):

@@ -110,6 +110,7 @@ class Controller:
         self.cluster: ClusterInfo | None = None
         self.actors: list[list[Any]] = []  # [stage][replica]
         self.names: list[str] = []
+        self._name_of: dict[int, str] = {}  # id(actor handle) -> its Ray actor name
         self.plan: Plan | None = None
         self.predicted: Evaluation | None = None
         self.sink: MetricsSink | None = None
@@ -246,7 +247,7 @@ class Controller:
             name = f"{name}-{len(self.names)}"
         self.names.append(name)
         cls = ray.remote(max_concurrency=8)(StageWorker)
-        return cls.options(
+        actor = cls.options(
             name=name,
             namespace=spec.ray.namespace,
             resources={site_resource(plan.stage_sites[k]): 1},
@@ -254,6 +255,8 @@ class Controller:
             num_gpus=1 if self._use_gpu else 0,
             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
         ).remote(self._stage_spec(k, r))
+        self._name_of[id(actor)] = name
+        return actor
 
     def _wan_peer(self, src: int, dst: int) -> WanPeer | None:
         """How stage ``src`` sends to its neighbour ``dst`` if that hop crosses sites."""
@@ -1019,11 +1022,15 @@ class Controller:
                     "site": plan.stage_sites[k],
                     "layers": list(plan.partition[k]),
                     "actors": [
-                        plan.actor_name(self.spec.name, k, r) for r in range(plan.pipelines)
-                    ],
+                        self._name_of.get(id(a), plan.actor_name(self.spec.name, k, r))
+                        for r, a in enumerate(self.actors[k])
+                    ]
+                    if k < len(self.actors)
+                    else [],
                 }
                 for k in range(plan.num_stages)
             ],
+            "recoveries": list(self.recoveries),
             "updated": time.time(),
         }
         tmp = self.run_dir / "status.json.tmp"
