@@ -529,8 +529,9 @@ class Controller:
            half-applied), else the latest complete checkpoint, else fail;
         3. choose the layout: the best pipeline template for the devices still alive (a dead
            actor's device counts as lost, as in Oobleck) with the same global batch;
-        4. reconfigure the survivors, re-form the ZeRO-1 groups and restore the state —
-           each from its own memory when it keeps its layers, else by parameter name.
+        4. reconfigure the survivors, re-form the ZeRO-1 groups and restore the state by
+           parameter name (:mod:`geopipe.runtime.handoff`): from the actor's own memory, else
+           from a same-site holder over torch.distributed, else through the object store.
         """
         import ray
 
@@ -539,7 +540,6 @@ class Controller:
         from geopipe.runtime.recovery import Fail, Failure, RestoreFromCheckpoint, decide
 
         t0 = time.perf_counter()
-        self._settle_pending_checkpoint()
         roles = {(k, r): a for k, row in enumerate(self.actors) for r, a in enumerate(row)}
         ref_of = dict(zip(roles, refs, strict=True))
         if isinstance(exc, ActorsUnresponsive):  # frozen: no ping would come back either
@@ -556,8 +556,14 @@ class Controller:
             dead = [key for key, ref in ref_of.items() if ref in stuck]
             for key in dead:
                 ray.kill(roles[key], no_restart=True)
+        # A save in flight commits if its shards can still be written (a survivor stands in
+        # for a dead writer); only now, with the frozen killed, can its calls all finish.
+        self._settle_pending_checkpoint()
         err = str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else type(exc).__name__
-        names = {key: self.plan.actor_name(self.spec.name, *key) for key in roles}
+        names = {
+            key: self._name_of.get(id(a), self.plan.actor_name(self.spec.name, *key))
+            for key, a in roles.items()
+        }
         self.sink.event("failure", step=step, dead=[names[k] for k in dead], error=err)
         print(
             f"geopipe: step {step} failed ({len(dead)} actor(s) lost): recovering", file=sys.stderr
