@@ -199,8 +199,12 @@ def test_frozen_actor_is_caught_by_heartbeat_and_replaced(tmp_path):
         assert len(failure) == 1 and "heartbeat" in failure[0]["error"]
         assert len(failure[0]["dead"]) == 1 and failure[0]["dead"][0].endswith("stage1/r1")
         recovered = events(tmp_path / "frozen", "recovered")
-        assert recovered[0]["lost_steps"] == 0
-        assert losses(tmp_path / "frozen") == pytest.approx(losses(tmp_path / "ref"), abs=1e-4)
+        # Frozen mid-gather, the stage's newest boundary is incomplete and the one before it
+        # is used: at most the step in flight and the one before are redone.
+        assert recovered[0]["lost_steps"] <= 1 and recovered[0]["source"] == "surviving replicas"
+        assert last_loss_per_step(tmp_path / "frozen") == pytest.approx(
+            losses(tmp_path / "ref"), abs=1e-4
+        )
         assert state["step"] == 6
         deadline = time.time() + 15
         while time.time() < deadline and _exists(frozen[0]):
