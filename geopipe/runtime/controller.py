@@ -322,14 +322,13 @@ class Controller:
         KeyboardInterrupt; a second Ctrl-C abandons the step.
         """
 
-        plan, spec = self.plan, self.spec
+        spec = self.spec
         self.state = State.RUNNING
         self.predicted_s = self.predicted.iteration_time_s
         self._calibrated = False
-        result = RunResult(plan, self.predicted, run_dir=self.run_dir,
+        result = RunResult(self.plan, self.predicted, run_dir=self.run_dir,
                            dashboard_url=self.cluster.dashboard_url if self.cluster else None,
                            actor_names=list(self.names))  # fmt: skip
-        tokens = spec.training.global_batch_size * plan.seq_len
         from ray.exceptions import RayActorError, RayTaskError
 
         start = self.start_step
@@ -348,10 +347,11 @@ class Controller:
                     results, interrupted = self._run_step(step, record, interrupted)
                     if results is None:  # a failure: recovered in place, redo from the boundary
                         step = calib_base = self._continue_from
-                        plan = self.plan
-                        tokens = spec.training.global_batch_size * plan.seq_len
                         continue
-                    m = aggregate(results, plan.num_stages, tokens)
+                    # self.plan, not a local copy: recovery, grow-back and calibration
+                    # replace it.
+                    tokens = spec.training.global_batch_size * self.plan.seq_len
+                    m = aggregate(results, self.plan.num_stages, tokens)
                     result.steps.append(m)
                     self.sink.write(
                         m,
@@ -365,7 +365,6 @@ class Controller:
                         # After ΔN is chosen (first step), pool the following steps' measurements.
                         self._calib_pool = [] if first else [*self._calib_pool, *results]
                         self._recalibrate(self._calib_pool or results, choose_delta_n=first)
-                        plan = self.plan
                     self._write_status(step + 1)
                     progress.update(m)
                     last_results = results
@@ -375,16 +374,12 @@ class Controller:
                         break
                     if every and step % every == 0 and not last:
                         if self.recoveries and self._maybe_grow(step):
-                            plan = self.plan
-                            tokens = spec.training.global_batch_size * plan.seq_len
                             calib_base = step
                         try:
                             self.save_checkpoint(step)
                         except (RayActorError, RayTaskError) as exc:  # died between steps
                             self._recover(step, [a.ping.remote() for a in self._flat()], exc)
                             step = calib_base = self._continue_from
-                            plan = self.plan
-                            tokens = spec.training.global_batch_size * plan.seq_len
                 if result.steps and (interrupted or step == spec.training.steps):
                     self.save_checkpoint(step)
                 self._poll_checkpoint(wait=True)
@@ -429,7 +424,7 @@ class Controller:
     def _await_step(self, flat: list[Any], refs: list) -> list:
         """The step's results, failing fast: an actor error as soon as one is known, a frozen
         actor after ``UNRESPONSIVE_S`` of unanswered heartbeats, a hang (actors answer but
-        the step makes no progress) after max(120 s, 20 × predicted step)."""
+        the step makes no progress) after :meth:`hang_timeout_s`."""
         import ray
         from ray.exceptions import GetTimeoutError
 
@@ -882,8 +877,7 @@ class Controller:
 
         writer, refs = pending[0], pending[1]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=10)
-        if len(ready) == len(refs):
-            self._stand_in_writers(writer, refs)
+        if len(ready) == len(refs):  # _poll_checkpoint stands in for writers that died
             self._pending_ckpt = pending
             try:
                 self._poll_checkpoint(wait=True)
@@ -896,23 +890,15 @@ class Controller:
 
     def _stand_in_writers(self, writer: Any, refs: list) -> None:
         """Shards whose writer (replica 0) died mid-save are written by a surviving replica
-        of the same stage: every replica gathered the same full state for the save."""
-        import ray
-
+        of the same stage: every replica gathered the same full state for the save. Called
+        once the shards that did get written are recorded in ``writer``."""
         flat = self._flat()
-        for ref in refs:
-            try:
-                info = ray.get(ref, timeout=0)
-            except Exception:
-                continue
-            if info is not None and info.stage not in writer.stages_written:
-                writer.add_shard(info)
         refs_of = dict(zip(map(id, flat), refs, strict=True))
         for k, row in enumerate(self.actors):
             if k in writer.stages_written:
                 continue
             for a in row[1:]:
-                if ref_failed(refs_of[id(a)]):
+                if _ref_failed(refs_of[id(a)]):
                     continue
                 info = _quiet_get([a.write_shard_instead.remote(writer.step)], 60)[0]
                 if info is not None:
@@ -1107,7 +1093,7 @@ def _alive(actors: list[Any], timeout: float = UNRESPONSIVE_S) -> list[bool]:
     return [r in ready and _quiet_get([r], 0)[0] is not None for r in refs]
 
 
-def ref_failed(ref: Any) -> bool:
+def _ref_failed(ref: Any) -> bool:
     """Whether a finished task's result is an error."""
     import ray
 

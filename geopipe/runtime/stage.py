@@ -283,9 +283,9 @@ class StageWorker:
     # -- state at step boundaries: recovery and checkpoints ------------------------------------
     def _snapshot_boundary(self, step: int) -> float:
         """Copy this replica's ZeRO-1 partition now; gather the stage's full state in the
-        background (on the checkpoint communicator). Keeps the two newest boundaries: after a
-        failure every survivor can roll back to the last step boundary all stages reached,
-        so no optimizer step is ever half-applied and none is lost."""
+        background (on the checkpoint communicator). Keeps the two newest complete boundaries:
+        after a failure every survivor can roll back to the last step boundary all stages
+        reached, so no optimizer step is ever half-applied and none is lost."""
         from geopipe.runtime.engine import assemble_snapshot
 
         t0 = time.perf_counter()
@@ -296,9 +296,9 @@ class StageWorker:
         )
         # Keep the newest SNAPSHOTS_KEPT *complete* boundaries (and those still gathering):
         # dropping a complete one for a gather that then fails would leave nothing.
-        done = sorted(st for st, f in self._boundary.items() if f.done() and f.exception() is None)
+        keep = self.boundary_steps()[-SNAPSHOTS_KEPT:]
         for old in [st for st in self._boundary if self._boundary[st].done()]:
-            if old not in done[-SNAPSHOTS_KEPT:]:
+            if old not in keep:
                 del self._boundary[old]
         return time.perf_counter() - t0
 
@@ -322,10 +322,12 @@ class StageWorker:
 
         The full state comes from the boundary snapshot taken when the step finished (or is
         taken now), so training stalls at most for a memory copy of the replica's own
-        partition; gathering and writing run on the state-keeper thread. Replica 0 writes.
+        partition; gathering runs on the state-keeper thread, writing on the writer thread.
+        Replica 0 writes; the others keep what they need to write in its place.
         Returns the seconds training was stalled.
         """
         from geopipe.checkpoint.store import capture_rng, write_shard_file
+        from geopipe.runtime.handoff import GROUPS
 
         t0 = time.perf_counter()
         if step not in self._boundary:
@@ -342,7 +344,7 @@ class StageWorker:
         def write_file() -> Any:
             st = future.result()
             tensors = dict(codec)
-            for group in ("params", "exp_avg", "exp_avg_sq"):
+            for group in GROUPS:
                 tensors.update({f"{group}/{n}": t for n, t in st[group].items()})
             meta = {"adam_step": st["step"], "lr_step": st["lr_step"], "layers": layers}
             if self._fault_write_delay_s:
@@ -436,9 +438,7 @@ class StageWorker:
                 ch.close()
         # A gather of the old layout may wait forever for a peer that failed before joining
         # it: keep only the boundaries that completed, and start a fresh state keeper.
-        self._boundary = {
-            st: f for st, f in self._boundary.items() if f.done() and f.exception() is None
-        }
+        self._boundary = {st: self._boundary[st] for st in self.boundary_steps()}
         self._keeper.shutdown(wait=False, cancel_futures=True)
         self._keeper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="state-keeper")
         self._shard_future = None
@@ -499,7 +499,7 @@ class StageWorker:
 
         shapes = self.param_shapes()
         dev = self.engine.device if dist.get_backend() == "nccl" else torch.device("cpu")
-        mine = self._boundary[step].result() if (own or sends) else None
+        mine = self._boundary[step].result() if sends else None
         ops, received, p2p = [], [], 0
         for dst, names in sends:
             header, flat = pack(mine, names)
@@ -522,8 +522,7 @@ class StageWorker:
         for work in works:
             work.wait()
         if own:
-            parts.append({**{g: {n: mine[g][n] for n in own} for g in GROUPS},
-                          "step": mine["step"], "lr_step": mine["lr_step"]})  # fmt: skip
+            parts.append(self.boundary_subset(step, own))
         parts += [unpack(h.cpu(), f.cpu(), names, shapes) for names, h, f in received]
         merged: dict[str, Any] = {g: {} for g in GROUPS}
         for part in parts:
