@@ -1,13 +1,14 @@
 # Two commands do everything on a fresh machine:
 #   make demo   - install, then train on the embedded default cluster (clusters/local-2dc.yaml)
 #   make test   - install, then lint and run the test suite
+#   make test-fast - the unit tier only (tests/unit: no Ray, no DeepSpeed; under a minute)
 # torch is installed explicitly first: an unpinned torch pulls a multi-GB CUDA build on
 # CPU-only machines. pyproject keeps its own torch range loose for GPU users.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 
-.PHONY: install demo plan test lint bench clean
+.PHONY: install demo plan test test-fast lint bench clean
 
 install: $(VENV)/.installed
 
@@ -27,9 +28,13 @@ plan: install
 lint: install
 	$(VENV)/bin/ruff check geopipe tests benchmarks
 	$(VENV)/bin/ruff format --check geopipe tests benchmarks
+	$(VENV)/bin/lint-imports
 
 test: lint
 	$(VENV)/bin/python -m pytest -q
+
+test-fast: install
+	$(VENV)/bin/python -m pytest -q tests/unit
 
 bench: install
 	$(PY) benchmarks/planner.py

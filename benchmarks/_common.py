@@ -48,21 +48,10 @@ def run(spec: ClusterSpec, steps: int, run_dir: Path, schedule: str | None = Non
         ctl.launch()
         res = ctl.train()
     finally:
-        stop_actors(ctl)
+        ctl.close()  # stops the actors; the embedded Ray (not the controller's) stays up
     events = [
         json.loads(x)
         for x in (run_dir / "metrics.jsonl").read_text().splitlines()
         if '"event"' in x
     ]
     return ctl, res, events
-
-
-def stop_actors(ctl: Controller) -> None:
-    import ray
-
-    for row in ctl.actors:
-        for a in row:
-            ray.kill(a)
-    ctl.actors = []
-    if ctl.sink is not None:
-        ctl.sink.close()

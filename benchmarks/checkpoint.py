@@ -30,11 +30,11 @@ import time
 from pathlib import Path
 
 import yaml
-from _common import ROOT, stop_actors
+from _common import ROOT
 
 from geopipe.checkpoint.store import latest_complete
 from geopipe.config import parse_cluster
-from geopipe.optimizer.costs import layer_param_counts
+from geopipe.model.sizes import layer_param_counts
 from geopipe.runtime.controller import Controller, LaunchOptions
 
 SAVES = 5  # asynchronous saves per model; the median stall is reported
@@ -66,11 +66,11 @@ def measure(name: str, model: dict, run_dir: Path) -> dict:
         stalls, totals = [], []
         for i in range(SAVES):
             step = 2 + i
-            assert ctl._run_step(step, False, False)[0] is not None
+            ctl.run_step(step)
             t0 = time.perf_counter()
-            ctl.save_checkpoint(step + 1)
+            ctl.checkpoints.save(step + 1)
             stalls.append(time.perf_counter() - t0)
-            ctl._poll_checkpoint(wait=True)
+            ctl.checkpoints.poll(wait=True)
             totals.append(time.perf_counter() - t0)
         stall, async_total = statistics.median(stalls), statistics.median(totals)
         # (b) A save that has to take the snapshot itself (training.recovery_snapshots: false):
@@ -78,23 +78,23 @@ def measure(name: str, model: dict, run_dir: Path) -> dict:
         fresh = []
         for i in range(SAVES):
             t0 = time.perf_counter()
-            ctl.save_checkpoint(100 + i)
+            ctl.checkpoints.save(100 + i)
             fresh.append(time.perf_counter() - t0)
-            ctl._poll_checkpoint(wait=True)
+            ctl.checkpoints.poll(wait=True)
         fresh_stall = statistics.median(fresh)
-        ctl.opts.checkpoint_sync = True
+        ctl.checkpoints.synchronous = True
         t0 = time.perf_counter()
-        ctl.save_checkpoint(100 + SAVES)
+        ctl.checkpoints.save(100 + SAVES)
         sync = time.perf_counter() - t0
         t0 = time.perf_counter()
-        info = latest_complete(ctl.checkpoint_root)
+        info = latest_complete(ctl.checkpoints.root)
         verify = time.perf_counter() - t0
         t0 = time.perf_counter()
         ray.get([a.load_checkpoint.remote(str(info.path)) for row in ctl.actors for a in row])
         load = time.perf_counter() - t0
         size = sum(f.stat().st_size for f in info.path.iterdir())
     finally:
-        stop_actors(ctl)
+        ctl.close()
     mb = size / 1e6
     row = {
         "params": params,

@@ -38,7 +38,7 @@ def measure(spec, schedule: str, steps: int, run_dir: Path) -> dict:
     return {
         "iteration_time_s": statistics.median(times),
         "bubble_ratio": statistics.median(bubbles),
-        "predicted_iteration_time_s": ctl.predicted_s,
+        "predicted_iteration_time_s": ctl.calibrator.predicted_s,
         "delta_n": [ctl.plan.delta_n[j] for j in ctl.plan.wan_boundaries],
         "compute_per_mb_s": cal["forward_s"][0] + cal["backward_s"][0],
         "busy_fraction": [1 - m.bubble_ratio for m in res.steps[3:]],

@@ -29,8 +29,9 @@ def ray_cluster():
     dashboard (the state API needs it). Module scope: tests/test_cli_launch.py needs a
     machine with no Ray running, so no Ray outlives its module."""
     import ray
+    from _state import DASHBOARD
 
-    ray.init(
+    ctx = ray.init(
         address="local",
         namespace="geopipe",
         resources={"site:east": 2, "site:west": 2},
@@ -39,5 +40,7 @@ def ray_cluster():
         dashboard_port=_free_port(),
         logging_level="WARNING",
     )
+    DASHBOARD["url"] = f"http://{ctx.dashboard_url}"
     yield
+    DASHBOARD.clear()
     ray.shutdown()

@@ -8,7 +8,6 @@ from geopipe.checkpoint.store import (
     PARAMS,
     CheckpointError,
     CheckpointInfo,
-    CheckpointWriter,
     LoadedCheckpoint,
     ShardInfo,
     StageShard,
@@ -21,8 +20,8 @@ from geopipe.checkpoint.store import (
     prune,
     restore_rng,
     step_dirname,
-    write_shard_file,
 )
+from geopipe.checkpoint.writer import CheckpointWriter, write_shard_file
 
 __all__ = [
     "EXP_AVG",

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from geopipe.model import sizes
+
 __all__ = [
     "GPTConfig",
     "GPTStage",
@@ -52,7 +54,7 @@ class GPTConfig:
 
 def num_layers(cfg: GPTConfig) -> int:
     """Number of global layers: embed + n_layer blocks + head."""
-    return cfg.n_layer + 2
+    return sizes.num_layers(cfg.n_layer)
 
 
 def layer_name(cfg: GPTConfig, index: int) -> str:
@@ -61,7 +63,7 @@ def layer_name(cfg: GPTConfig, index: int) -> str:
         raise ValueError(f"layer index {index} out of range [0, {num_layers(cfg)})")
     if index == 0:
         return "embed"
-    if index == cfg.n_layer + 1:
+    if index == num_layers(cfg) - 1:
         return "head"
     return f"blocks.{index - 1}"
 
@@ -76,17 +78,12 @@ def _check_range(cfg: GPTConfig, start: int, end: int) -> None:
 def param_count(cfg: GPTConfig, start: int, end: int) -> int:
     """Parameters in global layers [start, end), computed analytically (no allocation)."""
     _check_range(cfg, start, end)
-    e, v = cfg.n_embd, cfg.vocab_size
-    embed = v * e + cfg.block_size * e
-    # ln_1 (2e) + qkv (3e*e + 3e) + attn.proj (e*e + e) + ln_2 (2e)
-    # + fc (4e*e + 4e) + mlp.proj (4e*e + e)
-    block = 12 * e * e + 13 * e
-    head = 2 * e + v * e  # ln_f + lm_head (no bias)
+    embed, block, head = sizes.embed_block_head_params(cfg.n_embd, cfg.vocab_size, cfg.block_size)
     total = 0
     for index in range(start, end):
         if index == 0:
             total += embed
-        elif index == cfg.n_layer + 1:
+        elif index == num_layers(cfg) - 1:
             total += head
         else:
             total += block
@@ -228,13 +225,13 @@ class GPTStage(nn.Module):
             self.embed = Embed(cfg)
             _init_layer(self.embed, cfg, seed, 0)
         self.blocks = nn.ModuleDict()
-        for index in range(max(start, 1), min(end, cfg.n_layer + 1)):
+        for index in range(max(start, 1), min(end, num_layers(cfg) - 1)):
             block = Block(cfg)
             _init_layer(block, cfg, seed, index)
             self.blocks[str(index - 1)] = block
         if end == num_layers(cfg):
             self.head = Head(cfg)
-            _init_layer(self.head, cfg, seed, cfg.n_layer + 1)
+            _init_layer(self.head, cfg, seed, num_layers(cfg) - 1)
 
     @property
     def has_embed(self) -> bool:

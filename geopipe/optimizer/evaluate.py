@@ -13,16 +13,19 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from geopipe.config import ClusterSpec, choice_values
-from geopipe.optimizer.costs import (
-    boundary_message_elems,
-    elem_bytes,
-    layer_forward_flops,
-    layer_param_counts,
+from geopipe.model.sizes import elem_bytes, layer_forward_flops, layer_param_counts
+from geopipe.optimizer.costs import boundary_message_elems
+from geopipe.optimizer.memory import (
+    MemoryBreakdown,
+    device_limits,
+    plan_memory,
+    snapshot_bytes,
+    stages_over,
 )
-from geopipe.optimizer.memory import MemoryBreakdown, snapshot_bytes, stage_memory
+from geopipe.optimizer.shapes import build_plan, candidate_shapes
 from geopipe.optimizer.simulator import PipelineCosts, SimResult, lower_bound, simulate
 from geopipe.pipeline.schedule import Schedule, make_schedule
-from geopipe.plan import Plan, Shape, candidate_shapes, partition_for
+from geopipe.plan import Plan, Shape
 from geopipe.transport.wire import codec_throughput_bytes_per_s, wire_bytes
 
 __all__ = ["Candidate", "Evaluation", "Evaluator", "SearchSpace"]
@@ -192,7 +195,6 @@ class Evaluator:
             schedule=sched,
         )
         self._cache: dict[Candidate, Evaluation] = {}
-        self._device_memory = {s.name: s.device_memory_gb * (1 << 30) for s in spec.sites}
         self.evaluations = 0  # distinct candidates scored
         self.best_fitness = math.inf  # best feasible fitness simulated so far (for pruning)
 
@@ -208,16 +210,16 @@ class Evaluator:
         for i, j in enumerate(shape.wan_boundaries):
             dn[j] = c.delta_n[i] if c.schedule == "lookahead" else 0
             codecs[j] = c.codecs[i]
-        return Plan(
+        return build_plan(
+            self.spec,
+            shape.stage_sites,
             pipelines=c.pipelines,
-            stage_sites=shape.stage_sites,
-            partition=partition_for(self.spec, shape, c.seq_len),
             micro_batch_size=c.micro_batch_size,
             seq_len=c.seq_len,
             num_microbatches=gbs // (c.pipelines * c.micro_batch_size),
             schedule=c.schedule,
-            delta_n=tuple(dn),
-            codecs=tuple(codecs),
+            delta_n=dn,
+            codecs=codecs,
         )
 
     def costs(self, plan: Plan) -> PipelineCosts:
@@ -280,7 +282,7 @@ class Evaluator:
             return {}, {}
         need: dict[str, float] = {}
         for k, site in enumerate(plan.stage_sites):
-            b = snapshot_bytes(spec.model, plan.partition[k])
+            b = snapshot_bytes(spec.model, plan.partition[k], spec.training.snapshots_kept)
             need[site] = max(need.get(site, 0.0), b * spec.site(site).devices_per_node)
         limits = {
             s: spec.site(s).host_memory_gb * (1 << 30)
@@ -313,16 +315,9 @@ class Evaluator:
             )
         spec = self.spec
         sched = _schedule(plan.schedule, plan.num_stages, plan.num_microbatches, plan.delta_n)
-        in_flight = sched.max_in_flight
-        mem = [
-            stage_memory(
-                spec.model, spec.training.precision, plan.partition[k], plan.pipelines,
-                plan.micro_batch_size, plan.seq_len, in_flight[k],
-            )
-            for k in range(plan.num_stages)
-        ]  # fmt: skip
-        limits = [self._device_memory[s] for s in plan.stage_sites]
-        over = [k for k in range(plan.num_stages) if mem[k].total > limits[k]]
+        mem = plan_memory(spec, plan, sched.max_in_flight)
+        limits = device_limits(spec, plan.stage_sites)
+        over = stages_over(mem, limits)
         host, host_limits = self._host_memory(plan)
         host_over = [s for s, lim in host_limits.items() if host[s] > lim]
         wan_bytes = 0.0

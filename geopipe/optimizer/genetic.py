@@ -9,16 +9,16 @@ that does not divide) get a penalty fitness that ranks below every feasible one.
 
 The GA is (μ+λ) with tournament selection, uniform crossover and per-gene mutation
 (random reset or a ±1 step), seeded with the analytic ΔN estimate
-``ceil(2·t_x / (t_f + t_b))``, stopped after ``patience`` generations without
-improvement, and finished with a hill-climb over ±1 steps of every gene (a hybrid GA as in
-DT-FM). DEAP draws from Python's global ``random``; we seed it and restore its state after,
-so a search is reproducible and leaves callers' randomness alone.
+``ceil(round trip / (t_f + t_b))`` (:func:`geopipe.optimizer.ladder.delta_n_estimate`),
+stopped after ``patience`` generations without improvement, and finished with a hill-climb
+over ±1 steps of every gene (a hybrid GA as in DT-FM). DEAP draws from Python's global
+``random``; we seed it and restore its state after, so a search is reproducible and leaves
+callers' randomness alone.
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 import random
 import time
 from dataclasses import dataclass
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from deap import algorithms, base, creator, tools
 
 from geopipe.optimizer.evaluate import Candidate, Evaluation, Evaluator
+from geopipe.optimizer.ladder import delta_n_estimate
 
 __all__ = ["SearchResult", "exhaustive_search", "genetic_search"]
 
@@ -65,6 +66,7 @@ class _Genes:
             [sp.pipelines, sp.micro_batch_sizes, sp.seq_lens] + [sp.delta_ns] * w + [sp.codecs] * w
         )
         self.w = w
+        self.ups = [len(lst) - 1 for lst in self.lists]  # the largest index of every gene
 
     def candidate(self, g: list[int]) -> Candidate:
         v = [lst[i] for lst, i in zip(self.lists, g, strict=True)]
@@ -89,18 +91,33 @@ class _Genes:
                 return
             g[0] = (g[0] + 1) % len(sp.pipelines)
 
+    def fitness(self, g: list[int]) -> tuple[float, float]:
+        """Repair ``g`` in place and score it (the searches' pruning evaluation)."""
+        self.repair(g)
+        return _key(self.ev.evaluate(self.candidate(g), prune=True))
+
+    def retune(self, g: list[int]) -> list[list[int]]:
+        """``g`` with ΔN set to the analytic estimate, and to its neighbours on either side."""
+        sp = self.ev.space
+        g = list(g)
+        self.repair(g)
+        est = _estimate_delta_n(self.ev, self.candidate(g))
+        out = []
+        for shift in (0, -1, 1):
+            t = list(g)
+            for i, x in enumerate(est):
+                t[3 + i] = _nearest(sp.delta_ns, x + shift)
+            out.append(t)
+        return out
+
 
 def _estimate_delta_n(ev: Evaluator, cand: Candidate) -> tuple[int, ...]:
-    """ΔN ≥ ceil(2·t_x / (t_f + t_b)) per WAN boundary: cover one round trip with compute."""
+    """The analytic ΔN per WAN boundary: cover one round trip with compute."""
     plan = ev.make_plan(cand)
     if plan is None:
         return cand.delta_n
     c = ev.costs(plan)
-    out = []
-    for j in plan.wan_boundaries:
-        t_x = max(c.ser_f[j] + c.lat_f[j], c.ser_b[j] + c.lat_b[j])
-        out.append(math.ceil(2 * t_x / (c.fwd_s[j] + c.bwd_s[j])))
-    return tuple(out)
+    return tuple(delta_n_estimate(c, j) for j in plan.wan_boundaries)
 
 
 def _nearest(values: tuple, x: int) -> int:
@@ -120,86 +137,13 @@ def genetic_search(
     generations = generations or ga.generations
     seed = ga.seed if seed is None else seed
     genes = _Genes(ev)
-    sp = ev.space
     start_evals, t0 = ev.evaluations, time.perf_counter()
     saved = random.getstate()
     random.seed(seed)
     try:
-        tb = base.Toolbox()
-        ups = [len(lst) - 1 for lst in genes.lists]
-
-        def mutate(ind: list[int], indpb: float = 0.25) -> tuple[list[int]]:
-            for i, up in enumerate(ups):
-                if up and random.random() < indpb:
-                    if random.random() < 0.5:
-                        ind[i] = random.randint(0, up)
-                    else:
-                        ind[i] = min(up, max(0, ind[i] + random.choice((-1, 1))))
-            return (ind,)
-
-        tb.register("mate", tools.cxUniform, indpb=0.5)
-        tb.register("mutate", mutate)
-        tb.register("select", tools.selTournament, tournsize=3)
-
-        def fitness(ind: list[int]) -> tuple[float, float]:
-            genes.repair(ind)
-            return _key(ev.evaluate(genes.candidate(ind), prune=True))
-
-        pop: list = []
-        # Seeds: for each pipeline count, the analytic ΔN at a mid micro-batch and the
-        # longest sequence, with every codec.
-        for di in range(len(sp.pipelines)):
-            for ci in range(len(sp.codecs)):
-                g = [di, len(sp.micro_batch_sizes) // 2, len(sp.seq_lens) - 1]
-                g += [0] * sp.wan_boundaries + [ci] * sp.wan_boundaries
-                genes.repair(g)
-                est = _estimate_delta_n(ev, genes.candidate(g))
-                for i, x in enumerate(est):
-                    g[3 + i] = _nearest(sp.delta_ns, x)
-                pop.append(creator.GeoPipeGenome(g))
-        pop = pop[: population // 2]
-        while len(pop) < population:
-            pop.append(creator.GeoPipeGenome([random.randint(0, up) for up in ups]))
-        for ind in pop:
-            ind.fitness.values = fitness(ind)
-        best = tools.selBest(pop, 1)[0]
-        best_key, stale, gen = best.fitness.values, 0, 0
-        for gen in range(1, generations + 1):  # noqa: B007 - gen is reported
-            offspring = algorithms.varOr(pop, tb, population, ga.crossover_prob, ga.mutation_prob)
-            for ind in offspring:
-                if not ind.fitness.valid:
-                    ind.fitness.values = fitness(ind)
-            pool = pop + offspring
-            elite = tools.selBest(pool, max(2, population // 8))
-            pop = elite + tb.select(pool, population - len(elite))
-            top = tools.selBest(pop, 1)[0]
-            if top.fitness.values < best_key:
-                best, best_key, stale = top, top.fitness.values, 0
-            else:
-                stale += 1
-                if stale >= patience:
-                    break
-
-        def retune(g: list[int]) -> list[list[int]]:
-            g = list(g)
-            genes.repair(g)
-            est = _estimate_delta_n(ev, genes.candidate(g))
-            out = []
-            for shift in (0, -1, 1):
-                t = list(g)
-                for i, x in enumerate(est):
-                    t[3 + i] = _nearest(sp.delta_ns, x + shift)
-                out.append(t)
-            return out
-
-        starts = []
-        for ind in tools.selBest([*pop, best], len(pop)):
-            if list(ind) not in starts:
-                starts.append(list(ind))
-            if len(starts) == 3:
-                break
-        climbed = [_hill_climb(g, ups, fitness, retune) for g in starts]
-        best = min(climbed, key=fitness)
+        pop = _initial_population(genes, population)
+        pop, best, gen = _evolve(genes, pop, population, generations, patience)
+        best = _polish(genes, pop, best)
     finally:
         random.setstate(saved)
     result = ev.evaluate(genes.candidate(best))
@@ -208,9 +152,90 @@ def genetic_search(
         evaluations=ev.evaluations - start_evals,
         seconds=time.perf_counter() - t0,
         method="genetic",
-        space_size=sp.size(genes.gbs),
+        space_size=ev.space.size(genes.gbs),
         generations=gen,
     )
+
+
+def _toolbox(ups: list[int]) -> base.Toolbox:
+    """Uniform crossover, per-gene mutation (random reset or a ±1 step), tournaments."""
+    tb = base.Toolbox()
+
+    def mutate(ind: list[int], indpb: float = 0.25) -> tuple[list[int]]:
+        for i, up in enumerate(ups):
+            if up and random.random() < indpb:
+                if random.random() < 0.5:
+                    ind[i] = random.randint(0, up)
+                else:
+                    ind[i] = min(up, max(0, ind[i] + random.choice((-1, 1))))
+        return (ind,)
+
+    tb.register("mate", tools.cxUniform, indpb=0.5)
+    tb.register("mutate", mutate)
+    tb.register("select", tools.selTournament, tournsize=3)
+    return tb
+
+
+def _initial_population(genes: _Genes, population: int) -> list:
+    """Seeds — for each pipeline count, the analytic ΔN at a mid micro-batch and the longest
+    sequence, with every codec — for up to half the population, random genomes for the rest;
+    all scored."""
+    sp = genes.ev.space
+    pop: list = []
+    for di in range(len(sp.pipelines)):
+        for ci in range(len(sp.codecs)):
+            g = [di, len(sp.micro_batch_sizes) // 2, len(sp.seq_lens) - 1]
+            g += [0] * sp.wan_boundaries + [ci] * sp.wan_boundaries
+            genes.repair(g)
+            est = _estimate_delta_n(genes.ev, genes.candidate(g))
+            for i, x in enumerate(est):
+                g[3 + i] = _nearest(sp.delta_ns, x)
+            pop.append(creator.GeoPipeGenome(g))
+    pop = pop[: population // 2]
+    while len(pop) < population:
+        pop.append(creator.GeoPipeGenome([random.randint(0, up) for up in genes.ups]))
+    for ind in pop:
+        ind.fitness.values = genes.fitness(ind)
+    return pop
+
+
+def _evolve(
+    genes: _Genes, pop: list, population: int, generations: int, patience: int
+) -> tuple[list, list[int], int]:
+    """(μ+λ) generations with elitism until ``patience`` of them bring no improvement;
+    returns the last population, the best genome seen and the generations run."""
+    ga = genes.ev.spec.plan.ga
+    tb = _toolbox(genes.ups)
+    best = tools.selBest(pop, 1)[0]
+    best_key, stale, gen = best.fitness.values, 0, 0
+    for gen in range(1, generations + 1):  # noqa: B007 - gen is reported
+        offspring = algorithms.varOr(pop, tb, population, ga.crossover_prob, ga.mutation_prob)
+        for ind in offspring:
+            if not ind.fitness.valid:
+                ind.fitness.values = genes.fitness(ind)
+        pool = pop + offspring
+        elite = tools.selBest(pool, max(2, population // 8))
+        pop = elite + tb.select(pool, population - len(elite))
+        top = tools.selBest(pop, 1)[0]
+        if top.fitness.values < best_key:
+            best, best_key, stale = top, top.fitness.values, 0
+        else:
+            stale += 1
+            if stale >= patience:
+                break
+    return pop, best, gen
+
+
+def _polish(genes: _Genes, pop: list, best: list[int]) -> list[int]:
+    """Hill-climb from the three best distinct genomes; the best result."""
+    starts: list[list[int]] = []
+    for ind in tools.selBest([*pop, best], len(pop)):
+        if list(ind) not in starts:
+            starts.append(list(ind))
+        if len(starts) == 3:
+            break
+    climbed = [_hill_climb(g, genes.ups, genes.fitness, genes.retune) for g in starts]
+    return min(climbed, key=genes.fitness)
 
 
 def _hill_climb(g: list[int], ups: list[int], fitness, retune) -> list[int]:

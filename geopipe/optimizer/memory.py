@@ -1,38 +1,52 @@
-"""Per-device memory model of one stage replica under ZeRO-1.
+"""Per-device memory model of one stage replica under ZeRO-1, and the feasibility rule.
 
-``total = weights + gradients + optimizer_shard + activations × in_flight``
+``total = weights + gradients + adam_state_shard + activations × in_flight``
 
 * fp32 training: 4 B weights + 4 B gradients per parameter, Adam ``m`` and ``v`` (8 B)
   sharded over the stage's ``d`` replicas (ZeRO-1 partitions only optimizer state);
 * bf16/fp16 mixed precision: 2 B + 2 B, and fp32 master weights + ``m`` + ``v`` (12 B)
-  sharded over ``d``;
+  sharded over ``d`` (bytes per parameter: :mod:`geopipe.model.sizes`);
 * activations: what each layer keeps for backward per micro-batch
   (:func:`geopipe.optimizer.costs.activation_bytes`), times the peak number of micro-batches
   in flight on that stage (which the schedule fixes: ``m`` for GPipe, ``p-k`` for 1F1B, ΔN
   more for look-ahead), plus one received input buffer per in-flight micro-batch.
+
+A plan fits when no stage's peak exceeds its device (:func:`stages_over`, the one rule the
+evaluator, ΔN refinement and the templates apply).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from geopipe.optimizer.costs import activation_bytes, elem_bytes, layer_param_counts
+from geopipe.config import ClusterSpec
+from geopipe.model.sizes import adam_bytes_per_param, elem_bytes, layer_param_counts
+from geopipe.optimizer.costs import activation_bytes
+from geopipe.plan import Plan
 
-__all__ = ["SNAPSHOTS_KEPT", "MemoryBreakdown", "snapshot_bytes", "stage_memory"]
+__all__ = [
+    "MemoryBreakdown",
+    "device_limits",
+    "plan_memory",
+    "snapshot_bytes",
+    "stage_memory",
+    "stages_over",
+]
 
-SNAPSHOTS_KEPT = 2  # step boundaries each replica keeps for recovery (the runtime's choice)
+GiB = float(1 << 30)
 
 
 @dataclass(frozen=True)
 class MemoryBreakdown:
     weights: float
     gradients: float
-    optimizer: float
+    adam_state: float  # this replica's ZeRO-1 shard of the Adam state
     activations: float
 
     @property
     def total(self) -> float:
-        return self.weights + self.gradients + self.optimizer + self.activations
+        return self.weights + self.gradients + self.adam_state + self.activations
 
 
 def stage_memory(
@@ -48,21 +62,43 @@ def stage_memory(
     a, b = layers
     params = sum(layer_param_counts(model)[a:b])
     e = elem_bytes(precision)
-    opt_bytes = 8 if precision == "fp32" else 12
     per_mb = sum(activation_bytes(model, i, micro_batch, seq_len, precision) for i in range(a, b))
     if a > 0:  # the received activation this stage must keep for its backward
         per_mb += micro_batch * seq_len * model.n_embd * e
     return MemoryBreakdown(
         weights=float(params * e),
         gradients=float(params * e),
-        optimizer=float(params * opt_bytes) / replicas,
+        adam_state=float(params * adam_bytes_per_param(precision)) / replicas,
         activations=per_mb * in_flight,
     )
 
 
-def snapshot_bytes(model, layers: tuple[int, int], kept: int = SNAPSHOTS_KEPT) -> float:
+def plan_memory(spec: ClusterSpec, plan: Plan, in_flight: Sequence[int]) -> list[MemoryBreakdown]:
+    """Every stage's peak under ``plan`` with ``in_flight[k]`` micro-batches in flight."""
+    return [
+        stage_memory(
+            spec.model, spec.training.precision, plan.partition[k], plan.pipelines,
+            plan.micro_batch_size, plan.seq_len, in_flight[k],
+        )
+        for k in range(plan.num_stages)
+    ]  # fmt: skip
+
+
+def device_limits(spec: ClusterSpec, stage_sites: Sequence[str]) -> list[float]:
+    """Device memory (bytes) of each stage's site."""
+    limit = {s.name: s.device_memory_gb * GiB for s in spec.sites}
+    return [limit[s] for s in stage_sites]
+
+
+def stages_over(memory: Sequence[MemoryBreakdown], limits: Sequence[float]) -> list[int]:
+    """The stages whose peak exceeds their device's memory (a plan fits when there are none)."""
+    return [k for k, (mb, lim) in enumerate(zip(memory, limits, strict=True)) if mb.total > lim]
+
+
+def snapshot_bytes(model, layers: tuple[int, int], kept: int) -> float:
     """Host RAM one replica of layers ``[a, b)`` uses for its recovery snapshots: the full
-    (unsharded) fp32 weights and both Adam moments, 12 B per parameter, per kept boundary.
-    Independent of precision: the snapshots hold the fp32 master state."""
+    (unsharded) fp32 weights and both Adam moments, 12 B per parameter, per kept boundary
+    (``kept`` is the runtime's choice, passed in from the spec). Independent of precision:
+    the snapshots hold the fp32 master state."""
     a, b = layers
     return float(sum(layer_param_counts(model)[a:b]) * 12 * kept)

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from geopipe.config import ClusterSpec
 from geopipe.optimizer.evaluate import Evaluator
-from geopipe.optimizer.memory import stage_memory
+from geopipe.optimizer.memory import device_limits, plan_memory, stages_over
 from geopipe.optimizer.simulator import PipelineCosts, simulate
 from geopipe.pipeline.schedule import make_schedule
 from geopipe.plan import Plan
@@ -54,14 +54,8 @@ def predict(plan: Plan, costs: PipelineCosts) -> float:
 
 def _fits(spec: ClusterSpec, plan: Plan) -> bool:
     sched = make_schedule(plan.schedule, plan.num_stages, plan.num_microbatches, plan.delta_n)
-    for k, in_flight in enumerate(sched.max_in_flight):
-        mem = stage_memory(
-            spec.model, spec.training.precision, plan.partition[k], plan.pipelines,
-            plan.micro_batch_size, plan.seq_len, in_flight,
-        )  # fmt: skip
-        if mem.total > spec.site(plan.stage_sites[k]).device_memory_gb * (1 << 30):
-            return False
-    return True
+    mem = plan_memory(spec, plan, sched.max_in_flight)
+    return not stages_over(mem, device_limits(spec, plan.stage_sites))
 
 
 def refine_delta_n(

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from geopipe.config import ClusterSpec
 from geopipe.plan import Plan
+from geopipe.runtime.reaper import start_reaper
 
 __all__ = ["ClusterInfo", "LaunchError", "check_sites", "connect", "site_resource"]
 
@@ -73,6 +74,7 @@ def connect(spec: ClusterSpec, log_to_driver: bool = False) -> ClusterInfo:
                 "(another Ray or geopipe run?); stop it or set ray.dashboard_port to a free port"
             )
         resources = {site_resource(s.name): float(s.devices) for s in spec.sites}
+        start_reaper()  # the embedded Ray dies with this process, even on kill -9
         ctx = ray.init(
             address="local",
             namespace=r.namespace,

@@ -36,6 +36,7 @@ from __future__ import annotations
 import importlib
 import math
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
@@ -54,6 +55,7 @@ from deepspeed.utils import (
 from torch import Tensor, nn
 from torch.optim.lr_scheduler import LambdaLR
 
+from geopipe.checkpoint.format import ADAM_MOMENTS, ADAM_STATE_GROUPS, PARAMS_GROUP
 from geopipe.model.gpt import GPTConfig, GPTStage, lm_loss
 
 __all__ = [
@@ -64,8 +66,6 @@ __all__ = [
     "lr_factor",
     "param_groups",
 ]
-
-_ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
 
 @dataclass(frozen=True)
@@ -240,7 +240,7 @@ def _adam_partition_states(zero_optimizer: Any) -> list[dict[str, Tensor]]:
         state = inner.state[flat]
         if not state:
             state["step"] = torch.tensor(0.0)
-            for key in _ADAM_KEYS:
+            for key in ADAM_MOMENTS:
                 state[key] = torch.zeros_like(flat, memory_format=torch.preserve_format)
         states.append(state)
     zero_optimizer._hp_optimizer_states_linked = False
@@ -255,9 +255,9 @@ def assemble_snapshot(snap: dict[str, Any], group: Any, replicas: int) -> dict[s
     thread when ``group`` is the engine's ``ckpt_group``. Returns the same dictionary as
     :meth:`StageEngine.full_state`.
     """
-    out: dict[str, Any] = {"params": {}, **{key: {} for key in _ADAM_KEYS}}
+    out: dict[str, Any] = {g: {} for g in ADAM_STATE_GROUPS}
     for g in snap["groups"]:
-        for key in ("params", *_ADAM_KEYS):
+        for key in ADAM_STATE_GROUPS:
             local = g[key].contiguous()
             if replicas > 1:
                 parts = [torch.empty_like(local) for _ in range(replicas)]
@@ -360,6 +360,7 @@ class StageEngine:
             lr_scheduler=lambda opt: LambdaLR(opt, self._lr_lambda),
         )
         self.device = self.engine.device
+        self.optimizer_s = 0.0  # seconds in DeepSpeed's step (reduction + Adam), cumulative
         self._step_base = 0
         self._inputs: dict[int, Tensor] = {}
         self._outputs: dict[int, Tensor] = {}
@@ -399,7 +400,7 @@ class StageEngine:
             raise RuntimeError("backward_last() is only for the stage holding the head")
         loss = lm_loss(self._pop_output(mb), targets.to(self.device))
         self.engine.backward(loss)
-        self.engine.step()
+        self._step()
         return loss.item()
 
     def backward(self, mb: int, grad_out: Tensor) -> None:
@@ -413,7 +414,14 @@ class StageEngine:
         out = self._pop_output(mb)
         surrogate = (out * grad_out.to(device=out.device, dtype=out.dtype)).sum()
         self.engine.backward(surrogate, scale_wrt_gas=False)
+        self._step()
+
+    def _step(self) -> None:
+        # DeepSpeed's step: a no-op but for the micro-batch that ends gradient accumulation,
+        # where it reduces the gradients in the ZeRO-1 group and runs Adam.
+        t0 = time.perf_counter()
         self.engine.step()
+        self.optimizer_s += time.perf_counter() - t0
 
     def input_grad(self, mb: int) -> Tensor | None:
         """Gradient w.r.t. micro-batch ``mb``'s input (None on the first stage); frees ``mb``."""
@@ -429,10 +437,10 @@ class StageEngine:
         whole state). On an engine that has not stepped yet the moments are zeros, step 0.
         """
         states = _adam_partition_states(self.engine.optimizer)
-        out: dict[str, Any] = {"params": {}, **{key: {} for key in _ADAM_KEYS}}
+        out: dict[str, Any] = {g: {} for g in ADAM_STATE_GROUPS}
         for name, p in self.module.named_parameters():
-            out["params"][name] = safe_get_full_fp32_param(p).detach().cpu().clone()
-            for key in _ADAM_KEYS:
+            out[PARAMS_GROUP][name] = safe_get_full_fp32_param(p).detach().cpu().clone()
+            for key in ADAM_MOMENTS:
                 out[key][name] = safe_get_full_optimizer_state(p, key).detach().cpu().clone()
         out["step"] = int(states[0]["step"].item())
         out["lr_step"] = int(self.engine.lr_scheduler.last_epoch)
@@ -455,8 +463,8 @@ class StageEngine:
         for i, part in enumerate(zo.single_partition_of_fp32_groups):
             groups.append(
                 {
-                    "params": part.detach().cpu().clone(),
-                    **{k: states[i][k].detach().cpu().clone() for k in _ADAM_KEYS},
+                    PARAMS_GROUP: part.detach().cpu().clone(),
+                    **{k: states[i][k].detach().cpu().clone() for k in ADAM_MOMENTS},
                     "layout": [
                         (names[id(p)], int(off), tuple(p.shape))
                         for p, off in zip(
@@ -479,20 +487,20 @@ class StageEngine:
         in ``state`` that this stage does not hold are ignored, so a whole-model state can be
         handed to every stage.
         """
-        missing = [n for n, _ in self.module.named_parameters() if n not in state["params"]]
+        missing = [n for n, _ in self.module.named_parameters() if n not in state[PARAMS_GROUP]]
         if missing:
             raise KeyError(f"state lacks parameters of this stage: {missing}")
         states = _adam_partition_states(self.engine.optimizer)
         with torch.no_grad():
             for name, p in self.module.named_parameters():
-                value = state["params"][name]
+                value = state[PARAMS_GROUP][name]
                 if value.shape != p.shape:
                     raise ValueError(f"{name}: state shape {tuple(value.shape)} != {p.shape}")
                 safe_set_full_fp32_param(p, value.to(self.device, torch.float32))
                 # ZeRO-1 keeps a full working copy of the stage on every replica; the fp32
                 # master shard above does not write back to it until the next step.
                 p.copy_(value)
-                for key in _ADAM_KEYS:
+                for key in ADAM_MOMENTS:
                     safe_set_full_optimizer_state(
                         p, state[key][name].to(self.device, torch.float32), key
                     )

@@ -23,12 +23,24 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-__all__ = ["Holder", "Receiver", "Restore", "pack", "plan_handoff", "unpack"]
+from geopipe.checkpoint.format import ADAM_STATE_GROUPS as GROUPS
+from geopipe.checkpoint.format import PARAMS_GROUP
 
-GROUPS = ("params", "exp_avg", "exp_avg_sq")
+__all__ = [
+    "Holder",
+    "Receiver",
+    "Restore",
+    "pack",
+    "plan_handoff",
+    "restore_boundary",
+    "unpack",
+]
+
+_STATE_TAG = 7 << 20  # p2p tags of the hand-off; an iteration's tags are small
 
 
 @dataclass(frozen=True)
@@ -127,3 +139,59 @@ def unpack(header: torch.Tensor, flat: torch.Tensor, names: Sequence[str], shape
             offset += size
     out["step"], out["lr_step"] = int(header[0]), int(header[1])
     return out
+
+
+def restore_boundary(
+    engine: Any,
+    keeper: Any,
+    step: int,
+    todo: Restore,
+    fetch: list[tuple[Any, list[str]]],
+) -> dict[str, int]:
+    """Take part, inside a stage actor, in the hand-off :func:`plan_handoff` planned.
+
+    Keep ``todo.own`` names from this replica's snapshot (``keeper``, a
+    :class:`~geopipe.runtime.snapshots.BoundaryKeeper`), send to and receive from site ranks
+    over the re-formed ``torch.distributed`` world — all posted at once, so no order of
+    calls across actors can deadlock — fetch the rest from holder actors through the object
+    store (``fetch``: (actor handle, names)), then load the merged step-``step`` state.
+    Returns the bytes moved per path."""
+    import ray
+    import torch.distributed as dist
+
+    shapes = {n: tuple(p.shape) for n, p in engine.module.named_parameters()}
+    dev = engine.device if dist.get_backend() == "nccl" else torch.device("cpu")
+    mine = keeper.state(step) if todo.sends else None
+    ops, received, p2p = [], [], 0
+    for dst, names in todo.sends:
+        header, flat = pack(mine, names)
+        ops += [
+            dist.P2POp(dist.isend, header.to(dev), dst, tag=_STATE_TAG),
+            dist.P2POp(dist.isend, flat.to(dev), dst, tag=_STATE_TAG + 1),
+        ]
+    for src, names in todo.recvs:
+        header = torch.empty(2, dtype=torch.int64, device=dev)
+        flat = torch.empty(flat_size(shapes, names), dtype=torch.float32, device=dev)
+        ops += [
+            dist.P2POp(dist.irecv, header, src, tag=_STATE_TAG),
+            dist.P2POp(dist.irecv, flat, src, tag=_STATE_TAG + 1),
+        ]
+        received.append((names, header, flat))
+        p2p += flat.numel() * flat.element_size()
+    works = dist.batch_isend_irecv(ops) if ops else []
+    parts = ray.get([a.boundary_subset.remote(step, names) for a, names in fetch])
+    fetched = sum(t.numel() * t.element_size() for p in parts for t in p[PARAMS_GROUP].values())
+    for work in works:
+        work.wait()
+    if todo.own:
+        parts.append(keeper.subset(step, todo.own))
+    parts += [unpack(h.cpu(), f.cpu(), names, shapes) for names, h, f in received]
+    merged: dict[str, Any] = {g: {} for g in GROUPS}
+    for part in parts:
+        for g in GROUPS:
+            merged[g].update(part[g])
+        if merged.setdefault("step", part["step"]) != part["step"]:
+            raise RuntimeError(f"hand-off mixes Adam steps {merged['step']} and {part['step']}")
+        merged["lr_step"] = part["lr_step"]
+    engine.load_full_state(merged)
+    return {"own": len(todo.own), "p2p_bytes": p2p, "object_store_bytes": 3 * fetched}

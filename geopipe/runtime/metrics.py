@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from geopipe.runtime.executor import IterationResult
 
 __all__ = ["MetricsSink", "StepMetrics", "aggregate", "measured_events"]
 
@@ -26,6 +29,9 @@ class StepMetrics:
     bubble_ratio: float
     wan_bytes: int
     tokens_per_s: float
+    # per stage, where its step time went (seconds, mean over the stage's replicas; the
+    # categories are those of ``executor.BREAKDOWN``)
+    breakdown: list[dict[str, float]] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {
@@ -36,18 +42,21 @@ class StepMetrics:
             "bubble_ratio": self.bubble_ratio,
             "wan_bytes": self.wan_bytes,
             "tokens_per_s": self.tokens_per_s,
+            "breakdown": [{k: round(v, 6) for k, v in b.items()} for b in self.breakdown],
         }
 
 
-def aggregate(results: list[dict], num_stages: int, tokens: int) -> StepMetrics:
+def aggregate(results: list[IterationResult], num_stages: int, tokens: int) -> StepMetrics:
     """Combine every replica's ``run_iteration`` result into one step's figures."""
-    step = results[0]["step"]
-    duration = max(r["duration_s"] for r in results)
+    step = results[0].step
+    duration = max(r.duration_s for r in results)
     busy: dict[int, list[float]] = {}
+    parts: dict[int, list[dict[str, float]]] = {}
     for r in results:
-        busy.setdefault(r["stage"], []).append(r["busy_s"])
+        busy.setdefault(r.stage, []).append(r.busy_s)
+        parts.setdefault(r.stage, []).append(r.breakdown)
     total_busy = sum(sum(v) / len(v) for v in busy.values())
-    losses = [x for r in results for x in r["losses"]]
+    losses = [x for r in results for x in r.losses]
     loss = sum(losses) / len(losses) if losses else float("nan")
     bubble = 1.0 - total_busy / (num_stages * duration) if duration > 0 else 0.0
     return StepMetrics(
@@ -56,9 +65,15 @@ def aggregate(results: list[dict], num_stages: int, tokens: int) -> StepMetrics:
         iteration_time_s=duration,
         tokens=tokens,
         bubble_ratio=bubble,
-        wan_bytes=sum(r["wan_bytes"] for r in results),
+        wan_bytes=sum(r.wan_bytes for r in results),
         tokens_per_s=tokens / duration if duration > 0 else 0.0,
+        breakdown=[_mean_parts(parts[k]) for k in sorted(parts)],
     )
+
+
+def _mean_parts(rows: list[dict[str, float]]) -> dict[str, float]:
+    keys = dict.fromkeys(k for row in rows for k in row)
+    return {k: sum(row.get(k, 0.0) for row in rows) / len(rows) for k in keys}
 
 
 @dataclass(frozen=True)
@@ -79,14 +94,14 @@ _NAMES = {
 }
 
 
-def measured_events(results: list[dict]) -> list[_Ev]:
+def measured_events(results: list[IterationResult]) -> list[_Ev]:
     """Timeline rows per stage replica: forward, backward, send, and receive waits (idle)."""
-    base = min(r["start"] for r in results)
+    base = min(r.start for r in results)
     out = []
     for r in results:
-        row = f"stage {r['stage']}" + (f" r{r['replica']}" if r["replica"] else "")
-        off = r["start"] - base
-        for kind, mb, t0, t1 in r["events"]:
+        row = f"stage {r.stage}" + (f" r{r.replica}" if r.replica else "")
+        off = r.start - base
+        for kind, mb, t0, t1 in r.events:
             name = _NAMES[kind]
             if name == "recv" and t1 - t0 < 1e-4:
                 continue  # the data was already there: no idle time to show

@@ -1,256 +1,341 @@
-"""The recovery policy: a failure in, one decision out (pure logic, no Ray, no DeepSpeed).
+"""Executing a recovery or a grow-back: the decisions are the planner's, the moves are here.
 
-The controller reports what died and what survives; :func:`decide` returns
+Recovery re-forms the job in place after a step failed, Oobleck-style:
 
-* :class:`Reconfigure` — every layer's parameters *and* optimizer state survive on a live
-  actor and a template fits the alive devices: lay out the new pipelines and copy each
-  layer's state from the survivors named in ``sources``; training continues at the same
-  step;
-* :class:`RestoreFromCheckpoint` — some layer's state is gone, a complete checkpoint exists
-  and the model still fits: lay out the new pipelines and load the checkpoint (any
-  partition can load it, parameter names do not depend on the layout);
-* :class:`Fail` — the model no longer fits the alive devices, or state is lost with no
-  checkpoint to restore from. The reason says which.
+1. find the dead and release the survivors: make their iteration fail fast, have them leave
+   their process groups; a survivor stuck in a collective with a stopped replica is
+   replaced by a fresh actor on its device (:meth:`Recovery._release`);
+2. find the newest step boundary every stage still holds in some survivor's memory — the
+   failed step is redone, no optimizer step is lost or half-applied;
+3. ask the pure policy (:func:`decide`) for the layout: reconfigure on the survivors,
+   restore the latest checkpoint, or fail;
+4. lay the new plan over the survivors and restore every actor's state by parameter name
+   (:mod:`geopipe.runtime.handoff`): its own memory, else a same-site holder over
+   ``torch.distributed``, else through the object store (:meth:`Recovery.relayout`).
 
-The new layout is the best homogeneous one, :func:`geopipe.pipeline.templates.best_uniform`
-(the runtime runs ``D`` identical pipelines), judged with the planner's cost model.
-
-[Note: ZeRO-1 state survival] Every replica of a stage holds the stage's full parameters
-(ZeRO-1 shards only optimizer state), so a stage's parameters survive while one replica
-lives. Its Adam state is split into ``D`` shards, one per replica: losing a replica loses
-that shard *unless it was copied elsewhere*. The policy does not assume either way — the
-caller passes, per stage of the running plan, whether the parameters
-(``params_available``) and the group's complete optimizer state (``optimizer_available``)
-can be recovered from live actors. :func:`zero1_state` computes both for the two layouts the
-runtime can have: plain ZeRO-1 (the optimizer state survives only if every replica of the
-group lives, so any lost actor means a checkpoint restore) or ZeRO-1 with *buddy copies*
-(replica ``r`` also keeps a copy of shard ``r-1 mod D``, refreshed at every step boundary:
-shard ``r`` is lost only if replicas ``r`` and ``r+1 mod D`` both die; the price is one more
-shard of memory per device and one intra-site shard transfer per step). Availability refers
-to the state at the last completed step boundary: an iteration interrupted by the failure is
-discarded, so survivors that already applied part of a step roll back to it (the runtime's
-duty; a partially gathered ZeRO-1 step is not a consistent state).
+Grow-back (:meth:`Recovery.grow`) uses the same relayout once the grow-back policy says a
+better layout fits devices that came back.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import sys
+import time
 from dataclasses import dataclass
+from typing import Any
 
-from geopipe.pipeline.templates import Template, TemplateSet, best_uniform
+from geopipe.config import ClusterSpec
+from geopipe.optimizer.policies import (
+    Fail,
+    Failure,
+    GrowBack,
+    RestoreFromCheckpoint,
+    Stay,
+    decide,
+    decide_grow,
+    newest_common_boundary,
+)
 from geopipe.plan import Plan
+from geopipe.runtime.checkpointing import CheckpointCoordinator
+from geopipe.runtime.cluster import LaunchError, site_resource
+from geopipe.runtime.health import ActorsUnresponsive, HealthConfig, alive, quiet_get
+from geopipe.runtime.placement import Placement
+from geopipe.runtime.reporting import Reporter
 
-__all__ = [
-    "Actor",
-    "Decision",
-    "Fail",
-    "Failure",
-    "LayerSource",
-    "Reconfigure",
-    "RestoreFromCheckpoint",
-    "Slot",
-    "decide",
-    "placement_for",
-    "zero1_state",
-]
+__all__ = ["Recovered", "Recovery"]
 
-Actor = tuple[int, int]  # (stage, replica) of a plan
-
-
-@dataclass(frozen=True, order=True)
-class Slot:
-    """A device slot: the ``index``-th alive device of ``site`` (0 ≤ index < alive count).
-
-    The runtime maps slots to real devices (Ray placement-group bundles); the policy only
-    guarantees that no two actors share a slot and each sits in its stage's site.
-    """
-
-    site: str
-    index: int
+Key = tuple[int, int]  # (stage, replica) in the plan that was running
 
 
 @dataclass(frozen=True)
-class Failure:
-    """What the controller knows after a failure (see the module note for availability)."""
-
-    plan: Plan  # the layout that was running
-    dead: frozenset[Actor]  # actors of ``plan`` that died
-    devices_alive: Mapping[str, int]  # usable devices per site now (dead nodes excluded)
-    params_available: frozenset[int]  # stages whose parameters survive on a live replica
-    optimizer_available: frozenset[int]  # stages whose complete Adam state survives
-    checkpoint_step: int | None  # step of the latest complete checkpoint, if any
-
-    def __post_init__(self) -> None:
-        p, d = self.plan.num_stages, self.plan.pipelines
-        bad = sorted(a for a in self.dead if not (0 <= a[0] < p and 0 <= a[1] < d))
-        if bad:
-            raise ValueError(f"dead actors {bad} are not in a plan of {p} stages × {d} replicas")
-        for name in ("params_available", "optimizer_available"):
-            stages = sorted(k for k in getattr(self, name) if not 0 <= k < p)
-            if stages:
-                raise ValueError(f"{name}: stages {stages} are not in a plan of {p} stages")
-        neg = sorted(s for s, n in self.devices_alive.items() if n < 0)
-        if neg:
-            raise ValueError(f"devices_alive: negative counts for {neg}")
-
-    def live_replicas(self, stage: int) -> list[int]:
-        """Replicas of ``stage`` still alive, in order."""
-        return [r for r in range(self.plan.pipelines) if (stage, r) not in self.dead]
-
-
-@dataclass(frozen=True)
-class LayerSource:
-    """Where one layer's state comes from (live actors of the plan that was running)."""
-
-    layer: int
-    params: Actor  # a live replica holding the layer's weights
-    optimizer: tuple[Actor, ...]  # live replicas of its old group: its Adam state between them
-
-
-@dataclass(frozen=True)
-class Reconfigure:
-    """Continue without a restart: new layout, state copied from surviving actors."""
-
-    template: Template
-    plan: Plan
-    placement: dict[Actor, Slot]  # new (stage, replica) -> device slot
-    sources: dict[Actor, tuple[LayerSource, ...]]  # new actor -> one entry per layer it holds
-
-    @property
-    def pipelines(self) -> int:
-        return self.plan.pipelines
-
-
-@dataclass(frozen=True)
-class RestoreFromCheckpoint:
-    """Lay out the new pipelines and load the checkpoint of ``step``."""
+class Recovered:
+    """Where training continues after a recovery."""
 
     step: int
-    template: Template
-    plan: Plan
-    placement: dict[Actor, Slot]
-    reason: str  # why live state was not enough
+    seconds: float
 
 
-@dataclass(frozen=True)
-class Fail:
-    """Nothing to continue from: stop with ``reason``."""
+class Recovery:
+    """Re-forms the run's layout after failures and when devices come back."""
 
-    reason: str
+    def __init__(
+        self,
+        spec: ClusterSpec,
+        placement: Placement,
+        checkpoints: CheckpointCoordinator,
+        reporter: Reporter,
+        health: HealthConfig,
+    ) -> None:
+        self.spec = spec
+        self.placement = placement
+        self.checkpoints = checkpoints
+        self.reporter = reporter
+        self.health = health
+        self.templates: Any = None  # built at launch (build_templates), before anything fails
 
+    @property
+    def plan(self) -> Plan:
+        return self.placement.plan
 
-Decision = Reconfigure | RestoreFromCheckpoint | Fail
-
-
-def zero1_state(
-    plan: Plan, dead: Iterable[Actor], *, buddy_copies: bool
-) -> tuple[frozenset[int], frozenset[int]]:
-    """``(params_available, optimizer_available)`` per stage under ZeRO-1 (module note).
-
-    Without ``buddy_copies`` a group's Adam state survives only if all its replicas live;
-    with them, shard ``r`` survives if replica ``r`` or ``r+1 mod D`` lives.
-    """
-    gone = set(dead)
-    d = plan.pipelines
-    params, opt = set(), set()
-    for k in range(plan.num_stages):
-        alive = [(k, r) not in gone for r in range(d)]
-        if any(alive):
-            params.add(k)
-        if buddy_copies:
-            if all(alive[r] or alive[(r + 1) % d] for r in range(d)):
-                opt.add(k)
-        elif all(alive):
-            opt.add(k)
-    return frozenset(params), frozenset(opt)
-
-
-def placement_for(plan: Plan, devices_alive: Mapping[str, int]) -> dict[Actor, Slot]:
-    """One slot per actor of ``plan``, in its stage's site; raises if a site is too small."""
-    nxt: dict[str, int] = {}
-    out: dict[Actor, Slot] = {}
-    for k, site in enumerate(plan.stage_sites):
-        for r in range(plan.pipelines):
-            i = nxt.get(site, 0)
-            if i >= devices_alive.get(site, 0):
-                raise ValueError(f"site {site} has too few devices for plan {plan.stage_sites}")
-            out[(k, r)] = Slot(site, i)
-            nxt[site] = i + 1
-    return out
-
-
-def _old_stage_of_layers(plan: Plan) -> list[int]:
-    return [k for k, (a, z) in enumerate(plan.partition) for _ in range(a, z)]
-
-
-def _layer_list(layers: list[int]) -> str:
-    """``[0, 1, 2, 5]`` as ``0-2, 5``."""
-    runs: list[tuple[int, int]] = []
-    for x in layers:
-        if runs and runs[-1][1] == x - 1:
-            runs[-1] = (runs[-1][0], x)
-        else:
-            runs.append((x, x))
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
-
-
-def _sources(failure: Failure, new: Plan) -> dict[Actor, tuple[LayerSource, ...]]:
-    """For each new actor, a live source per layer; new replicas spread over old ones."""
-    owner = _old_stage_of_layers(failure.plan)
-    live = {k: failure.live_replicas(k) for k in set(owner)}
-    out: dict[Actor, tuple[LayerSource, ...]] = {}
-    for k, (a, z) in enumerate(new.partition):
-        for r in range(new.pipelines):
-            entries = []
-            for layer in range(a, z):
-                old = owner[layer]
-                reps = live[old]
-                entries.append(
-                    LayerSource(
-                        layer=layer,
-                        params=(old, reps[r % len(reps)]),
-                        optimizer=tuple((old, x) for x in reps),
-                    )
-                )
-            out[(k, r)] = tuple(entries)
-    return out
-
-
-def decide(failure: Failure, templates: TemplateSet) -> Decision:
-    """The recovery decision for ``failure`` (rules in the module docstring).
-
-    ``templates`` must be built for the running plan's micro-batch size
-    (``build_templates(spec, plan=plan)``); the global batch stays what the plan ran.
-    """
-    plan = failure.plan
-    total = plan.pipelines * plan.num_microbatches
-    alive = {s: n for s, n in failure.devices_alive.items() if s in templates.sites}
-    choice = best_uniform(templates, alive, total * plan.micro_batch_size, plan.micro_batch_size)
-    have = ", ".join(f"{s}={alive.get(s, 0)}" for s in templates.sites)
-    if choice is None:
-        return Fail(
-            f"the model no longer fits the alive devices ({have}): no pipeline layout over "
-            f"the sites with devices left fits in memory (or their links form no chain)"
+    # -- recovery ------------------------------------------------------------------------------
+    def recover(self, step: int, refs: list, exc: BaseException, grace_s: float) -> Recovered:
+        """Re-form the job after step ``step`` failed with ``exc``; ``refs`` are the step's
+        calls, one per actor in :meth:`Placement.roles` order; ``grace_s`` is how long an
+        aborted survivor may take to stop."""
+        t0 = time.perf_counter()
+        roles = self.placement.roles()
+        ref_of = dict(zip(roles, refs, strict=True))
+        names = {key: self.placement.name_of(a, *key) for key, a in roles.items()}
+        dead = self._find_dead(roles, ref_of, exc)
+        # A save in flight commits if its shards can still be written (a survivor stands in
+        # for a dead writer); only now, with the frozen killed, can its calls all finish.
+        self.checkpoints.settle()
+        err = str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else type(exc).__name__
+        self.reporter.event("failure", step=step, dead=[names[k] for k in dead], error=err)
+        print(f"geopipe: step {step} failed ({len(dead)} actor(s) lost): recovering",
+              file=sys.stderr)  # fmt: skip
+        survivors = {key: a for key, a in roles.items() if key not in dead}
+        released = self._release(survivors, ref_of, grace_s)
+        have = {k: set(quiet_get([a.boundary_steps.remote()], 30)[0] or [])
+                for k, a in survivors.items()}  # fmt: skip
+        boundary, holders = newest_common_boundary(have, self.plan.num_stages, step)
+        decision, ckpt = self._decide([*dead, *released], [*survivors, *released], boundary,
+                                      holders)  # fmt: skip
+        if isinstance(decision, Fail):
+            raise LaunchError(
+                f"unrecoverable: {decision.reason} (survivors hold step boundaries "
+                f"{ {f'stage{k}/r{r}': sorted(v) for (k, r), v in have.items()} }); the last "
+                f"checkpoint under {self.checkpoints.root} is intact"
+            )
+        new_plan = decision.plan
+        sources = [] if ckpt is not None else [(survivors[key], key[0]) for key in survivors
+                                               if boundary in have[key]]  # fmt: skip
+        pool = [(a, key[0]) for key, a in survivors.items()]
+        moved = self.relayout(new_plan, pool, boundary, sources, ckpt)
+        resume_at = ckpt.step if ckpt is not None else boundary
+        seconds = time.perf_counter() - t0
+        self.reporter.event(
+            "recovered",
+            step=resume_at,
+            failed_step=step,
+            lost_steps=step - resume_at,
+            source="checkpoint" if ckpt is not None else "surviving replicas",
+            seconds=seconds,
+            replaced_stuck=[names[k] for k in released],
+            moved=moved,
+            plan=new_plan.to_dict(),
         )
-    template, d = choice
-    new = templates.plan_for(template, d, total // d)
-    placement = placement_for(new, alive)
+        how = f"checkpoint {ckpt.path.name}" if ckpt is not None else "surviving replicas"
+        print(
+            f"geopipe: recovered in {seconds:.1f} s from {how}: {new_plan.pipelines} pipeline(s) "
+            f"× {new_plan.num_stages} stages, continuing at step {resume_at}",
+            file=sys.stderr,
+        )
+        self.reporter.recoveries.append(
+            {"seconds": seconds, "step": resume_at, "failed_step": step}
+        )
+        return Recovered(resume_at, seconds)
 
-    owner = _old_stage_of_layers(plan)
-    live = {k for k in range(plan.num_stages) if failure.live_replicas(k)}
-    params_ok = failure.params_available & live
-    opt_ok = failure.optimizer_available & params_ok
-    no_params = [x for x, k in enumerate(owner) if k not in params_ok]
-    no_opt = [x for x, k in enumerate(owner) if k in params_ok and k not in opt_ok]
-    if not no_params and not no_opt:
-        return Reconfigure(template, new, placement, _sources(failure, new))
+    def _find_dead(
+        self, roles: dict[Key, Any], ref_of: dict[Key, Any], exc: BaseException
+    ) -> list[Key]:
+        """The actors that died, froze or hung; the frozen and the hung are killed."""
+        import ray
 
-    lost = []
-    if no_params:
-        lost.append(f"layers {_layer_list(no_params)} lost their parameters (no live replica)")
-    if no_opt:
-        lost.append(f"layers {_layer_list(no_opt)} lost part of their optimizer state")
-    reason = "; ".join(lost)
-    if failure.checkpoint_step is not None:
-        return RestoreFromCheckpoint(failure.checkpoint_step, template, new, placement, reason)
-    return Fail(f"{reason}, and there is no complete checkpoint to restore from")
+        if isinstance(exc, ActorsUnresponsive):  # frozen: no ping would come back either
+            keys = list(roles)
+            dead = [keys[i] for i in exc.indices]
+        else:
+            answers = alive(list(roles.values()), self.health.unresponsive_s)
+            dead = [key for key, ok in zip(roles, answers, strict=True) if not ok]
+            if dead:
+                return dead
+            # a hang: whoever has not finished is presumed stuck
+            _, stuck = ray.wait(list(ref_of.values()), num_returns=len(ref_of), timeout=0)
+            dead = [key for key, ref in ref_of.items() if ref in stuck]
+        for key in dead:
+            self.placement.kill(roles[key])
+        return dead
+
+    def _release(self, survivors: dict[Key, Any], ref_of: dict[Key, Any], grace_s: float) -> list:
+        """Stop the survivors' iteration and have them leave their process groups; returns
+        the survivors that had to be replaced (removed from ``survivors``).
+
+        [Note: stuck in a collective] A survivor still running after the abort is blocked in
+        a collective with a replica that stopped. Neither gloo nor NCCL lets it go until
+        that replica's process exits or the collective times out (measured: ``abort()``,
+        ``shutdown()`` and ``destroy_process_group()`` on the other side do not close gloo's
+        connections). Its device is healthy, so it is replaced by a fresh actor at once —
+        unless it is its stage's last holder: then its partner must be one of the dead,
+        whose process is still going (Ray takes seconds to SIGKILL a frozen one), and that
+        exit releases it.
+        """
+        import ray
+
+        for a in survivors.values():
+            a.abort.remote()
+        refs = [ref_of[k] for k in survivors]
+        _, stuck = ray.wait(refs, num_returns=len(refs), timeout=grace_s)
+        released = [k for k in survivors if ref_of[k] in stuck]
+        needed = [k for k in released
+                  if not any(j[0] == k[0] and j not in released for j in survivors)]  # fmt: skip
+        if needed:
+            done, _ = ray.wait([ref_of[k] for k in needed], num_returns=len(needed), timeout=60)
+            released = [k for k in released if ref_of[k] not in done]
+        for k in released:
+            self.placement.kill(survivors.pop(k))
+        quiet_get([a.leave.remote() for a in survivors.values()], 30)
+        return released
+
+    def _decide(
+        self, lost: list[Key], used: list[Key], boundary: int | None, holders: dict
+    ) -> tuple[Any, Any]:
+        """The policy's decision for the devices still alive (a dead actor's device counts
+        as lost, as in Oobleck; a replaced one's does not), and the checkpoint it uses."""
+        from geopipe.optimizer.templates import build_templates
+
+        devices = {site.name: 0 for site in self.spec.sites}
+        for k, _r in used:
+            devices[self.plan.stage_sites[k]] += 1
+        if self.templates is None:
+            self.templates = build_templates(self.spec, plan=self.plan)
+        info = self.checkpoints.latest()
+        held = frozenset(holders) if boundary is not None else frozenset()
+        failure = Failure(
+            plan=self.plan,
+            dead=frozenset(lost),
+            devices_alive=devices,
+            params_available=held,
+            adam_state_available=held,
+            checkpoint_step=info.step if info is not None else None,
+        )
+        decision = decide(failure, self.templates)
+        return decision, (info if isinstance(decision, RestoreFromCheckpoint) else None)
+
+    # -- grow-back -----------------------------------------------------------------------------
+    def grow_decision(self) -> GrowBack | Stay:
+        """Whether devices that came back (a node returned or joined) allow a layout
+        predicted at least 5 % faster."""
+        import ray
+
+        plan, spec = self.plan, self.spec
+        avail = ray.available_resources()
+        used = {site.name: 0 for site in spec.sites}
+        for k, row in enumerate(self.placement.rows):
+            used[plan.stage_sites[k]] += len(row)
+        devices = {
+            site.name: min(
+                site.devices, used[site.name] + int(avail.get(site_resource(site.name), 0))
+            )
+            for site in spec.sites
+        }
+        if devices == used:
+            return Stay("no free devices")
+        return decide_grow(self.templates, plan, devices, spec.training.global_batch_size,
+                           plan.micro_batch_size)  # fmt: skip
+
+    def grow(self, step: int, decision: GrowBack) -> float:
+        """Switch to ``decision.plan`` at step boundary ``step``: new actors take the free
+        devices and load their layers from the running replicas' snapshot of ``step``."""
+        import ray
+
+        t0 = time.perf_counter()
+        flat = self.placement.flat()
+        pool = [(a, k) for k, row in enumerate(self.placement.rows) for a in row]
+        if not self.spec.training.recovery_snapshots:  # then none is kept between steps
+            ray.get([a.snapshot.remote(step) for a in flat])
+        for a in flat:  # the boundary snapshot of this step, complete everywhere
+            deadline = time.time() + 60
+            while step not in ray.get(a.boundary_steps.remote()) and time.time() < deadline:
+                time.sleep(0.05)
+        ray.get([a.leave.remote() for a in flat])
+        moved = self.relayout(decision.plan, pool, step, pool)
+        seconds = time.perf_counter() - t0
+        self.reporter.event("grown", step=step, seconds=seconds, moved=moved,
+                            plan=decision.plan.to_dict())  # fmt: skip
+        print(
+            f"geopipe: devices are back: now {decision.plan.pipelines} pipeline(s) × "
+            f"{decision.plan.num_stages} stages (took {seconds:.1f} s), at step {step}",
+            file=sys.stderr,
+        )
+        return seconds
+
+    # -- the relayout both use -----------------------------------------------------------------
+    def relayout(
+        self,
+        new_plan: Plan,
+        pool: list[tuple[Any, int]],
+        step: int,
+        holders: list[tuple[Any, int]],
+        ckpt: Any = None,
+    ) -> dict[str, int]:
+        """Lay ``new_plan`` over ``pool`` — (actor, stage it held) pairs whose process groups
+        are already left — preferring, per site, actors that keep their layers; slots no
+        pooled actor can take get new actors. Then restore every actor to step boundary
+        ``step`` from ``holders`` — (actor, old stage) pairs with that snapshot — or from
+        ``ckpt``; pooled actors left over serve as sources until every load is done, then
+        stop. Returns the bytes moved per path (see :mod:`geopipe.runtime.handoff`)."""
+        import ray
+
+        pl = self.placement
+        old_plan = pl.plan
+        by_site: dict[str, list[tuple[Any, int]]] = {}
+        for a, old_k in pool:
+            by_site.setdefault(old_plan.stage_sites[old_k], []).append((a, old_k))
+        pl.plan = new_plan
+        rows: list[list[Any]] = []
+        keep: list[tuple[Any, int, int]] = []
+        for k in range(new_plan.num_stages):
+            cands = by_site.get(new_plan.stage_sites[k], [])
+            row = []
+            for r in range(new_plan.pipelines):
+                same = [c for c in cands if old_plan.partition[c[1]] == new_plan.partition[k]]
+                if same or cands:
+                    a, old_k = (same or cands)[0]
+                    cands.remove((a, old_k))
+                    keep.append((a, k, r))
+                else:
+                    a = pl.create(k, r)
+                row.append(a)
+            rows.append(row)
+        spares = [a for rest in by_site.values() for a, _ in rest]
+        pl.rows = rows
+        ray.get([a.reconfigure.remote(pl.stage_spec(k, r)) for a, k, r in keep])
+        pl.wire()
+        if ckpt is not None:
+            ray.get([a.load_checkpoint.remote(str(ckpt.path)) for a in pl.flat()])
+            moved = {"checkpoint": len(pl.flat())}
+        else:
+            moved = self._handoff(step, holders, old_plan)
+        ray.get([a.drop_boundaries.remote() for a in pl.flat()])
+        for a in spares:
+            pl.kill(a)
+        return moved
+
+    def _handoff(self, step: int, holders: list[tuple[Any, int]], old_plan: Plan) -> dict:
+        """Every actor of the (just wired) layout loads boundary ``step``, as planned by
+        :func:`geopipe.runtime.handoff.plan_handoff`."""
+        import ray
+
+        from geopipe.runtime.handoff import Holder, Receiver, Restore, plan_handoff
+
+        pl = self.placement
+        plan, flat = pl.plan, pl.flat()
+        site = {id(a): plan.stage_sites[k] for k, row in enumerate(pl.rows) for a in row}
+        shapes = ray.get([a.param_shapes.remote() for a in flat])
+        names = ray.get([a.boundary_names.remote(step) for a, _ in holders])
+        by_id = {id(a): a for a, _ in holders}
+        hs = [
+            Holder(id(a), old_plan.stage_sites[k], pl.site_rank.get(id(a)), frozenset(n))
+            for (a, k), n in zip(holders, names, strict=True)
+        ]
+        rs = [Receiver(id(a), site[id(a)], pl.site_rank[id(a)], sh)
+              for a, sh in zip(flat, shapes, strict=True)]  # fmt: skip
+        todo = plan_handoff(rs, hs)
+        calls = []
+        for a in flat:
+            r = todo.get(id(a), Restore())
+            fetch = [(by_id[key], n) for key, n in r.fetch]
+            calls.append(a.restore_boundary.remote(step, r, fetch))
+        stats = ray.get(calls)
+        return {key: sum(s[key] for s in stats) for key in ("p2p_bytes", "object_store_bytes")}

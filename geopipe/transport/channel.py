@@ -8,10 +8,10 @@ before the compute that needs the data.
   site's process group (gloo on CPU, NCCL on GPU). A receiver thread per inbound
   neighbour posts the receives in program order and files each tensor in the inbox, so
   data flows while the stage computes.
-* **Inter-site**: the tensor is encoded by the link's codec, sealed with a checksum and
-  handed to ``post`` (the runtime wires it to the peer actor's ``deliver`` over Ray). With
-  link emulation the sender stamps a delivery time from the link's token bucket and the
-  receiving inbox holds the data until then, while its transport keeps draining.
+* **Inter-site** (:mod:`geopipe.transport.direct`): the tensor is encoded by the link's
+  codec, sealed with a checksum and written to a direct TCP connection to the neighbour.
+  With link emulation the sender stamps a delivery time from the link's token bucket and
+  the receiving inbox holds the data until then, while its transport keeps draining.
 
 A payload whose checksum fails is filed as a failure: the receiver raises
 :class:`CorruptPayloadError` instead of training on it.
@@ -19,10 +19,9 @@ A payload whose checksum fails is filed as a failure: the receiver raises
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,14 +32,11 @@ from geopipe.transport.codec import (
     CorruptPayloadError,
     Sealed,
     decode,
-    make_codec,
     open_sealed,
-    seal,
 )
-from geopipe.transport.link import DelayedMailbox, LinkEmulator, LinkParams
-from geopipe.transport.wire import wire_bytes
+from geopipe.transport.link import DelayedMailbox, MailboxClosedError
 
-__all__ = ["Inbox", "P2PReceiver", "P2PSender", "WanSender"]
+__all__ = ["Inbox", "P2PReceiver", "P2PSender"]
 
 
 @dataclass(frozen=True)
@@ -57,14 +53,25 @@ class Inbox:
         # the data became usable (encoding plus real transport beyond the emulated delivery;
         # same-host clocks).
         self.transfers: list[tuple[Hashable, float]] = []
+        self._error: BaseException | None = None
+        self.decode_s = 0.0  # seconds spent verifying and decoding arrivals, cumulative
+        # When each message of a watched kind (``key[0]``) was in: read off the wire, and
+        # not before its emulated delivery time. Stamped on the transport's thread, so a
+        # consumer that gets to the message late (a busy host) does not skew the timing.
+        self.watched: str | None = None
+        self.arrived_at: dict[Hashable, float] = {}
 
     def deliver_sealed(self, key: Hashable, sealed: Sealed, deliver_at: float) -> None:
         """Inter-site arrival (runs on the transport's thread): verify, decode, hold."""
+        if self.watched is not None and isinstance(key, tuple) and key[0] == self.watched:
+            self.arrived_at[key] = max(time.monotonic(), deliver_at)
+        t0 = time.perf_counter()
         try:
             enc = open_sealed(sealed)
             payload: Any = decode(enc)
         except CorruptPayloadError as exc:
             payload = _Failure(exc)
+        self.decode_s += time.perf_counter() - t0
         if deliver_at > 0:
             self.transfers.append((key, max(0.0, time.monotonic() - deliver_at)))
         self._box.put(key, payload, deliver_at)
@@ -76,94 +83,25 @@ class Inbox:
         self._box.put(key, _Failure(error), 0.0)
 
     def get(self, key: Hashable, timeout: float | None = None) -> torch.Tensor:
-        item = self._box.get(key, timeout=timeout)
+        try:
+            item = self._box.get(key, timeout=timeout)
+        except MailboxClosedError:
+            if self._error is not None:
+                raise self._error from None
+            raise
         if isinstance(item, _Failure):
             raise item.error
         return item
 
-    def close(self) -> None:
+    def fail(self, error: BaseException) -> None:
+        """Make every waiting and later ``get`` raise ``error``: the transport broke in a way
+        no single key can be blamed for (e.g. a corrupt frame header), so nothing held or
+        still to come can be trusted."""
+        self._error = error
         self._box.close()
 
-
-class WanSender:
-    """Encode, seal, stamp and post tensors to a stage in another site.
-
-    ``send`` only enqueues: a background thread encodes and posts, so neither the codec nor
-    the transport's submission cost sits on the compute thread. With emulation the link's
-    token bucket is stamped with the time ``send`` was called: encoding overlaps the
-    emulated transmission, as it streams on a real NIC; if encoding (or the real transport)
-    takes longer, the data is simply usable later than the stamp.
-    """
-
-    def __init__(
-        self,
-        post: Callable[[Hashable, Sealed, float], Any],
-        codec: str,
-        direction: str,
-        link: LinkParams | None,
-        topk_ratio: float = 0.01,
-    ) -> None:
-        self._post = post
-        self._codec_name = codec
-        self._codec = make_codec(codec, topk_ratio=topk_ratio)
-        self._topk_ratio = topk_ratio
-        self._direction = direction
-        self._emulator = LinkEmulator(link) if link is not None else None
-        self.pending: list[Any] = []
-        self._queue: queue.Queue = queue.Queue()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="wan-send", daemon=True)
-        self._thread.start()
-
-    def send(self, key: Hashable, tensor: torch.Tensor, stream: str) -> int:
-        """Queue one message; returns its bytes on the wire. ``stream`` names the top-k
-        error-feedback slot."""
-        if self._error is not None:
-            raise self._error
-        t = tensor.detach()
-        nbytes = wire_bytes(
-            self._codec_name, t.numel(), t.shape[-1] if t.dim() else 1, t.element_size(),
-            self._direction,
-            self._topk_ratio,
-        )  # fmt: skip
-        self._queue.put((key, t, stream, time.monotonic()))
-        return nbytes
-
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            try:
-                if item is None:
-                    return
-                key, t, stream, sent_at = item
-                enc = self._codec.encode(t, key=stream, direction=self._direction)
-                sealed = seal(enc)
-                deliver_at = (
-                    self._emulator.stamp(enc.payload_nbytes, sent_at) if self._emulator else 0.0
-                )
-                self.pending.append(self._post(key, sealed, deliver_at))
-            except BaseException as exc:  # surfaced to the compute thread on flush/send
-                self._error = exc
-            finally:
-                self._queue.task_done()
-
-    def flush(self) -> list[Any]:
-        """Wait until every queued message was posted; returns the transport's handles."""
-        self._queue.join()
-        if self._error is not None:
-            raise self._error
-        refs, self.pending = self.pending, []
-        return refs
-
     def close(self) -> None:
-        self._queue.put(None)
-
-    def codec_state(self) -> dict:
-        return self._codec.state_dict() if hasattr(self._codec, "state_dict") else {}
-
-    def load_codec_state(self, state: dict) -> None:
-        if state and hasattr(self._codec, "load_state_dict"):
-            self._codec.load_state_dict(state)
+        self._box.close()
 
 
 class P2PSender:

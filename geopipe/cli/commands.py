@@ -1,0 +1,206 @@
+"""The ``geopipe`` subcommands: load the YAML, call the planner or the runtime, print.
+
+Heavy imports (the runtime, rich, matplotlib) happen inside the command that needs them, so
+``geopipe plan`` starts without Ray, DeepSpeed or torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from geopipe.cli.render import (
+    fmt_time,
+    format_checkpoints,
+    format_simulation,
+    format_status,
+    format_templates,
+    print_plan,
+)
+from geopipe.config import load_cluster
+
+__all__ = ["EXIT_USAGE", "cmd_checkpoints", "cmd_launch", "cmd_plan", "cmd_simulate", "cmd_status"]
+
+EXIT_USAGE = 2
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from geopipe.optimizer.planner import plan_cluster
+
+    spec = load_cluster(args.cluster)
+    record = bool(args.trace or args.plot)
+    report = plan_cluster(spec, exhaustive=args.exhaustive, record=record)
+    if args.trace:
+        from geopipe.timeline import write_chrome_trace
+
+        write_chrome_trace(args.trace, report.best.sim.events, process=f"{spec.name} (simulated)")
+    if args.plot:
+        from geopipe.timeline import plot_timelines
+
+        panels = [("1F1B", report.baselines["1f1b"].sim.events)]
+        panels.append((f"{report.best.plan.schedule} (planned)", report.best.sim.events))
+        plot_timelines(args.plot, panels, title=f"{spec.name}: simulated iteration")
+    templates = None
+    if args.templates:
+        from geopipe.optimizer.templates import build_templates
+
+        templates = build_templates(spec, plan=report.best.plan)
+    if args.json:
+        doc = report.to_json()
+        if templates is not None:
+            doc["templates"] = format_templates(templates)
+        print(json.dumps(doc, indent=None))
+    else:
+        from rich.console import Console
+
+        print_plan(spec, report, Console())
+        if templates is not None:
+            print("\npipeline templates (one pipeline's layout for each device count per site):")
+            print(format_templates(templates))
+    return 0
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from geopipe.optimizer.planner import evaluate_fixed
+
+    spec = load_cluster(args.cluster)
+    dn = [int(x) for x in str(args.delta_n).split(",")]
+    try:
+        e = evaluate_fixed(
+            spec,
+            args.schedule,
+            args.micro_batch_size,
+            args.seq_len,
+            dn[0] if len(dn) == 1 else dn,
+            pipelines=args.pipelines,
+            codec=args.codec,
+            record=bool(args.trace),
+        )
+    except ValueError as exc:
+        print(f"geopipe simulate: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.trace:
+        from geopipe.timeline import write_chrome_trace
+
+        write_chrome_trace(args.trace, e.sim.events, process=f"{spec.name} (simulated)")
+    if args.json:
+        print(json.dumps(e.summary()))
+    else:
+        print(format_simulation(spec.name, e.summary()))
+    return 0
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from geopipe.runtime.cluster import LaunchError
+    from geopipe.runtime.controller import Controller, LaunchOptions
+
+    spec = load_cluster(args.cluster)
+    console = Console(stderr=False)
+    opts = LaunchOptions(
+        steps=args.steps,
+        schedule=args.schedule,
+        run_dir=args.run_dir,
+        metrics_out=args.metrics_out,
+        trace=args.trace,
+        progress=not args.no_progress,
+        resume=args.resume,
+        chaos_kill_every=args.chaos_kill_every,
+    )
+    ctl = Controller(spec, opts)
+    interrupted = False
+    try:
+        console.print(f"[bold]geopipe[/] {spec.name}: planning …")
+        ctl.launch()
+        plan, pred = ctl.plan, ctl.predicted
+        console.print(
+            f"plan: {plan.pipelines} pipeline(s) × {plan.num_stages} stages over "
+            f"{' → '.join(dict.fromkeys(plan.stage_sites))}; micro-batch "
+            f"{plan.micro_batch_size} × {plan.num_microbatches}, seq len {plan.seq_len}, "
+            f"{plan.schedule} ΔN={[plan.delta_n[j] for j in plan.wan_boundaries]} "
+            f"codecs={[plan.codecs[j] for j in plan.wan_boundaries]}; predicted "
+            f"{fmt_time(pred.iteration_time_s)}/step"
+        )
+        if ctl.cluster and ctl.cluster.dashboard_url:
+            console.print(f"Ray dashboard: {ctl.cluster.dashboard_url}")
+        console.print(f"run dir: {ctl.run_dir}  (metrics: {ctl.metrics_path})")
+        result = ctl.train()
+    except LaunchError as exc:
+        print(f"geopipe launch: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        interrupted = True
+        print("\ngeopipe launch: interrupted; stopping the stage actors", file=sys.stderr)
+        return 130
+    finally:
+        ctl.close(interrupted=interrupted)
+    steps = result.steps
+    if steps:
+        tail = steps[len(steps) // 2 :]
+        mean_t = sum(m.iteration_time_s for m in tail) / len(tail)
+        console.print(
+            f"done: {len(steps)} steps, loss {steps[0].loss:.4f} → {steps[-1].loss:.4f}; "
+            f"{mean_t * 1e3:.0f} ms/step measured vs {ctl.predicted_s * 1e3:.0f} ms "
+            f"predicted from the measured stage times (planner's nominal estimate "
+            f"{pred.iteration_time_s * 1e3:.0f} ms); bubble "
+            f"{sum(m.bubble_ratio for m in tail) / len(tail):.1%}"
+        )
+    return 0
+
+
+def cmd_checkpoints(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from geopipe.checkpoint.store import list_checkpoints
+
+    root = Path(args.run_dir)
+    if (root / "checkpoints").is_dir():
+        root = root / "checkpoints"
+    if not root.is_dir():
+        print(f"geopipe checkpoints: no such directory {root}", file=sys.stderr)
+        return EXIT_USAGE
+    infos = list_checkpoints(root, verify=not args.fast)
+    if args.json:
+        print(json.dumps([
+            {"path": str(i.path), "step": i.step, "status": i.status, "reason": i.reason,
+             "time": i.time, "size_bytes": i.size_bytes} for i in infos
+        ]))  # fmt: skip
+        return 0
+    if not infos:
+        print(f"no checkpoints under {root}")
+        return 0
+    print(format_checkpoints(infos))
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    paths = [Path(args.run_dir) / "status.json"] if args.run_dir else []
+    if not paths:
+        paths = sorted(Path("runs").glob("*/status.json"), key=lambda p: p.stat().st_mtime)
+        paths = paths[-1:]
+    if not paths or not paths[0].exists():
+        where = args.run_dir or "runs/*"
+        print(f"geopipe status: no run found under {where}", file=sys.stderr)
+        return 1
+    data = json.loads(paths[0].read_text())
+    alive = data.get("pid") is not None and _pid_alive(data["pid"])
+    state = data.get("state", "?") if not alive else "running"
+    if args.json:
+        print(json.dumps({**data, "state": state}))
+        return 0
+    print(format_status(data, state))
+    return 0
+
+
+def _pid_alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return True

@@ -1,0 +1,211 @@
+"""What the ``geopipe`` commands print: tables and lines of text (no logic of their own)."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from geopipe.config import ClusterSpec
+    from geopipe.optimizer.templates import Template, TemplateSet
+
+__all__ = [
+    "GiB",
+    "fmt_time",
+    "format_checkpoints",
+    "format_simulation",
+    "format_status",
+    "format_templates",
+    "print_plan",
+]
+
+GiB = float(1 << 30)
+
+
+def fmt_time(s: float) -> str:
+    return f"{s * 1e3:.1f} ms" if s < 10 else f"{s:.2f} s"
+
+
+def print_plan(spec: ClusterSpec, report: Any, console: Any) -> None:
+    """The plan report as rich tables: placement, WAN boundaries, schedules compared."""
+    from rich.table import Table
+
+    best = report.best
+    plan = best.plan
+    sim_costs = None
+    if plan is not None:
+        from geopipe.optimizer.evaluate import Evaluator
+
+        sim_costs = Evaluator(spec).costs(plan)
+    console.print(
+        f"[bold]{spec.name}[/]: {plan.pipelines} pipeline(s) × {plan.num_stages} stages over "
+        f"{' → '.join(dict.fromkeys(plan.stage_sites))}"
+    )
+    t = Table(title="placement (each stage's replicas form one ZeRO-1 group in its site)")
+    for col in ("stage", "site", "layers", "replicas", "fwd", "bwd", "peak memory", "device"):
+        t.add_column(col, justify="right" if col not in ("site", "layers") else "left")
+    for k, (a, z) in enumerate(plan.partition):
+        mem = best.memory[k].total / GiB
+        lim = best.memory_limit_bytes[k] / GiB
+        t.add_row(
+            str(k),
+            plan.stage_sites[k],
+            f"[{a}, {z})",
+            str(plan.pipelines),
+            fmt_time(sim_costs.fwd_s[k]),
+            fmt_time(sim_costs.bwd_s[k]),
+            f"{mem:.2f} GiB ({mem / lim:.0%})",
+            f"{lim:.0f} GiB",
+        )
+    console.print(t)
+    wan = plan.wan_boundaries
+    dn = ", ".join(
+        f"{plan.stage_sites[j]}→{plan.stage_sites[j + 1]}: ΔN={plan.delta_n[j]} {plan.codecs[j]}"
+        for j in wan
+    )
+    console.print(
+        f"micro-batch {plan.micro_batch_size} × {plan.num_microbatches} per pipeline, "
+        f"seq len {plan.seq_len}, schedule {plan.schedule}; WAN boundaries: {dn or 'none'}"
+    )
+    c = Table(title="predicted iteration (same micro-batch, seq len, codec)")
+    for col in ("schedule", "iteration", "tokens/s", "bubble", "max peak mem", "speed-up"):
+        c.add_column(col, justify="right")
+    rows = [("look-ahead" if plan.schedule == "lookahead" else plan.schedule, best)]
+    rows += list(report.baselines.items())
+    for name, e in rows:
+        c.add_row(
+            name,
+            fmt_time(e.iteration_time_s),
+            f"{e.tokens_per_s:,.0f}",
+            f"{e.bubble_ratio:.1%}",
+            f"{max(e.peak_memory_bytes) / GiB:.2f} GiB",
+            f"{e.iteration_time_s / best.iteration_time_s:.2f}×",
+        )
+    console.print(c)
+    if not best.feasible:
+        console.print(f"[red]no feasible plan found[/]: {best.reason}")
+    s = report.search
+    line = (
+        f"search: {s.method}, {s.evaluations} evaluations of {s.space_size:,} candidates "
+        f"in {s.seconds:.2f} s"
+    )
+    if report.exhaustive is not None:
+        ex = report.exhaustive
+        gap = best.fitness / ex.best.fitness - 1
+        line += f"; exhaustive: {ex.evaluations} evaluations in {ex.seconds:.2f} s, gap {gap:.3%}"
+    console.print(line)
+
+
+def format_simulation(name: str, s: dict) -> str:
+    """One evaluated configuration (``geopipe simulate``), from its JSON summary."""
+    return (
+        f"{name}: {s['schedule']} D={s['pipelines']} b={s['micro_batch_size']} "
+        f"s={s['seq_len']} ΔN={s['delta_n']} codecs={s['codecs']}\n"
+        f"  iteration {fmt_time(s['iteration_time_s'])}, {s['tokens_per_s']:,.0f} tokens/s, "
+        f"bubble {s['bubble_ratio']:.1%}, peak memory "
+        f"{max(s['peak_memory_bytes']) / GiB:.2f} GiB, feasible: {s['feasible']} "
+        f"({s['reason']})"
+    )
+
+
+def format_checkpoints(infos: list) -> str:
+    """The checkpoint table of ``geopipe checkpoints`` (``infos`` non-empty)."""
+    lines = [f"{'step':>8}  {'time':19}  {'size':>10}  status"]
+    for i in infos:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(i.time))
+        reason = f" ({i.reason})" if i.reason else ""
+        lines.append(f"{i.step:>8}  {when}  {i.size_bytes / 1e6:>8.2f}MB  {i.status}{reason}")
+    return "\n".join(lines)
+
+
+def format_status(data: dict, state: str) -> str:
+    """A run's status file as ``geopipe status`` prints it."""
+    lines = [f"run {data['run']}: {state}, step {data['step']}/{data['steps']}"]
+    if data.get("dashboard_url"):
+        lines.append(f"Ray dashboard: {data['dashboard_url']}")
+    rec = data.get("recoveries") or []
+    if rec:
+        last = rec[-1]
+        lines.append(
+            f"recovered in place {len(rec)} time(s); last: step {last['failed_step']} failed, "
+            f"continued at step {last['step']} after {last['seconds']:.1f} s"
+        )
+    for st in data["stages"]:
+        lines.append(
+            f"  stage {st['stage']:>2}  site {st['site']:<12} layers {st['layers']}  "
+            f"{', '.join(st['actors'])}"
+        )
+    return "\n".join(lines)
+
+
+def _fmt_s(t: float) -> str:
+    if not math.isfinite(t):
+        return "-"
+    return f"{t * 1e3:.1f} ms" if t < 1 else f"{t:.2f} s"
+
+
+def _fmt_partition(t: Template, width: int = 48) -> str:
+    """Layers per stage, grouped by site: ``2+2|1+3`` (elided when long)."""
+    parts: list[str] = []
+    cur, run = None, []
+    for (a, z), s in zip(t.partition, t.stage_sites, strict=True):
+        if s != cur and run:
+            parts.append("+".join(run))
+            run = []
+        cur = s
+        run.append(str(z - a))
+    parts.append("+".join(run))
+    text = "|".join(parts)
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def format_templates(ts: TemplateSet) -> str:
+    """A table of the feasible templates for ``geopipe plan --templates``."""
+    head = (
+        f"templates: micro-batch {ts.micro_batch_size}, seq len {ts.seq_len}, "
+        f"{ts.schedule}; time = one pipeline alone running all {ts.num_microbatches} "
+        f"micro-batches"
+    )
+    lines = [head, "sites (pipeline order): " + " > ".join(ts.sites)]
+    ok = ts.feasible()
+    n_bad = sum(1 for t in ts.templates.values() if not t.feasible)
+    enum = "every vector" if ts.exhaustive else "bounded set (see geopipe.optimizer.templates)"
+    lines.append(f"{len(ts.templates)} vectors evaluated ({enum}); {len(ok)} fit in memory")
+    if not ok:
+        lines.append("no template fits: the model needs more devices than these sites have")
+        return "\n".join(lines)
+    smallest = ts.smallest() or ok[0]
+    lines.append(
+        f"smallest: {smallest.num_devices} device{'s' * (smallest.num_devices != 1)} "
+        f"({_fmt_counts(smallest)})"
+    )
+    rows = [("devices/stages per site", "p", "layers per stage", "ΔN (WAN)", "time", "peak mem")]
+    for t in ok:
+        wan = [
+            t.delta_n[j]
+            for j in range(t.num_stages - 1)
+            if t.stage_sites[j] != t.stage_sites[j + 1]
+        ]
+        peak = max(t.peak_memory_bytes, default=0.0) / (1 << 30)
+        rows.append(
+            (
+                _fmt_counts(t),
+                str(t.num_stages),
+                _fmt_partition(t),
+                ",".join(map(str, wan)) or "-",
+                _fmt_s(t.iteration_time_s),
+                f"{peak:.2f} GiB",
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    if n_bad:
+        lines.append(f"({n_bad} vector{'s' * (n_bad != 1)} do not fit in memory)")
+    return "\n".join(lines)
+
+
+def _fmt_counts(t: Template) -> str:
+    order = list(dict.fromkeys(t.stage_sites))
+    return " ".join(f"{s}={t.devices[s]}" for s in order)

@@ -1,0 +1,56 @@
+"""Cluster YAML -> typed, validated specs.
+
+The YAML is validated once, at load (:mod:`.load`), and everything downstream takes these
+frozen models (:mod:`.specs`) or plain values pulled out of them. Every error names the
+file, the field path (``links[0].latency_ms``) and what is wrong; unknown keys are errors
+with a did-you-mean. pydantic does the type checking and gives us field paths; the
+cross-checks (links name real sites, the model fits, the batch divides) live in
+:mod:`.checks`.
+"""
+
+from geopipe.config.checks import choice_values
+from geopipe.config.load import load_cluster, parse_cluster
+from geopipe.config.specs import (
+    MAX_DELTA_N,
+    MAX_GA_POPULATION,
+    MAX_GLOBAL_BATCH,
+    MAX_LAYERS,
+    MAX_SITE_DEVICES,
+    RECOVERY_SNAPSHOTS_KEPT,
+    CheckpointSpec,
+    Choice,
+    ClusterSpec,
+    ConfigError,
+    GASpec,
+    LinkSpec,
+    ModelSpec,
+    PlanSpec,
+    Range,
+    RaySpec,
+    SiteSpec,
+    TrainingSpec,
+)
+
+__all__ = [
+    "MAX_DELTA_N",
+    "MAX_GA_POPULATION",
+    "MAX_GLOBAL_BATCH",
+    "MAX_LAYERS",
+    "MAX_SITE_DEVICES",
+    "RECOVERY_SNAPSHOTS_KEPT",
+    "CheckpointSpec",
+    "Choice",
+    "ClusterSpec",
+    "ConfigError",
+    "GASpec",
+    "LinkSpec",
+    "ModelSpec",
+    "PlanSpec",
+    "Range",
+    "RaySpec",
+    "SiteSpec",
+    "TrainingSpec",
+    "choice_values",
+    "load_cluster",
+    "parse_cluster",
+]

@@ -1,0 +1,223 @@
+"""Checkpoint coordination: save, poll, stand-in writers, and the resume lookup.
+
+A save snapshots every stage (training stalls only for that) and writes the shards in the
+background; the manifest is committed once every shard is on disk. One save at a time: a
+new one first completes the last. Whatever fails mid-save, the previous complete
+checkpoint stays the newest one.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from geopipe.checkpoint.store import (
+    CheckpointError,
+    CheckpointInfo,
+    check_compatible,
+    latest_complete,
+    load_checkpoint,
+    prune,
+)
+from geopipe.checkpoint.writer import CheckpointWriter
+from geopipe.config import ClusterSpec
+from geopipe.runtime.cluster import LaunchError
+from geopipe.runtime.health import quiet_get, ref_failed
+from geopipe.runtime.reporting import Reporter
+
+__all__ = ["CheckpointCoordinator", "ResumePoint", "model_shape"]
+
+
+def model_shape(spec: ClusterSpec) -> dict:
+    m = spec.model
+    return {
+        "n_layer": m.n_layer, "n_embd": m.n_embd, "n_head": m.n_head,
+        "vocab_size": m.vocab_size, "max_seq_len": m.max_seq_len,
+    }  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """The checkpoint a run resumes from."""
+
+    path: str
+    step: int
+    data_digest: str | None  # sha256 of the corpus it was trained on
+
+
+@dataclass
+class _Pending:
+    writer: CheckpointWriter
+    refs: list  # one per actor: its ShardInfo (replica 0) or None
+    started: float
+    stall_s: float
+
+
+class CheckpointCoordinator:
+    """Saves of one run; ``actors()`` gives the current layout's rows, ``manifest(step)`` the
+    run's manifest fields."""
+
+    def __init__(
+        self,
+        spec: ClusterSpec,
+        run_dir: Path,
+        reporter: Reporter,
+        actors: Callable[[], list[list[Any]]],
+        manifest: Callable[[int], dict],
+        synchronous: bool = False,
+    ) -> None:
+        self.spec = spec
+        self.root = Path(spec.training.checkpoint.dir or run_dir / "checkpoints")
+        self.reporter = reporter
+        self._actors = actors
+        self._manifest = manifest
+        self.synchronous = synchronous
+        self._pending: _Pending | None = None
+        self.skipped: list[tuple[str, str]] = []  # (checkpoint, why) skipped on resume
+
+    def _flat(self) -> list[Any]:
+        return [a for row in self._actors() for a in row]
+
+    # -- save ----------------------------------------------------------------------------------
+    def save(self, step: int) -> None:
+        """Start the save of step boundary ``step`` (finishing the previous save first)."""
+        import ray
+
+        self.poll(wait=True)
+        t0 = time.perf_counter()
+        writer = CheckpointWriter(self.root, step)
+        flat = self._flat()
+        try:
+            stalls = ray.get([a.save_shard.remote(str(writer.tmp_dir), step) for a in flat])
+        except BaseException:
+            writer.abort()
+            raise
+        # Every replica's background thread takes part in the gather; replica 0's writes.
+        refs = [a.shard_written.remote() for a in flat]
+        self._pending = _Pending(writer, refs, t0, max(stalls))
+        if self.synchronous:
+            self.poll(wait=True)
+
+    def poll(self, wait: bool = False) -> None:
+        """Commit the save in flight if its shards are written (``wait``: until they are)."""
+        import ray
+
+        pending = self._pending
+        if pending is None:
+            return
+        if not wait:
+            ready, _ = ray.wait(pending.refs, num_returns=len(pending.refs), timeout=0)
+            if len(ready) < len(pending.refs):
+                return
+        self._pending = None
+        writer = pending.writer
+        try:
+            path = self._commit(pending)
+        except BaseException:
+            writer.abort()  # the previous checkpoint stays the newest complete one
+            raise
+        for a in self._flat():  # the stand-in copies are no longer needed
+            a.release_shard.remote(writer.step)
+        deleted = prune(self.root, self.spec.training.checkpoint.keep)
+        self.reporter.event(
+            "checkpoint",
+            step=writer.step,
+            path=str(path),
+            stall_s=pending.stall_s,
+            seconds=time.perf_counter() - pending.started,
+            bytes=sum(f.stat().st_size for f in path.iterdir()),
+            pruned=[p.name for p in deleted],
+        )
+
+    def _commit(self, pending: _Pending) -> Path:
+        import ray
+
+        writer = pending.writer
+        # A replica that failed after its stage's shard was written (by replica 0) does not
+        # spoil the checkpoint: commit() checks that every stage's shard is there.
+        errors = []
+        for ref in pending.refs:
+            try:
+                info = ray.get(ref)
+            except Exception as exc:
+                errors.append(exc)
+                continue
+            if info is not None and info.stage not in writer.stages_written:
+                writer.add_shard(info)
+        if errors:  # a replica died while saving: survivors write the shards it owed
+            self._stand_in_writers(writer, pending.refs)
+        try:
+            return writer.commit(self._manifest(writer.step), num_stages=len(self._actors()))
+        except CheckpointError:
+            if errors:  # a stage's writer failed: say why, not just "shard missing"
+                raise errors[0] from None
+            raise
+
+    def _stand_in_writers(self, writer: CheckpointWriter, refs: list) -> None:
+        """Shards whose writer (replica 0) died mid-save are written by a surviving replica
+        of the same stage: every replica gathered the same full state for the save."""
+        refs_of = dict(zip(map(id, self._flat()), refs, strict=True))
+        for k, row in enumerate(self._actors()):
+            if k in writer.stages_written:
+                continue
+            for a in row[1:]:
+                if ref_failed(refs_of[id(a)]):
+                    continue
+                info = quiet_get([a.write_shard_instead.remote(writer.step)], 60)[0]
+                if info is not None:
+                    writer.add_shard(info)
+                    self.reporter.event("checkpoint_stand_in", step=writer.step, stage=k)
+                    break
+
+    def settle(self) -> None:
+        """After a failure (the frozen already killed): commit the save in flight if every
+        shard made it, else drop it (the previous complete checkpoint stays the newest)."""
+        import ray
+
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        ready, _ = ray.wait(pending.refs, num_returns=len(pending.refs), timeout=10)
+        if len(ready) == len(pending.refs):  # poll() stands in for writers that died
+            self._pending = pending
+            try:
+                self.poll(wait=True)
+                return
+            except Exception:  # a shard failed with its writer: poll() aborted it
+                pass
+        else:
+            pending.writer.abort()
+        self.reporter.event("checkpoint_abandoned", step=pending.writer.step)
+
+    # -- lookup --------------------------------------------------------------------------------
+    def latest(self) -> CheckpointInfo | None:
+        return latest_complete(self.root) if self.root.is_dir() else None
+
+    def find_resume(self, resume: str | bool) -> ResumePoint | None:
+        """The checkpoint ``--resume`` names (True: the newest complete one of the run)."""
+        if not resume:
+            return None
+        if resume is True:
+            if not self.root.is_dir():
+                raise LaunchError(f"--resume: no checkpoint directory {self.root}")
+
+            def skipped(path: Path, reason: str) -> None:
+                print(f"geopipe: skipping checkpoint {path.name}: {reason}", file=sys.stderr)
+                self.skipped.append((path.name, reason))
+
+            info = latest_complete(self.root, on_skip=skipped)
+            if info is None:
+                raise LaunchError(f"--resume: no complete checkpoint under {self.root}")
+            path = info.path
+        else:
+            path = Path(resume)
+        try:
+            ckpt = load_checkpoint(path)
+            check_compatible(ckpt.manifest, model_shape(self.spec))
+        except CheckpointError as exc:
+            raise LaunchError(f"--resume: {exc}") from None
+        return ResumePoint(str(path), ckpt.step, ckpt.manifest.get("data", {}).get("digest"))

@@ -1,0 +1,150 @@
+"""Execute one stage's action list for one optimizer step: the runtime's interpreter of the IR.
+
+The list is exactly what the planner simulated (:mod:`geopipe.pipeline.schedule`):
+
+* ``F m``: forward micro-batch ``m`` (the first stage reads its tokens from the
+  deterministic stream; the others take the activation that arrived);
+* ``B m``: the last stage back-propagates its loss; the others the gradient received from
+  downstream (surrogate backward, see :mod:`geopipe.runtime.engine`);
+* ``SEND_*``: hand the tensor to the link and go on (transfer overlaps compute);
+* ``RECV_*``: wait for the message, which the transport has been receiving meanwhile.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from geopipe.pipeline.schedule import Kind
+from geopipe.runtime.links import StageLinks
+
+__all__ = ["BREAKDOWN", "Fault", "IterationResult", "execute"]
+
+_F, _B, _SF, _RF, _SB, _RB = (int(k) for k in Kind)
+
+
+@dataclass
+class IterationResult:
+    """What one stage replica reports for one step (shipped to the controller over Ray)."""
+
+    stage: int
+    replica: int
+    step: int
+    losses: list[float]  # per micro-batch, last stage only
+    busy_s: float  # forward + backward (the last backward includes the optimizer step)
+    wait_s: float  # blocked in receives
+    duration_s: float
+    start: float  # time.monotonic() at the start, for aligning measured timelines
+    wan_bytes: int
+    micro_batches: int
+    optimizer_steps: int
+    # (kind, micro-batch, start, end) relative to ``start``; recorded on request only
+    events: list[tuple[str, int, float, float]] = field(default_factory=list)
+    # how much later than the (emulated) link each inbound WAN message became usable
+    transport_excess_s: dict[str, list[float]] = field(default_factory=dict)
+    # where the step's time went on this replica (seconds; see :data:`BREAKDOWN`)
+    breakdown: dict[str, float] = field(default_factory=dict)
+
+
+# The step-time breakdown. On the compute thread, adding up to ``duration_s``: forward,
+# backward (without the optimizer step), optimizer (DeepSpeed's step: ZeRO-1 reduction and
+# Adam), send (handing tensors to the links), recv_wait (blocked on arrivals), drain
+# (waiting at the end for the last sends), snapshot (copying the boundary snapshot), other
+# (the rest: the interpreter, bookkeeping). On the transport's threads, overlapping the
+# above: encode (codec + checksum of sends), decode (checksum + codec of arrivals).
+BREAKDOWN = ("forward", "backward", "optimizer", "send", "recv_wait", "drain", "snapshot",
+             "other", "encode", "decode")  # fmt: skip
+_SLOT = {_F: "forward", _B: "backward", _SF: "send", _SB: "send", _RF: "recv_wait",
+         _RB: "recv_wait"}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Fault:
+    """Injected by tests: at ``step``, stall ``delay_s`` before the last send, then exit."""
+
+    step: int
+    delay_s: float
+
+
+def execute(
+    program: list[tuple[int, int]],
+    step: int,
+    engine: Any,
+    links: StageLinks,
+    batch: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]],
+    *,
+    stage: int,
+    replica: int,
+    first: bool,
+    last: bool,
+    record: bool,
+    recv_timeout_s: float,
+    shape: tuple[int, int, int],
+    fault: Fault | None = None,
+) -> IterationResult:
+    """Run ``program`` (``(kind, micro-batch)`` pairs) for optimizer step ``step``;
+    ``shape`` is that of an activation (micro-batch, sequence, embedding)."""
+    t_start = time.monotonic()
+    links.expect(
+        [("F", step, mb) for c, mb in program if c == _RF],
+        [("B", step, mb) for c, mb in program if c == _RB],
+        shape,
+    )
+    res = IterationResult(
+        stage=stage, replica=replica, step=step, losses=[], busy_s=0.0, wait_s=0.0,
+        duration_s=0.0, start=t_start, wan_bytes=0,
+        micro_batches=sum(1 for c, _ in program if c == _F), optimizer_steps=0,
+    )  # fmt: skip
+    inputs: dict[int, torch.Tensor] = {}
+    grads: dict[int, torch.Tensor] = {}
+    outs: dict[int, torch.Tensor] = {}
+    sends = [i for i, (c, _) in enumerate(program) if c in (_SF, _SB)]
+    spent = dict.fromkeys(BREAKDOWN, 0.0)
+    opt0, enc0, dec0 = engine.optimizer_s, links.encode_s(), links.inbox.decode_s
+    for i, (c, mb) in enumerate(program):
+        if fault is not None and fault.step == step and sends and i == sends[-1]:
+            time.sleep(fault.delay_s)
+            os._exit(1)  # the injected failure: a process dying mid-iteration
+        t0 = time.monotonic()
+        if c == _RF:
+            inputs[mb] = links.inbox.get(("F", step, mb), timeout=recv_timeout_s)
+        elif c == _RB:
+            grads[mb] = links.inbox.get(("B", step, mb), timeout=recv_timeout_s)
+        elif c == _F:
+            x = batch(step, mb)[0] if first else inputs.pop(mb)
+            outs[mb] = engine.forward(mb, x)
+        elif c == _B:
+            if last:
+                res.losses.append(engine.backward_last(mb, batch(step, mb)[1]))
+            else:
+                engine.backward(mb, grads.pop(mb))
+        elif c == _SF:
+            res.wan_bytes += links.send_forward(("F", step, mb), outs.pop(mb))
+        else:  # _SB
+            res.wan_bytes += links.send_backward(("B", step, mb), engine.input_grad(mb))
+        t1 = time.monotonic()
+        spent[_SLOT[c]] += t1 - t0
+        if c in (_F, _B):
+            res.busy_s += t1 - t0
+        elif c in (_RF, _RB):
+            res.wait_s += t1 - t0
+        if record:
+            res.events.append((Kind(c).name, mb, t0 - t_start, t1 - t_start))
+        if c == _B and first:
+            engine.input_grad(mb)  # frees the stored input of micro-batch mb
+    outs.clear()
+    t0 = time.monotonic()
+    links.finish()
+    spent["drain"] = time.monotonic() - t0
+    spent["optimizer"] = engine.optimizer_s - opt0
+    spent["backward"] -= spent["optimizer"]
+    spent["encode"] = links.encode_s() - enc0
+    spent["decode"] = links.inbox.decode_s - dec0
+    res.breakdown = spent
+    res.optimizer_steps = engine.step_count
+    return res

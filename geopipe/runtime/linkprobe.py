@@ -1,0 +1,202 @@
+"""Measure the WAN links at launch, over the data plane itself, instead of trusting the YAML.
+
+For every WAN boundary of the plan, the stage upstream of it (replica 0) pings its
+downstream neighbour a few times over a direct connection (round trip), then streams a
+burst of bulk messages; the neighbour notes when each arrives, on its own clock, so the
+rate comes from one clock and needs no clock sync. The probe connections are separate
+from the training ones (codec ``none``; no codec state is touched) and go to the same
+receivers, so they cross the same network path. Links emulated on one host
+(``ray.emulate_links``) are not probed: the emulator enforces the YAML's figures by
+construction (within 2 %), and on a loaded host a probe would measure the host's
+scheduling rather than a link.
+
+A few seconds at most: the burst is sized from the YAML's bandwidth (half a second's
+worth, 1–32 MiB).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from geopipe.config import ClusterSpec
+from geopipe.transport.direct import DirectSender
+from geopipe.transport.link import LinkParams
+
+__all__ = [
+    "LinkMeasurement",
+    "burst_rate",
+    "echo",
+    "measure_links",
+    "probe",
+    "probe_links",
+    "with_measured_links",
+]
+
+PINGS = 5
+PING_BYTES = 1024
+CHUNK_BYTES = 4 << 20
+WARN_OFF = 0.20  # warn when a measurement is this far from the YAML
+
+
+@dataclass(frozen=True)
+class LinkMeasurement:
+    src: str
+    dst: str
+    rtt_s: float
+    bandwidth_bps: float
+    yaml_latency_s: float
+    yaml_bandwidth_bps: float
+
+    @property
+    def latency_s(self) -> float:
+        return self.rtt_s / 2
+
+    def off(self) -> list[str]:
+        """What differs from the YAML by more than :data:`WARN_OFF`."""
+        out = []
+        lat, yl = self.latency_s, self.yaml_latency_s
+        if abs(lat - yl) > WARN_OFF * max(yl, 1e-3):
+            out.append(f"one-way latency {lat * 1e3:.1f} ms (YAML {yl * 1e3:.1f} ms)")
+        bw, yb = self.bandwidth_bps, self.yaml_bandwidth_bps
+        if abs(bw - yb) > WARN_OFF * yb:
+            out.append(f"bandwidth {bw / 1e6:.0f} Mbit/s (YAML {yb / 1e6:.0f} Mbit/s)")
+        return out
+
+    def to_dict(self) -> dict:
+        return {
+            "from": self.src,
+            "to": self.dst,
+            "rtt_ms": self.rtt_s * 1e3,
+            "latency_ms": self.latency_s * 1e3,
+            "bandwidth_mbps": self.bandwidth_bps / 1e6,
+            "yaml_latency_ms": self.yaml_latency_s * 1e3,
+            "yaml_bandwidth_mbps": self.yaml_bandwidth_bps / 1e6,
+        }
+
+
+def _burst(bandwidth_bps: float) -> list[int]:
+    """Message sizes of the bulk burst: about half a second of the link, 1–32 MiB."""
+    total = int(min(32 << 20, max(1 << 20, bandwidth_bps / 8 * 0.5)))
+    n = max(2, -(-total // CHUNK_BYTES))
+    return [total // n] * n
+
+
+# -- inside the actors -------------------------------------------------------------------------
+def probe(inbox: Any, address: tuple[str, int], link: LinkParams | None, sizes: list[int]) -> float:
+    """Upstream side: ping the neighbour at ``address`` and stream the burst; returns the
+    median round trip (seconds). The neighbour runs :func:`echo` at the same time."""
+    tx = DirectSender(address, "none", "forward", link)
+    try:
+        rtts = []
+        small = torch.zeros(PING_BYTES // 4)
+        for i in range(PINGS):
+            t0 = time.monotonic()
+            tx.send(("probe-ping", i), small, stream="probe")
+            inbox.get(("probe-pong", i), timeout=60)
+            rtts.append(time.monotonic() - t0)
+        for j, n in enumerate(sizes):
+            tx.send(("probe-bulk", j), torch.zeros(n // 4), stream="probe")
+        tx.flush(timeout=120)
+        return statistics.median(rtts)
+    finally:
+        tx.close()
+
+
+def echo(
+    inbox: Any, address: tuple[str, int], link: LinkParams | None, sizes: list[int]
+) -> list[float]:
+    """Downstream side: answer the pings, then time the burst's arrivals on this clock
+    (stamped by the transport as each message is in, see ``Inbox.watched``)."""
+    tx = DirectSender(address, "none", "backward", link)
+    inbox.watched, inbox.arrived_at = "probe-bulk", {}
+    try:
+        small = torch.zeros(PING_BYTES // 4)
+        for i in range(PINGS):
+            inbox.get(("probe-ping", i), timeout=60)
+            tx.send(("probe-pong", i), small, stream="probe")
+        tx.flush(timeout=60)
+        for j in range(len(sizes)):
+            inbox.get(("probe-bulk", j), timeout=120)
+        return [inbox.arrived_at[("probe-bulk", j)] for j in range(len(sizes))]
+    finally:
+        inbox.watched, inbox.arrived_at = None, {}
+        tx.close()
+
+
+def burst_rate(sizes: list[int], arrivals: list[float]) -> float | None:
+    """Bits per second from the burst's arrival times on the receiver's clock: the bytes
+    after the first message over the time they took, so TCP's start-up (slow start over a
+    long round trip) stays mostly behind the first message and no clock sync is needed.
+    None when the arrivals carry no timing (all at once)."""
+    span = arrivals[-1] - arrivals[0]
+    return sum(sizes[1:]) * 8 / span if span > 0 else None
+
+
+# -- in the controller -------------------------------------------------------------------------
+def measure_links(
+    spec: ClusterSpec, rows: list[list[Any]], sites: tuple[str, ...], addresses: dict
+) -> list[LinkMeasurement]:
+    """Probe every WAN boundary of the layout (``rows[stage][replica]``, ``sites[stage]``;
+    ``addresses[(stage, replica)]`` are the replicas' receivers)."""
+    import ray
+
+    out = []
+    for k in range(len(rows) - 1):
+        a, b = sites[k], sites[k + 1]
+        if a == b:
+            continue
+        yaml_link = spec.link(a, b)
+        sizes = _burst(yaml_link.bandwidth_bps)
+        up, down = rows[k][0], rows[k + 1][0]
+        arrivals_ref = down.probe_echo.remote(addresses[(k, 0)], None, sizes)
+        rtt = ray.get(up.probe_link.remote(addresses[(k + 1, 0)], None, sizes))
+        bw = burst_rate(sizes, ray.get(arrivals_ref)) or yaml_link.bandwidth_bps
+        out.append(LinkMeasurement(a, b, rtt, bw, yaml_link.latency_s, yaml_link.bandwidth_bps))
+    return out
+
+
+def with_measured_links(spec: ClusterSpec, measured: list[LinkMeasurement]) -> ClusterSpec:
+    """``spec`` with each measured link direction's latency and bandwidth replaced (both
+    directions when the YAML mirrors one entry: only one direction is streamed)."""
+    if not measured:
+        return spec
+    got = {(m.src, m.dst): m for m in measured}
+    links = []
+    for lk in spec.links:
+        m = got.get((lk.src, lk.dst)) or got.get((lk.dst, lk.src))
+        if m is not None:
+            lk = lk.model_copy(
+                update={"latency_ms": m.latency_s * 1e3, "bandwidth_gbps": m.bandwidth_bps / 1e9}
+            )
+        links.append(lk)
+    return spec.model_copy(update={"links": links})
+
+
+def probe_links(spec: ClusterSpec, plan: Any, placement: Any) -> tuple[ClusterSpec, Any, list]:
+    """Measure the layout's WAN links, warn where the YAML is off, and return the spec with
+    the measured links, the plan's prediction under them, and the measurements."""
+    from geopipe.optimizer.evaluate import Evaluator
+    from geopipe.runtime.planning import candidate_of
+
+    measured = measure_links(spec, placement.rows, plan.stage_sites, placement.wan_addresses)
+    warn_if_off(measured)
+    spec = with_measured_links(spec, measured)
+    predicted = Evaluator(spec, schedule=plan.schedule).evaluate(candidate_of(plan))
+    return spec, predicted, measured
+
+
+def warn_if_off(measured: list[LinkMeasurement]) -> None:
+    for m in measured:
+        off = m.off()
+        if off:
+            print(
+                f"geopipe: link {m.src} -> {m.dst} measures {'; '.join(off)}: more than "
+                f"{WARN_OFF:.0%} off; planning with the measurement",
+                file=sys.stderr,
+            )

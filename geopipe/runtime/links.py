@@ -1,0 +1,149 @@
+"""A stage replica's two neighbours: how activations go down and gradients come back up.
+
+A neighbour in the same site is reached over the site's ``torch.distributed`` world (the
+RDMA-class path: gloo on CPU, NCCL on GPU); a neighbour in another site over a direct,
+coded TCP connection (:mod:`geopipe.transport.direct`) — Ray only carries the receiver's
+address, never the data: an actor-call argument above 100 KiB goes through Ray's object
+store, which over a real 40 ms link cost about seven one-way latencies per transfer.
+:class:`StageLinks` hides which path a neighbour takes, so the executor only says "send
+forward", "send backward" and "wait for this key".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+
+import torch
+
+from geopipe.transport.channel import Inbox, P2PReceiver, P2PSender
+from geopipe.transport.direct import DirectReceiver, DirectSender
+from geopipe.transport.link import LinkParams
+
+__all__ = ["StageLinks", "WanPeer"]
+
+
+@dataclass(frozen=True)
+class WanPeer:
+    """How this replica reaches its neighbour in another site."""
+
+    codec: str
+    link: LinkParams | None  # None: no emulation (the WAN is real)
+
+
+# Tags of the intra-site messages of one iteration: forward of micro-batch mb on 2·mb,
+# its gradient on 2·mb + 1 (the state hand-off uses tags far above these).
+def forward_tag(mb: int) -> int:
+    return 2 * mb
+
+
+def backward_tag(mb: int) -> int:
+    return 2 * mb + 1
+
+
+class StageLinks:
+    """Senders and receivers towards the upstream and downstream neighbour.
+
+    ``up``/``down`` are either intra-site (a p2p sender plus a receiver thread on the
+    site's process group) or inter-site (a :class:`DirectSender` to the neighbour's
+    :class:`DirectReceiver`; arrivals from either WAN neighbour are filed in :attr:`inbox`
+    by this replica's one receiver). Stages at the ends of the pipeline have neither.
+    """
+
+    def __init__(self) -> None:
+        self.inbox = Inbox()
+        self.up_send: P2PSender | DirectSender | None = None
+        self.down_send: P2PSender | DirectSender | None = None
+        self.up_recv: P2PReceiver | None = None
+        self.down_recv: P2PReceiver | None = None
+        self.wan_recv: DirectReceiver | None = None
+
+    def listen(self, host: str) -> tuple[str, int]:
+        """Open this replica's WAN receiver; its address goes to the WAN neighbours."""
+        if self.wan_recv is None:
+            self.wan_recv = DirectReceiver(self.inbox, advertise_host=host)
+        return self.wan_recv.address
+
+    def connect_up_p2p(self, rank: int) -> None:
+        self.up_send = P2PSender(rank)
+        self.up_recv = P2PReceiver(rank, self.inbox)
+
+    def connect_down_p2p(self, rank: int) -> None:
+        self.down_send = P2PSender(rank)
+        self.down_recv = P2PReceiver(rank, self.inbox)
+
+    def connect_up_wan(self, address: tuple[str, int], peer: WanPeer, topk_ratio: float) -> None:
+        self.up_send = DirectSender(address, peer.codec, "backward", peer.link, topk_ratio)
+
+    def connect_down_wan(self, address: tuple[str, int], peer: WanPeer, topk_ratio: float) -> None:
+        self.down_send = DirectSender(address, peer.codec, "forward", peer.link, topk_ratio)
+
+    # -- one iteration -------------------------------------------------------------------------
+    def expect(
+        self, recv_forward: list[Hashable], recv_backward: list[Hashable], shape: tuple
+    ) -> None:
+        """Start the intra-site receiver threads on this iteration's keys, in program order.
+
+        Keys are ``(direction, step, mb)``; WAN arrivals need no such call (the transport
+        files them in the inbox as they come)."""
+        if self.up_recv is not None:
+            self.up_recv.start([(key, forward_tag(key[2]), shape) for key in recv_forward])
+        if self.down_recv is not None:
+            self.down_recv.start([(key, backward_tag(key[2]), shape) for key in recv_backward])
+
+    def send_forward(self, key: tuple, tensor: torch.Tensor) -> int:
+        """Queue the activation of ``key``; returns its bytes on the WAN (0 inside a site)."""
+        return _send(self.down_send, key, tensor, forward_tag(key[2]))
+
+    def send_backward(self, key: tuple, tensor: torch.Tensor) -> int:
+        return _send(self.up_send, key, tensor, backward_tag(key[2]))
+
+    def finish(self) -> None:
+        """Wait until this iteration's sends are out and the receiver threads are done."""
+        for ch in (self.up_send, self.down_send):
+            if isinstance(ch, P2PSender):
+                ch.wait_all()
+            elif isinstance(ch, DirectSender):
+                ch.flush()
+        for r in (self.up_recv, self.down_recv):
+            if r is not None:
+                r.join()
+
+    def encode_s(self) -> float:
+        """Seconds the WAN senders have spent encoding, cumulative."""
+        return sum(ch.encode_s for ch in (self.up_send, self.down_send)
+                   if isinstance(ch, DirectSender))  # fmt: skip
+
+    # -- codec state (top-k error feedback), checkpointed with the stage -----------------------
+    def codec_state(self) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for name, ch in (("up", self.up_send), ("down", self.down_send)):
+            if isinstance(ch, DirectSender):
+                for stream, t in ch.codec_state().items():
+                    out[f"codec/{name}/{stream}"] = t.detach().clone()
+        return out
+
+    def load_codec_state(self, tensors_of: Callable[[str], dict]) -> None:
+        """``tensors_of(prefix)`` returns the checkpoint's tensors under ``prefix``."""
+        for name, ch in (("up", self.up_send), ("down", self.down_send)):
+            if isinstance(ch, DirectSender):
+                ch.load_codec_state(tensors_of(f"codec/{name}/"))
+
+    def close(self) -> None:
+        """Fail waiting receives fast; drop the WAN connections (a new layout makes new)."""
+        self.inbox.close()
+        for ch in (self.up_send, self.down_send):
+            if isinstance(ch, DirectSender):
+                ch.close()
+        if self.wan_recv is not None:
+            self.wan_recv.close()
+            self.wan_recv = None
+
+
+def _send(ch: P2PSender | DirectSender | None, key: tuple, tensor: torch.Tensor, tag: int) -> int:
+    if isinstance(ch, P2PSender):
+        ch.send(tag, tensor)
+        return 0
+    if ch is None:
+        raise RuntimeError(f"no neighbour to send {key} to")
+    return ch.send(key, tensor, stream=f"{key[0]}/mb{key[2]}")

@@ -1,0 +1,202 @@
+"""Actor placement: one Ray actor per stage replica, in its site, wired into its site's world.
+
+Actors are named ``geopipe/<run>/<site>/stage<k>/r<i>`` (a replacement after a failure
+gets a fresh suffix), so the Ray dashboard shows the run's shape. Each site gets its own
+``torch.distributed`` world over the stages it hosts; a stage's replicas form a ZeRO-1
+group inside it, so no process group spans two sites.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from geopipe.config import ClusterSpec
+from geopipe.plan import Plan
+from geopipe.runtime.cluster import LaunchError, site_resource
+from geopipe.runtime.links import WanPeer
+from geopipe.runtime.stage import StageSpec, StageWorker
+from geopipe.transport.link import LinkParams
+
+__all__ = ["Placement"]
+
+
+class Placement:
+    """The run's actors, ``rows[stage][replica]``, and how to make and wire more."""
+
+    def __init__(self, spec: ClusterSpec, lr_horizon: int, use_gpu: bool) -> None:
+        self.spec = spec
+        self.lr_horizon = lr_horizon  # the LR schedule's horizon (see Controller)
+        self.use_gpu = use_gpu
+        self.plan: Plan | None = None
+        self.rows: list[list[Any]] = []
+        self.names: list[str] = []  # every actor ever created, in order
+        self._name_of: dict[int, str] = {}  # id(actor handle) -> its Ray actor name
+        self.site_rank: dict[int, int] = {}  # id(actor handle) -> rank in its site's world
+        self.wan_addresses: dict[tuple[int, int], tuple[str, int]] = {}  # WAN receivers
+
+    # -- the actors ----------------------------------------------------------------------------
+    def flat(self) -> list[Any]:
+        return [a for row in self.rows for a in row]
+
+    def roles(self) -> dict[tuple[int, int], Any]:
+        """``{(stage, replica): actor}`` of the current layout."""
+        return {(k, r): a for k, row in enumerate(self.rows) for r, a in enumerate(row)}
+
+    def name_of(self, actor: Any, stage: int, replica: int) -> str:
+        return self._name_of.get(id(actor), self.plan.actor_name(self.spec.name, stage, replica))
+
+    def current_names(self) -> list[list[str]]:
+        return [
+            [self.name_of(a, k, r) for r, a in enumerate(row)] for k, row in enumerate(self.rows)
+        ]
+
+    def place(self, plan: Plan) -> None:
+        """Create every actor of ``plan`` (each in its stage's site)."""
+        self.plan = plan
+        self.rows = [[self.create(k, r) for r in range(plan.pipelines)]
+                     for k in range(plan.num_stages)]  # fmt: skip
+
+    def create(self, k: int, r: int) -> Any:
+        """A new actor for stage ``k`` replica ``r`` of the current plan."""
+        import ray
+
+        plan, spec = self.plan, self.spec
+        name = plan.actor_name(spec.name, k, r)
+        if name in self.names:  # a replacement after a failure gets a fresh name
+            name = f"{name}-{len(self.names)}"
+        self.names.append(name)
+        cls = ray.remote(max_concurrency=8)(StageWorker)
+        actor = cls.options(
+            name=name,
+            namespace=spec.ray.namespace,
+            resources={site_resource(plan.stage_sites[k]): 1},
+            num_cpus=0,
+            num_gpus=1 if self.use_gpu else 0,
+            runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
+        ).remote(self.stage_spec(k, r))
+        self._name_of[id(actor)] = name
+        return actor
+
+    def kill(self, actor: Any) -> None:
+        import ray
+
+        ray.kill(actor, no_restart=True)
+
+    def kill_all(self) -> None:
+        import contextlib
+
+        import ray
+
+        for a in self.flat():
+            with contextlib.suppress(Exception):
+                ray.kill(a)
+        self.rows = []
+
+    def check_data(self, want: str | None) -> str:
+        """Every actor must read the same bytes (the batches are a function of them), and a
+        resumed run the bytes its checkpoint was trained on (``want``): ``stdlib`` differs
+        between Python versions, so nodes with different Pythons would silently disagree.
+        Returns the corpus digest."""
+        import ray
+
+        data = self.spec.training.data
+        digests = ray.get([a.data_digest.remote() for a in self.flat()])
+        names = [n for row in self.current_names() for n in row]
+        if len(set(digests)) > 1:
+            seen: dict[str, list[str]] = {}
+            for name, d in zip(names, digests, strict=True):
+                seen.setdefault(d[:12], []).append(name)
+            raise LaunchError(
+                f"training.data ({data!r}) reads differently on the nodes: "
+                + "; ".join(f"sha256 {d}… on {', '.join(n)}" for d, n in seen.items())
+                + " (different Python versions, for 'stdlib'?): point training.data at a "
+                "file every node has"
+            )
+        if want is not None and want != digests[0]:
+            raise LaunchError(
+                f"--resume: the checkpoint was trained on data with sha256 {want[:12]}…, "
+                f"training.data ({data!r}) now reads as {digests[0][:12]}…; resuming "
+                "would not continue the same run"
+            )
+        return digests[0]
+
+    # -- what each actor is told -------------------------------------------------------------
+    def stage_spec(self, k: int, r: int) -> StageSpec:
+        plan, spec = self.plan, self.spec
+        m, t = spec.model, spec.training
+        model = {
+            "n_layer": m.n_layer, "n_embd": m.n_embd, "n_head": m.n_head,
+            "vocab_size": m.vocab_size, "block_size": m.max_seq_len,
+        }  # fmt: skip
+        engine = {
+            "lr": t.lr, "weight_decay": t.weight_decay, "grad_clip": t.grad_clip,
+            "warmup_steps": t.warmup_steps, "total_steps": max(self.lr_horizon, t.steps),
+            "micro_batches": plan.num_microbatches, "seed": t.seed,
+            "micro_batch_size": plan.micro_batch_size,
+        }  # fmt: skip
+        return StageSpec(
+            run=spec.name, stage=k, replica=r, plan=plan.to_dict(), model=model,
+            engine=engine, global_batch=t.global_batch_size, seed=t.seed, data=t.data,
+            data_max_bytes=t.data_max_bytes, topk_ratio=spec.plan.topk_ratio,
+            up_wan=self._wan_peer(k, k - 1) if k > 0 else None,
+            down_wan=self._wan_peer(k, k + 1) if k < plan.num_stages - 1 else None,
+            recovery_snapshots=t.recovery_snapshots,
+        )  # fmt: skip
+
+    def _wan_peer(self, src: int, dst: int) -> WanPeer | None:
+        """How stage ``src`` sends to its neighbour ``dst`` if that hop crosses sites."""
+        plan = self.plan
+        a, b = plan.stage_sites[src], plan.stage_sites[dst]
+        if a == b:
+            return None
+        return WanPeer(codec=plan.codecs[min(src, dst)], link=self._link_params(a, b))
+
+    def _link_params(self, src: str, dst: str) -> LinkParams | None:
+        """The emulated link ``src -> dst``; each of the D pipelines gets 1/D of its bandwidth
+        (the planner's assumption), so the D senders need no shared token bucket."""
+        if not self.spec.ray.links_emulated:
+            return None
+        lk = self.spec.link(src, dst)
+        return LinkParams(
+            bandwidth_bps=lk.bandwidth_bps / self.plan.pipelines,
+            latency_s=lk.latency_s,
+            loss=lk.loss,
+            seed=self.spec.training.seed,
+        )
+
+    def wire(self) -> None:
+        """Rendezvous each site's process group, then build engines and links."""
+        import ray
+
+        plan = self.plan
+        self.site_rank = {}
+        # Receivers first: a sender connects to its WAN neighbour's address at setup.
+        sites, p = plan.stage_sites, plan.num_stages
+        wan = {
+            k for k in range(p) if any(0 <= j < p and sites[j] != sites[k] for j in (k - 1, k + 1))
+        }
+        crossing = [(k, r) for k in sorted(wan) for r in range(plan.pipelines)]
+        got = ray.get([self.rows[k][r].listen.remote() for k, r in crossing])
+        self.wan_addresses = addr = dict(zip(crossing, got, strict=True))
+        calls = []
+        for site in dict.fromkeys(plan.stage_sites):
+            stages = [k for k in range(plan.num_stages) if plan.stage_sites[k] == site]
+            d = plan.pipelines
+            world = d * len(stages)
+            rank = {(k, r): li * d + r for li, k in enumerate(stages) for r in range(d)}
+            groups = [[li * d + r for r in range(d)] for li in range(len(stages))]
+            master = ray.get(self.rows[stages[0]][0].endpoint.remote())
+            for (k, r), rk in rank.items():
+                self.site_rank[id(self.rows[k][r])] = rk
+            for li, k in enumerate(stages):
+                for r in range(d):
+                    up_rank, down_rank = rank.get((k - 1, r)), rank.get((k + 1, r))
+                    up = addr[(k - 1, r)] if k > 0 and up_rank is None else None
+                    last = k == plan.num_stages - 1
+                    down = addr[(k + 1, r)] if not last and down_rank is None else None
+                    calls.append(
+                        self.rows[k][r].setup.remote(
+                            master, rank[(k, r)], world, groups, li, up_rank, down_rank, up, down
+                        )
+                    )
+        ray.get(calls)

@@ -1,0 +1,136 @@
+"""What a run tells the world: ``status.json``, the progress bar, metrics and events.
+
+``status.json`` (read by ``geopipe status``) is replaced atomically at each step and at
+each change of state; the metrics file gets one JSON line per step and per event; Ray's
+metrics mirror the step figures for the dashboard. None of it may slow a step down
+measurably or fail the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from geopipe.plan import Plan
+from geopipe.runtime.metrics import MetricsSink, StepMetrics
+
+__all__ = ["Progress", "Reporter"]
+
+
+class Progress:
+    """A rich progress bar with step, loss, tokens/s and bubble ratio."""
+
+    def __init__(self, total: int, enabled: bool, done: int = 0) -> None:
+        self._p: Any = None
+        if not enabled:
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+        # Redrawn once per step, not by rich's 10 Hz refresh thread: on a 2-core machine
+        # that thread competes with the stage actors for nothing (no column animates).
+        self._p = Progress(
+            TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
+            TextColumn("{task.fields[info]}"), auto_refresh=False,
+        )  # fmt: skip
+        self._p.start()
+        self._task = self._p.add_task("train", total=total, completed=done, info="")
+
+    def update(self, m: StepMetrics) -> None:
+        if self._p is None:
+            return
+        info = (
+            f"loss {m.loss:.4f}  {m.tokens_per_s:,.0f} tok/s  bubble {m.bubble_ratio:.1%}  "
+            f"{m.iteration_time_s * 1e3:.0f} ms/step"
+        )
+        self._p.update(self._task, advance=1, info=info, refresh=True)
+
+    def close(self) -> None:
+        if self._p is not None:
+            self._p.stop()
+            self._p = None
+
+
+class Reporter:
+    """Status file, metrics sink and progress bar of one run."""
+
+    def __init__(self, run: str, run_dir: Path, total_steps: int) -> None:
+        self.run = run
+        self.run_dir = run_dir
+        self.total_steps = total_steps
+        self.sink: MetricsSink | None = None
+        self.progress: Progress | None = None
+        self.dashboard_url: str | None = None
+        self.ray_address: str | None = None
+        self.recoveries: list[dict] = []
+
+    def open(self, metrics_path: Path) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.sink = MetricsSink(metrics_path, self.run)
+
+    def event(self, kind: str, **fields: Any) -> None:
+        if self.sink is not None:
+            self.sink.event(kind, **fields)
+
+    def step(self, m: StepMetrics, predicted_s: float) -> None:
+        if self.sink is not None:
+            self.sink.write(
+                m, {"predicted_iteration_time_s": predicted_s, "completed_at": time.time()}
+            )
+        if self.progress is not None:
+            self.progress.update(m)
+
+    def start_progress(self, enabled: bool, done: int) -> None:
+        self.progress = Progress(self.total_steps, enabled, done=done)
+
+    def stop_progress(self) -> None:
+        if self.progress is not None:
+            self.progress.close()
+            self.progress = None
+
+    def status(self, state: str, step: int, plan: Plan, actors: list[list[str]]) -> None:
+        """Replace ``status.json`` with the run's current state (atomically)."""
+        doc = {
+            "run": self.run,
+            "pid": os.getpid(),
+            "state": state,
+            "step": step,
+            "steps": self.total_steps,
+            "dashboard_url": self.dashboard_url,
+            "ray_address": self.ray_address,
+            "plan": plan.to_dict(),
+            "stages": [
+                {
+                    "stage": k,
+                    "site": plan.stage_sites[k],
+                    "layers": list(plan.partition[k]),
+                    "actors": actors[k] if k < len(actors) else [],
+                }
+                for k in range(plan.num_stages)
+            ],
+            "recoveries": list(self.recoveries),
+            "updated": time.time(),
+        }
+        self._write(doc)
+
+    def final_status(self, state: str) -> None:
+        """The run ended (``finished``, ``failed``, ``interrupted``): no process serves it."""
+        path = self.run_dir / "status.json"
+        if not path.exists():
+            return
+        doc = json.loads(path.read_text())
+        doc["state"] = state
+        doc["pid"] = None
+        self._write(doc)
+
+    def _write(self, doc: dict) -> None:
+        tmp = self.run_dir / "status.json.tmp"
+        tmp.write_text(json.dumps(doc, indent=1))
+        tmp.replace(self.run_dir / "status.json")
+
+    def close(self) -> None:
+        self.stop_progress()
+        if self.sink is not None:
+            self.sink.close()

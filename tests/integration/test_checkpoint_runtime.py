@@ -1,0 +1,191 @@
+"""Checkpoints with real Ray and DeepSpeed: exact resume, re-sharding, corruption, errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_runtime import reference, tiny_doc
+
+from geopipe.checkpoint.store import list_checkpoints, load_checkpoint
+from geopipe.config import parse_cluster
+from geopipe.runtime.cluster import LaunchError
+from geopipe.runtime.controller import Controller, LaunchOptions
+
+pytestmark = pytest.mark.ray
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ray(ray_cluster):
+    yield
+
+
+def launch(doc: dict, run_dir: Path, steps: int, resume=False, gather: bool = False):
+    ctl = Controller(
+        parse_cluster(doc, "test"),
+        LaunchOptions(steps=steps, run_dir=str(run_dir), progress=False, resume=resume),
+    )
+    try:
+        ctl.launch()
+        loaded = ctl.gather_state() if gather else None
+        res = ctl.train()
+        final = ctl.gather_state()
+        return [m.loss for m in res.steps], loaded, final, ctl
+    finally:
+        ctl.close()
+
+
+def doc_with_ckpt(devices: int, pipelines: int, every: int = 2) -> dict:
+    doc = tiny_doc(devices, pipelines, steps=4)
+    doc["training"]["checkpoint"] = {"every_steps": every, "keep": 3}
+    return doc
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory) -> Path:
+    """One run of 3 steps with a checkpoint after each, shared by the tests that only need
+    some checkpoints to exist (each works on its own copy): a launch costs ~20 s here."""
+    run_dir = tmp_path_factory.mktemp("saved")
+    launch(doc_with_ckpt(1, 1, every=1), run_dir, steps=3)
+    return run_dir
+
+
+def copy_of(run: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    shutil.copytree(run, tmp_path / "run")
+    return tmp_path / "run"
+
+
+def test_resume_is_bit_for_bit(tmp_path):
+    """2N steps straight == resuming from that run's step-N checkpoint for N more (ZeRO-1
+    groups of 2, int8 WAN): the same per-step losses and the same final parameters and Adam
+    state, bitwise. (Resuming from the checkpoint a stopped run wrote at its end is the same
+    code path: a checkpoint is a checkpoint.)"""
+    doc = doc_with_ckpt(2, 2)
+    doc["links"][0]["codec"] = "int8"
+    doc["plan"]["codecs"] = ["int8"]
+    full, _, full_state, _ = launch(doc, tmp_path / "a", steps=4)
+    half = tmp_path / "a" / "checkpoints" / "step-00000002"
+    second, _, resumed_state, ctl = launch(doc, tmp_path / "b", steps=4, resume=str(half))
+    assert ctl.start_step == 2
+    assert second == full[2:]  # exact equality, not approx
+    # The checkpoint (assembled from each replica's ZeRO-1 partition on a background thread)
+    # holds exactly what DeepSpeed's own full-state gather returns at that point.
+    saved = load_checkpoint(tmp_path / "a" / "checkpoints" / "step-00000004")
+    for shard in saved.stages:
+        for group in ("params", "exp_avg", "exp_avg_sq"):
+            for name, t in shard.tensors(group + "/").items():
+                assert torch.equal(t, full_state[group][name]), (group, name)
+    for group in ("params", "exp_avg", "exp_avg_sq"):
+        for name, t in full_state[group].items():
+            assert torch.equal(t, resumed_state[group][name]), (group, name)
+    steps = [
+        i.step for i in list_checkpoints(tmp_path / "b" / "checkpoints") if i.status == "complete"
+    ]
+    assert steps == [4]
+
+
+def test_resume_into_other_replica_count_keeps_optimizer_state(tmp_path):
+    """Saved by ZeRO-1 groups of 2, loaded by single replicas, and back: the loaded full
+    Adam state equals the checkpoint's, and training continues with the same losses
+    (same global batch, so equal up to float summation order)."""
+    two = doc_with_ckpt(2, 2)
+    one = doc_with_ckpt(1, 1)
+    ref = reference(two)[0]  # the uninterrupted run, in one process
+    launch(two, tmp_path / "run", steps=2)
+    ckpt = load_checkpoint(tmp_path / "run" / "checkpoints" / "step-00000002")
+    losses, loaded, _, ctl = launch(one, tmp_path / "run", steps=3, resume=True, gather=True)
+    assert ctl.plan.pipelines == 1
+    for k, shard in enumerate(ckpt.stages):
+        for group in ("params", "exp_avg", "exp_avg_sq"):
+            for name, t in shard.tensors(group + "/").items():
+                assert torch.equal(loaded[group][name], t), (k, group, name)
+    assert loaded["step"] == 2
+    assert losses == pytest.approx(ref[2:3], abs=1e-5)
+    back, _, _, ctl2 = launch(two, tmp_path / "run", steps=4, resume=True)
+    assert ctl2.plan.pipelines == 2 and ctl2.start_step == 3
+    assert back == pytest.approx(ref[3:4], abs=1e-5)
+
+
+def test_corrupt_newest_checkpoint_is_skipped(tmp_path, saved_run):
+    doc = doc_with_ckpt(1, 1, every=1)
+    run = copy_of(saved_run, tmp_path)
+    newest = run / "checkpoints" / "step-00000003" / "stage-1.safetensors"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    newest.write_bytes(bytes(data))
+    losses, _, _, ctl = launch(doc, run, steps=4, resume=True)
+    assert ctl.start_step == 2 and len(losses) == 2
+    assert ctl.skipped_checkpoints and "step-00000003" in ctl.skipped_checkpoints[0][0]
+    assert "checksum" in ctl.skipped_checkpoints[0][1]
+
+
+def test_checkpoint_of_another_model_is_a_clear_error(tmp_path, saved_run):
+    run = copy_of(saved_run, tmp_path)
+    other = doc_with_ckpt(1, 1)
+    other["model"]["n_embd"] = 64
+    ctl = Controller(parse_cluster(other, "t"), LaunchOptions(run_dir=str(run), resume=True))
+    try:
+        with pytest.raises(LaunchError, match=r"model.n_embd=32 but this run has 64"):
+            ctl.launch()
+    finally:
+        ctl.close()
+
+
+def test_resume_on_other_data_is_a_clear_error(tmp_path):
+    """The manifest records the sha256 of the bytes the actors read; resuming on data that
+    reads differently (an edited file; another Python's stdlib) is refused, not silently
+    continued on other batches."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog\n" * 200)
+    doc = doc_with_ckpt(1, 1)
+    doc["training"]["data"] = str(corpus)
+    _, _, _, ctl = launch(doc, tmp_path / "run", steps=2)
+    manifest = load_checkpoint(tmp_path / "run" / "checkpoints" / "step-00000002").manifest
+    assert manifest["data"]["digest"] == ctl.data_digest and len(ctl.data_digest) == 64
+    corpus.write_text("a different corpus, same path\n" * 200)
+    other = Controller(
+        parse_cluster(doc, "t"), LaunchOptions(run_dir=str(tmp_path / "run"), resume=True)
+    )
+    try:
+        with pytest.raises(LaunchError, match=r"checkpoint was trained on data with sha256 "):
+            other.launch()
+    finally:
+        other.close()
+
+
+@pytest.mark.parametrize("where", ["missing", "not-a-checkpoint"])
+def test_cli_resume_from_bad_path_exits_nonzero(tmp_path, where):
+    path = tmp_path / "nope"
+    if where == "not-a-checkpoint":
+        path.mkdir()
+        (path / "manifest.json").write_text("{not json")
+    proc = subprocess.run(
+        [sys.executable, "-m", "geopipe.cli", "launch", "clusters/local-2dc.yaml", "--resume",
+         str(path), "--run-dir", str(tmp_path / "run")],
+        capture_output=True, text=True, cwd=ROOT, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "--resume" in proc.stderr and str(path) in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_checkpoints_command_lists_status(tmp_path, saved_run):
+    run = copy_of(saved_run, tmp_path)
+    bad = run / "checkpoints" / "step-00000002" / "stage-0.safetensors"
+    bad.write_bytes(bad.read_bytes()[:-10])
+    proc = subprocess.run(
+        [sys.executable, "-m", "geopipe.cli", "checkpoints", str(run), "--json"],
+        capture_output=True, text=True, cwd=ROOT, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    rows = {r["step"]: r for r in json.loads(proc.stdout)}
+    assert rows[1]["status"] == rows[3]["status"] == "complete"
+    assert rows[2]["status"] == "corrupt"
+    assert "stage-0.safetensors" in rows[2]["reason"]

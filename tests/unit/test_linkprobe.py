@@ -1,0 +1,69 @@
+"""The launch-time link probe, both ends in this process over loopback TCP, through the
+transport's link emulator (no Ray): the round trip and rate it reports come from the link."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from geopipe.config import parse_cluster
+from geopipe.runtime.linkprobe import (
+    LinkMeasurement,
+    burst_rate,
+    echo,
+    probe,
+    with_measured_links,
+)
+from geopipe.transport.channel import Inbox
+from geopipe.transport.direct import DirectReceiver
+from geopipe.transport.link import LinkParams
+
+
+def test_probe_measures_the_emulated_link():
+    link = LinkParams(100e6, 0.020)
+    up_inbox, down_inbox = Inbox(), Inbox()
+    up_rx = DirectReceiver(up_inbox, host="127.0.0.1")
+    down_rx = DirectReceiver(down_inbox, host="127.0.0.1")
+    sizes = [1 << 20] * 8  # 8 × 1 MiB: 0.67 s of the link
+    got: dict = {}
+    t = threading.Thread(target=lambda: got.update(a=echo(down_inbox, up_rx.address, link, sizes)))
+    t.start()
+    try:
+        rtt = probe(up_inbox, down_rx.address, link, sizes)
+        t.join(60)
+    finally:
+        up_rx.close()
+        down_rx.close()
+    assert rtt >= 2 * link.latency_s * 0.99  # never faster than the link's round trip
+    assert rtt < 2 * link.latency_s + 0.25
+    rate = burst_rate(sizes, got["a"])
+    # Loose on purpose (a loaded host delays single arrivals): a probe that measured the
+    # host instead of the link was off by 3× here before arrivals were stamped on receipt.
+    assert 0.5 * link.bandwidth_bps <= rate <= 1.25 * link.bandwidth_bps
+    assert not down_inbox.arrived_at and down_inbox.watched is None  # cleaned up
+
+
+def test_burst_rate_uses_the_bytes_after_the_first_message():
+    assert burst_rate([100, 200, 300], [1.0, 1.5, 2.0]) == pytest.approx(500 * 8 / 1.0)
+    assert burst_rate([100, 200], [1.0, 1.0]) is None
+
+
+def test_measured_links_replace_the_yaml_and_say_what_is_off():
+    from pathlib import Path
+
+    import yaml
+
+    doc = yaml.safe_load(Path("clusters/local-2dc.yaml").read_text())
+    spec = parse_cluster(doc, "t")
+    src, dst = spec.links[0].src, spec.links[0].dst
+    yl = spec.link(src, dst)
+    bw = yl.bandwidth_bps
+    m = LinkMeasurement(src, dst, 4 * yl.latency_s, bw, yl.latency_s, bw)
+    off = m.off()
+    assert len(off) == 1 and off[0].startswith("one-way latency")
+    new = with_measured_links(spec, [m])
+    assert new.link(src, dst).latency_s == pytest.approx(2 * yl.latency_s)
+    assert new.link(dst, src).latency_s == pytest.approx(2 * yl.latency_s)  # mirrored entry
+    assert new.link(src, dst).bandwidth_bps == pytest.approx(yl.bandwidth_bps)
+    assert m.to_dict()["rtt_ms"] == pytest.approx(4 * yl.latency_s * 1e3)
