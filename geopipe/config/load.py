@@ -14,13 +14,14 @@ from pydantic import BaseModel, ValidationError
 from geopipe.config.checks import cross_check
 from geopipe.config.specs import ClusterSpec, ConfigError
 
-__all__ = ["load_cluster", "parse_cluster"]
+__all__ = ["load_cluster", "parse_cluster", "parse_yaml"]
 
 
 def _is_branch(part: Any) -> bool:
     """Is this location part a union-branch marker pydantic inserts for `Choice`?"""
     return isinstance(part, str) and (
-        part in ("int", "list[int]", "Range") or part.endswith(", Range]")
+        part in ("int", "list[int]", "Range")
+        or part.endswith((", Range]", ", int]", ", int]]"))
     )
 
 
@@ -87,11 +88,53 @@ def _describe(err: dict[str, Any]) -> tuple[str, str]:
     msg = err["msg"]
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, ") :]
+    if kind in _BOUND_KINDS:
+        msg = _range_message(loc) or msg
     if "input" in err and kind not in ("model_type", "dict_type"):
         got = err["input"]
         if not isinstance(got, (dict, list)):
-            msg += f" (got {got!r})"
+            msg += f" (got {_show(got)})"
     return _format_loc(loc), msg
+
+
+_BOUND_KINDS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal"}
+
+
+def _range_message(loc: tuple[Any, ...]) -> str | None:
+    """``must be an integer in [1, 10000]`` from the field's own bounds (pydantic names one)."""
+    parent = _model_at(loc[:-1])
+    if parent is None or not isinstance(loc[-1], str):
+        return None
+    field = parent.model_fields.get(loc[-1])
+    if field is None:
+        return None
+    lo = hi = None
+    lo_open = hi_open = False
+    for m in field.metadata:
+        for attr, is_lo, is_open in (("ge", 1, 0), ("gt", 1, 1), ("le", 0, 0), ("lt", 0, 1)):
+            v = getattr(m, attr, None)
+            if v is None:
+                continue
+            if is_lo:
+                lo, lo_open = v, bool(is_open)
+            else:
+                hi, hi_open = v, bool(is_open)
+    if lo is None and hi is None:
+        return None
+    ints = field.annotation is int or int in getattr(field.annotation, "__args__", ())
+    kind = "an integer" if ints else "a number"
+    left = f"{'(' if lo_open else '['}{lo}" if lo is not None else "(-inf"
+    right = f"{hi}{')' if hi_open else ']'}" if hi is not None else "inf)"
+    return f"must be {kind} in {left}, {right}"
+
+
+def _show(value: Any, limit: int = 60) -> str:
+    """A short repr of a bad value: huge integers by their size (printing one of more than
+    4300 digits raises in Python ≥ 3.11), long strings cut."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+        return f"an integer of about {int(value.bit_length() * 0.30103)} digits"
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def parse_cluster(data: Any, source: str = "<cluster>") -> ClusterSpec:
@@ -159,23 +202,94 @@ def _collapse_union_noise(problems: list[tuple[str, str]]) -> list[tuple[str, st
     return list(seen.items())
 
 
+# Caps on what a cluster file may make the loader do. A real cluster file is a few KiB with a
+# handful of levels; these stop hostile or broken input (a billion-laughs alias bomb, a
+# 100 000-level nest, a stray multi-GB file) before it costs memory or time.
+MAX_FILE_BYTES = 1 << 20
+MAX_DEPTH = 32
+MAX_NODES = 100_000  # YAML nodes after expanding aliases
+
+
 def load_cluster(path: str | Path) -> ClusterSpec:
-    """Read and validate a cluster YAML file."""
+    """Read and validate a cluster YAML file (UTF-8; see the caps above)."""
     p = Path(path)
     source = str(path)
     try:
-        text = p.read_text()
+        with p.open("rb") as f:
+            raw = f.read(MAX_FILE_BYTES + 1)
     except FileNotFoundError:
         raise ConfigError(source, [("", "file not found")]) from None
     except OSError as exc:
         raise ConfigError(source, [("", f"cannot read: {exc.strerror or exc}")]) from None
+    if len(raw) > MAX_FILE_BYTES:
+        raise ConfigError(
+            source, [("", f"file is larger than {MAX_FILE_BYTES >> 10} KiB: not a cluster file")]
+        )
     try:
-        data = yaml.safe_load(text)
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        bad = raw[exc.start : exc.start + 1].hex()
+        raise ConfigError(
+            source,
+            [("", f"not UTF-8 text: byte 0x{bad} at offset {exc.start} cannot be decoded")],
+        ) from None
+    return parse_cluster(parse_yaml(text, source), source)
+
+
+def parse_yaml(text: str, source: str = "<cluster>") -> Any:
+    """YAML text -> Python data, with the caps above; errors are :class:`ConfigError`."""
+    try:
+        loader = yaml.SafeLoader(text)
+        try:
+            node = loader.get_single_node()
+            if node is not None:
+                _check_size(node, source)
+            data = loader.construct_document(node) if node is not None else None
+        finally:
+            loader.dispose()
+    except ConfigError:
+        raise
     except yaml.YAMLError as exc:
         where = ""
         mark = getattr(exc, "problem_mark", None)
         if mark is not None:
             where = f" at line {mark.line + 1}, column {mark.column + 1}"
+        elif getattr(exc, "position", None) is not None:  # the reader's errors
+            where = f" at character {exc.position}"
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise ConfigError(source, [("", f"not valid YAML{where}: {problem}")]) from None
-    return parse_cluster(data, source)
+    except RecursionError:
+        raise ConfigError(source, [("", f"nested more than {MAX_DEPTH} levels deep")]) from None
+    except ValueError as exc:  # an integer literal of more than 4300 digits
+        why = str(exc).split(";")[0]
+        raise ConfigError(source, [("", f"not a usable YAML value: {why}")]) from None
+    return data
+
+
+def _check_size(root: yaml.Node, source: str) -> None:
+    """Refuse documents nested deeper than :data:`MAX_DEPTH` or, with aliases expanded, of
+    more than :data:`MAX_NODES` nodes (each shared node is measured once)."""
+    sizes: dict[int, int] = {}
+
+    def size(node: yaml.Node, depth: int) -> int:
+        if depth > MAX_DEPTH:
+            raise ConfigError(source, [("", f"nested more than {MAX_DEPTH} levels deep")])
+        if id(node) in sizes:
+            return sizes[id(node)]
+        sizes[id(node)] = MAX_NODES + 1  # a cycle (recursive alias) counts as too large
+        n = 1
+        if isinstance(node, yaml.SequenceNode):
+            for child in node.value:
+                n += size(child, depth + 1)
+        elif isinstance(node, yaml.MappingNode):
+            for key, child in node.value:
+                n += size(key, depth + 1) + size(child, depth + 1)
+        n = min(n, MAX_NODES + 1)
+        sizes[id(node)] = n
+        return n
+
+    if size(root, 0) > MAX_NODES:
+        raise ConfigError(
+            source,
+            [("", f"more than {MAX_NODES} values once aliases are expanded (an alias bomb?)")],
+        )

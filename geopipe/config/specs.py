@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Literal
+import math
+import re
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 __all__ = [
     "MAX_DELTA_N",
@@ -43,6 +45,13 @@ MAX_GLOBAL_BATCH = 1 << 16  # sequences per step; the schedule has one entry per
 # slows the search. It also keeps `delta_n: {min, max}` from expanding to a huge list.
 MAX_DELTA_N = 1024
 MAX_GA_POPULATION = 10_000
+MAX_GA_GENERATIONS = 100_000
+MAX_EMBD = 1 << 17  # hidden size (the largest published models use ~25 k)
+MAX_VOCAB = 1 << 24
+MAX_SEQ_LEN = 1 << 24  # tokens per sequence
+MAX_STEPS = 10**12  # optimizer steps (and every other step count)
+MAX_SEED = (1 << 63) - 1  # torch and numpy take seeds below 2**64; numpy needs them >= 0
+MAX_KNOB = 1 << 31  # any planner knob value (ranges and list items)
 
 # Step boundaries each replica keeps in host RAM while `training.recovery_snapshots` is on: the
 # newest complete one, and the one before it in case a failure strikes while the newest is
@@ -63,6 +72,73 @@ class ConfigError(ValueError):
         super().__init__("\n".join(lines))
 
 
+def _fmt(x: float) -> str:
+    return f"{x:g}"
+
+
+def _bounded(lo: float, hi: float, *, lo_open: bool = False, unit: str = "") -> Any:
+    """A float that must be finite and inside a physical range; the error states the range.
+
+    Non-finite or absurd values would pass a plain ``gt=0`` and then break the planner's
+    arithmetic (an infinite device speed gives zero-time stages, ``1e-300`` an overflow), so
+    every number the cost model reads is bounded here, at the edge.
+    """
+    span = f"{'(' if lo_open else '['}{_fmt(lo)}, {_fmt(hi)}]" + (f" {unit}" if unit else "")
+
+    def check(v: float) -> float:
+        ok = math.isfinite(v) and (v > lo if lo_open else v >= lo) and v <= hi
+        if not ok:
+            raise ValueError(f"must be a finite number in {span}")
+        return v
+
+    return Annotated[float, AfterValidator(check)]
+
+
+def _int_in(lo: int, hi: int) -> Any:
+    """An int inside ``[lo, hi]``; huge values are refused before any arithmetic sees them."""
+
+    def check(v: int) -> int:
+        if not lo <= v <= hi:
+            raise ValueError(f"must be an integer in [{lo}, {hi}]")
+        return v
+
+    return Annotated[int, AfterValidator(check)]
+
+
+def _name(max_len: int) -> Any:
+    """Run and site names become Ray actor and resource names and directory names."""
+
+    def check(v: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", v) or len(v) > max_len:
+            raise ValueError(
+                f"use 1 to {max_len} letters, digits, '.', '_' or '-', starting with a letter "
+                "or digit (it names Ray actors and directories)"
+            )
+        return v
+
+    return Annotated[str, AfterValidator(check)]
+
+
+SiteName = _name(64)
+RunName = _name(128)
+
+# Physical ranges (units in the key names). Wide enough for any real hardware, narrow
+# enough that every time and byte count the planner derives stays a finite float.
+TFLOPS = _bounded(1e-6, 1e4, lo_open=True, unit="TFLOP/s")
+FRACTION = _bounded(0.0, 1.0, lo_open=True)
+MEMORY_GB = _bounded(1e-3, 1e6, unit="GiB")
+BANDWIDTH_GBPS = _bounded(1e-6, 1e6, unit="Gbit/s")
+MEM_BW_GB_PER_S = _bounded(1e-3, 1e6, unit="GB/s")
+LATENCY_MS = _bounded(0.0, 1e5, unit="ms")
+LOSS = _bounded(0.0, 0.5, unit="(a fraction: 0.01 is 1 %)")
+RATIO = _bounded(0.01, 100.0)
+PROB = _bounded(0.0, 1.0)
+LR = _bounded(0.0, 10.0, lo_open=True)
+DECAY = _bounded(0.0, 10.0)
+CLIP = _bounded(0.0, 1e6)
+KnobInt = _int_in(-MAX_KNOB, MAX_KNOB)
+
+
 class _Spec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
@@ -70,8 +146,8 @@ class _Spec(BaseModel):
 class Range(_Spec):
     """An inclusive integer range searched by the planner."""
 
-    min: int = Field(ge=0)
-    max: int = Field(ge=0)
+    min: int = Field(ge=0, le=MAX_KNOB)
+    max: int = Field(ge=0, le=MAX_KNOB)
 
     @model_validator(mode="after")
     def _ordered(self) -> Range:
@@ -81,7 +157,7 @@ class Range(_Spec):
 
 
 # A planner knob is fixed (an int), a list of candidates, or an inclusive range.
-Choice = int | list[int] | Range
+Choice = KnobInt | list[KnobInt] | Range
 
 
 class RaySpec(_Spec):
@@ -100,18 +176,18 @@ class RaySpec(_Spec):
 
 
 class SiteSpec(_Spec):
-    name: str = Field(min_length=1)
-    nodes: int = Field(ge=1)
-    devices_per_node: int = Field(ge=1)
-    device_memory_gb: float = Field(gt=0)
-    device_tflops: float = Field(gt=0, description="peak dense TFLOP/s of one device")
-    device_efficiency: float = Field(0.4, gt=0, le=1, description="achieved fraction of peak")
-    backward_forward_ratio: float = Field(2.0, gt=0, description="backward time / forward time")
-    device_mem_bw_gb_per_s: float = Field(1000.0, gt=0, description="device memory bandwidth")
-    intra_bandwidth_gbps: float = Field(100.0, gt=0)
-    intra_latency_ms: float = Field(0.01, ge=0)
-    host_memory_gb: float | None = Field(
-        None, gt=0, description="host RAM per node; when given, the planner checks that the "
+    name: SiteName
+    nodes: int = Field(ge=1, le=MAX_SITE_DEVICES)
+    devices_per_node: int = Field(ge=1, le=MAX_SITE_DEVICES)
+    device_memory_gb: MEMORY_GB
+    device_tflops: TFLOPS = Field(description="peak dense TFLOP/s of one device")
+    device_efficiency: FRACTION = Field(0.4, description="achieved fraction of peak")
+    backward_forward_ratio: RATIO = Field(2.0, description="backward time / forward time")
+    device_mem_bw_gb_per_s: MEM_BW_GB_PER_S = Field(1000.0, description="device memory bandwidth")
+    intra_bandwidth_gbps: BANDWIDTH_GBPS = 100.0
+    intra_latency_ms: LATENCY_MS = 0.01
+    host_memory_gb: MEMORY_GB | None = Field(
+        None, description="host RAM per node; when given, the planner checks that the "
         "recovery snapshots (training.recovery_snapshots) fit in it",
     )  # fmt: skip
 
@@ -129,9 +205,9 @@ class LinkSpec(_Spec):
 
     src: str = Field(alias="from")
     dst: str = Field(alias="to")
-    bandwidth_gbps: float = Field(gt=0)
-    latency_ms: float = Field(ge=0)
-    loss: float = Field(0.0, ge=0, lt=1)
+    bandwidth_gbps: BANDWIDTH_GBPS
+    latency_ms: LATENCY_MS
+    loss: LOSS = 0.0
     codec: str = "none"
 
     @property
@@ -144,11 +220,11 @@ class LinkSpec(_Spec):
 
 
 class ModelSpec(_Spec):
-    n_layer: int = Field(ge=1)
-    n_embd: int = Field(ge=8)
-    n_head: int = Field(ge=1)
-    vocab_size: int = Field(256, ge=2)
-    max_seq_len: int = Field(ge=2)
+    n_layer: int = Field(ge=1, le=MAX_LAYERS)
+    n_embd: int = Field(ge=8, le=MAX_EMBD)
+    n_head: int = Field(ge=1, le=MAX_EMBD)
+    vocab_size: int = Field(256, ge=2, le=MAX_VOCAB)
+    max_seq_len: int = Field(ge=2, le=MAX_SEQ_LEN)
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelSpec:
@@ -159,31 +235,32 @@ class ModelSpec(_Spec):
 
 class CheckpointSpec(_Spec):
     dir: str | None = Field(None, description="default: <run_dir>/checkpoints")
-    every_steps: int = Field(0, ge=0, description="0 = only at the end and at shutdown")
-    keep: int = Field(3, ge=1)
+    every_steps: int = Field(
+        0, ge=0, le=MAX_STEPS, description="0 = only at the end and at shutdown"
+    )
+    keep: int = Field(3, ge=1, le=1_000_000)
 
 
 class TrainingSpec(_Spec):
     global_batch_size: int = Field(
         ge=1, le=MAX_GLOBAL_BATCH, description="sequences per optimizer step"
     )
-    steps: int = Field(ge=1)
-    lr: float = Field(gt=0)
-    warmup_steps: int = Field(0, ge=0)
+    steps: int = Field(ge=1, le=MAX_STEPS)
+    lr: LR
+    warmup_steps: int = Field(0, ge=0, le=MAX_STEPS)
     lr_decay_steps: int | None = Field(
         None,
         ge=1,
+        le=MAX_STEPS,
         description="cosine LR horizon (default: steps as written in the YAML; `launch "
         "--steps` only says where to stop, so a stopped run resumes on the same schedule)",
     )
-    weight_decay: float = Field(0.0, ge=0)
-    grad_clip: float = Field(
-        0.0, ge=0, description="0 disables clipping (DeepSpeed's default is 1)"
-    )
-    seed: int = 0
+    weight_decay: DECAY = 0.0
+    grad_clip: CLIP = Field(0.0, description="0 disables clipping (DeepSpeed's default is 1)")
+    seed: int = Field(0, ge=0, le=MAX_SEED)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     data: str = Field("stdlib", description="'stdlib' or a path to a text file or directory")
-    data_max_bytes: int = Field(4_000_000, ge=1024)
+    data_max_bytes: int = Field(4_000_000, ge=1024, le=1 << 40)
     run_dir: str | None = Field(None, description="default: runs/<name>")
     checkpoint: CheckpointSpec = CheckpointSpec()
     recovery_snapshots: bool = Field(
@@ -200,10 +277,22 @@ class TrainingSpec(_Spec):
 
 class GASpec(_Spec):
     population: int = Field(48, ge=4, le=MAX_GA_POPULATION)
-    generations: int = Field(30, ge=1)
-    seed: int = 0
-    crossover_prob: float = Field(0.7, ge=0, le=1)
-    mutation_prob: float = Field(0.3, ge=0, le=1)
+    generations: int = Field(30, ge=1, le=MAX_GA_GENERATIONS)
+    seed: int = Field(0, ge=0, le=MAX_SEED)
+    crossover_prob: PROB = 0.7
+    mutation_prob: PROB = 0.3
+
+    @model_validator(mode="after")
+    def _probabilities_sum(self) -> GASpec:
+        # DEAP's varOr draws one of crossover, mutation or reproduction per offspring, so
+        # the two probabilities share one unit (it asserts otherwise).
+        if self.crossover_prob + self.mutation_prob > 1.0 + 1e-12:
+            raise ValueError(
+                f"crossover_prob ({self.crossover_prob:g}) + mutation_prob "
+                f"({self.mutation_prob:g}) must be at most 1: each offspring is made by one of "
+                "crossover, mutation or copying"
+            )
+        return self
 
 
 class PlanSpec(_Spec):
@@ -216,12 +305,12 @@ class PlanSpec(_Spec):
     delta_n: Choice = Field(Range(min=0, max=64), description=f"at most {MAX_DELTA_N}")
     codecs: list[str] | None = Field(None, description="codecs to search (default: each link's)")
     pipelines: Choice | None = Field(None, description="data-parallel degree D (default: search)")
-    topk_ratio: float = Field(0.01, gt=0, le=1)
+    topk_ratio: FRACTION = 0.01
     ga: GASpec = GASpec()
 
 
 class ClusterSpec(_Spec):
-    name: str = Field(min_length=1)
+    name: RunName
     ray: RaySpec = RaySpec()
     sites: list[SiteSpec] = Field(min_length=1)
     links: list[LinkSpec] = Field(default_factory=list)
