@@ -16,9 +16,10 @@ from geopipe.cli.render import (
     format_simulation,
     format_status,
     format_templates,
+    json_text,
     print_plan,
 )
-from geopipe.config import load_cluster
+from geopipe.config import ClusterSpec, load_cluster
 
 __all__ = ["EXIT_USAGE", "cmd_checkpoints", "cmd_launch", "cmd_plan", "cmd_simulate", "cmd_status"]
 
@@ -50,7 +51,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         doc = report.to_json()
         if templates is not None:
             doc["templates"] = format_templates(templates)
-        print(json.dumps(doc, indent=None))
+        print(json_text(doc))
     else:
         from rich.console import Console
 
@@ -65,27 +66,23 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from geopipe.optimizer.planner import evaluate_fixed
 
     spec = load_cluster(args.cluster)
-    dn = [int(x) for x in str(args.delta_n).split(",")]
-    try:
-        e = evaluate_fixed(
-            spec,
-            args.schedule,
-            args.micro_batch_size,
-            args.seq_len,
-            dn[0] if len(dn) == 1 else dn,
-            pipelines=args.pipelines,
-            codec=args.codec,
-            record=bool(args.trace),
-        )
-    except ValueError as exc:
-        print(f"geopipe simulate: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+    dn = args.delta_n
+    e = evaluate_fixed(
+        spec,
+        args.schedule,
+        args.micro_batch_size,
+        args.seq_len,
+        dn[0] if len(dn) == 1 else dn,
+        pipelines=args.pipelines,
+        codec=args.codec,
+        record=bool(args.trace),
+    )
     if args.trace:
         from geopipe.timeline import write_chrome_trace
 
         write_chrome_trace(args.trace, e.sim.events, process=f"{spec.name} (simulated)")
     if args.json:
-        print(json.dumps(e.summary()))
+        print(json_text(e.summary()))
     else:
         print(format_simulation(spec.name, e.summary()))
     return 0
@@ -94,10 +91,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 def cmd_launch(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    spec = load_cluster(args.cluster)
+    if args.dry_run:
+        return _dry_run(spec, args)
+
     from geopipe.runtime.cluster import LaunchError
     from geopipe.runtime.controller import Controller, LaunchOptions
 
-    spec = load_cluster(args.cluster)
     console = Console(stderr=False)
     opts = LaunchOptions(
         steps=args.steps,
@@ -150,6 +150,36 @@ def cmd_launch(args: argparse.Namespace) -> int:
     return 0
 
 
+def _dry_run(spec: ClusterSpec, args: argparse.Namespace) -> int:
+    """``launch --dry-run``: validate and plan exactly as launch would, start nothing.
+
+    Launch first times the model on this machine when ``plan.calibrate`` is on (the default
+    for an embedded Ray); a dry run keeps the YAML's nominal device speeds and says so.
+    """
+    from rich.console import Console
+
+    from geopipe.optimizer.planner import plan_cluster
+
+    updates: dict = {}  # the command line's --steps and --schedule, as launch applies them
+    if args.steps is not None:
+        updates["training"] = spec.training.model_copy(update={"steps": args.steps})
+    if args.schedule is not None:
+        updates["plan"] = spec.plan.model_copy(update={"schedule": args.schedule})
+    spec = spec.model_copy(update=updates) if updates else spec
+    report = plan_cluster(spec)
+    print_plan(spec, report, Console())
+    calibrate = spec.plan.calibrate
+    if spec.ray.address == "local" if calibrate is None else calibrate:
+        print("note: launch first times the model on this machine (plan.calibrate); this dry "
+              "run used the YAML's nominal device speeds")  # fmt: skip
+    if not report.best.feasible:
+        print(f"geopipe launch: no feasible plan for {spec.name}: {report.best.reason}",
+              file=sys.stderr)  # fmt: skip
+        return EXIT_USAGE
+    print(f"dry run: {spec.name} is valid and plannable; nothing was started")
+    return 0
+
+
 def cmd_checkpoints(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -186,13 +216,16 @@ def cmd_status(args: argparse.Namespace) -> int:
         where = args.run_dir or "runs/*"
         print(f"geopipe status: no run found under {where}", file=sys.stderr)
         return 1
-    data = json.loads(paths[0].read_text())
-    alive = data.get("pid") is not None and _pid_alive(data["pid"])
-    state = data.get("state", "?") if not alive else "running"
-    if args.json:
-        print(json.dumps({**data, "state": state}))
-        return 0
-    print(format_status(data, state))
+    try:
+        data = json.loads(paths[0].read_text())
+        pid = data.get("pid")
+        alive = isinstance(pid, int) and pid > 0 and _pid_alive(pid)
+        state = data.get("state", "?") if not alive else "running"
+        text = json_text({**data, "state": state}) if args.json else format_status(data, state)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        print(f"geopipe status: {paths[0]} is not a readable status file ({exc})", file=sys.stderr)
+        return EXIT_USAGE
+    print(text)
     return 0
 
 

@@ -1,12 +1,15 @@
 """``geopipe`` command line: plan | simulate | launch | status | checkpoints.
 
-Errors in user input (a bad YAML, an impossible setting) print one clear message and exit
-with status 2; a traceback means a bug in geopipe.
+Errors in user input (a bad YAML, an impossible setting, a file that cannot be written)
+print one clear message and exit with status 2. Anything else escaping a command is a bug
+in geopipe: it prints ``internal error: …`` with where to report it and exits with status 1
+(``GEOPIPE_DEBUG=1`` shows the traceback instead).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -18,9 +21,38 @@ from geopipe.cli.commands import (
     cmd_simulate,
     cmd_status,
 )
-from geopipe.config import ConfigError
+from geopipe.config import MAX_DELTA_N, MAX_STEPS, ConfigError
+from geopipe.optimizer.errors import PlanningError
+from geopipe.transport.wire import CODECS
 
-__all__ = ["build_parser", "main"]
+__all__ = ["EXIT_INTERNAL", "REPORT_TO", "build_parser", "main"]
+
+EXIT_INTERNAL = 1
+REPORT_TO = "the geopipe issue tracker (with the command, the cluster file and this message)"
+
+
+def _int_in(lo: int, hi: int):
+    """An argparse type: an integer in ``[lo, hi]`` (argparse turns the error into exit 2)."""
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"must be in [{lo}, {hi}], got {v}")
+        return v
+
+    return parse
+
+
+def _delta_n(text: str) -> list[int]:
+    """``4`` or ``4,2`` (one per WAN boundary)."""
+    one = _int_in(0, MAX_DELTA_N)
+    return [one(x.strip()) for x in text.split(",")]
+
+
+_POSITIVE = _int_in(1, 1 << 31)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,18 +76,23 @@ def build_parser() -> argparse.ArgumentParser:
     sm = sub.add_parser("simulate", help="evaluate one fixed configuration")
     sm.add_argument("cluster")
     sm.add_argument("--schedule", choices=("gpipe", "1f1b", "lookahead"), default="lookahead")
-    sm.add_argument("--micro-batch-size", type=int, required=True)
-    sm.add_argument("--seq-len", type=int, required=True)
-    sm.add_argument("--delta-n", default="0", help="ΔN, or one per WAN boundary: 4,2")
-    sm.add_argument("--pipelines", type=int, default=None, help="data-parallel degree D")
-    sm.add_argument("--codec", default=None, help="WAN codec (default: the link's)")
+    sm.add_argument("--micro-batch-size", type=_POSITIVE, required=True)
+    sm.add_argument("--seq-len", type=_POSITIVE, required=True)
+    sm.add_argument(
+        "--delta-n", type=_delta_n, default=[0], help="ΔN, or one per WAN boundary: 4,2"
+    )
+    sm.add_argument("--pipelines", type=_POSITIVE, default=None, help="data-parallel degree D")
+    sm.add_argument("--codec", choices=CODECS, default=None, help="WAN codec (default: the link's)")
     sm.add_argument("--json", action="store_true")
     sm.add_argument("--trace", metavar="FILE")
     sm.set_defaults(func=cmd_simulate)
 
     la = sub.add_parser("launch", help="train on the cluster the YAML describes")
     la.add_argument("cluster")
-    la.add_argument("--steps", type=int, default=None, help="total optimizer steps of the run")
+    la.add_argument(
+        "--steps", type=_int_in(1, MAX_STEPS), default=None,
+        help="total optimizer steps of the run",
+    )  # fmt: skip
     la.add_argument("--schedule", choices=("gpipe", "1f1b", "lookahead"), default=None)
     la.add_argument("--run-dir", default=None, help="where checkpoints, metrics, traces go")
     la.add_argument("--metrics-out", default=None, metavar="FILE.jsonl")
@@ -66,8 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue from the newest complete checkpoint of the run (or from PATH)",
     )  # fmt: skip
     la.add_argument(
-        "--chaos-kill-every", type=int, default=None, metavar="N",
+        "--chaos-kill-every", type=_POSITIVE, default=None, metavar="N",
         help="kill a random stage actor in the middle of every N-th step (see recovery)",
+    )  # fmt: skip
+    la.add_argument(
+        "--dry-run", action="store_true",
+        help="validate the YAML and plan the run as launch would; start nothing",
     )  # fmt: skip
     la.set_defaults(func=cmd_launch)
 
@@ -86,8 +127,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    name = f"geopipe {args.command}"
     try:
         return args.func(args)
     except ConfigError as exc:
         print(str(exc), file=sys.stderr)
-        return EXIT_USAGE
+    except PlanningError as exc:
+        where = f" {args.cluster}" if getattr(args, "cluster", None) else ""
+        print(f"{name}: cannot plan{where}: {exc}", file=sys.stderr)
+    except OSError as exc:  # an output file that cannot be written, a full disk …
+        what = f"{exc.filename}: " if exc.filename else ""
+        print(f"{name}: {what}{exc.strerror or exc}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print(f"\n{name}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        if os.environ.get("GEOPIPE_DEBUG"):
+            raise
+        print(
+            f"{name}: internal error: {type(exc).__name__}: {exc}\n"
+            f"This is a bug in geopipe, not in your input. Please report it to {REPORT_TO}; "
+            "GEOPIPE_DEBUG=1 shows the traceback.",
+            file=sys.stderr,
+        )
+        return EXIT_INTERNAL
+    return EXIT_USAGE

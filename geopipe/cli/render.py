@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from typing import TYPE_CHECKING, Any
@@ -17,6 +18,7 @@ __all__ = [
     "format_simulation",
     "format_status",
     "format_templates",
+    "json_text",
     "print_plan",
 ]
 
@@ -24,7 +26,45 @@ GiB = float(1 << 30)
 
 
 def fmt_time(s: float) -> str:
+    if not math.isfinite(s):
+        return "-"
     return f"{s * 1e3:.1f} ms" if s < 10 else f"{s:.2f} s"
+
+
+def _finite(x: Any) -> Any:
+    """``x`` with every non-finite float replaced by None (JSON has no NaN or Infinity)."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
+def json_text(doc: Any) -> str:
+    """Strict JSON for every ``--json``: an infinite time (a plan that cannot run) is null."""
+    return json.dumps(_finite(doc), allow_nan=False)
+
+
+def infeasible_note(e: Any) -> str:
+    """Why an evaluation cannot run, for the tables (empty when it can)."""
+    if e.feasible:
+        return ""
+    if e.plan is not None and e.memory:
+        over = [
+            (m / lim, k)
+            for k, (m, lim) in enumerate(zip(e.peak_memory_bytes, e.memory_limit_bytes,
+                                             strict=True))
+            if m > lim
+        ]  # fmt: skip
+        if over:
+            _, k = max(over)
+            return (
+                f"infeasible: peak {e.peak_memory_bytes[k] / GiB:.0f} GiB > "
+                f"{e.memory_limit_bytes[k] / GiB:.0f} GiB device memory (stage {k})"
+            )
+    return f"infeasible: {e.reason}"
 
 
 def print_plan(spec: ClusterSpec, report: Any, console: Any) -> None:
@@ -33,11 +73,12 @@ def print_plan(spec: ClusterSpec, report: Any, console: Any) -> None:
 
     best = report.best
     plan = best.plan
-    sim_costs = None
-    if plan is not None:
-        from geopipe.optimizer.evaluate import Evaluator
+    if plan is None:
+        console.print(f"[red]{spec.name}: no plan can run[/]: {best.reason}")
+        return
+    from geopipe.optimizer.evaluate import Evaluator
 
-        sim_costs = Evaluator(spec).costs(plan)
+    sim_costs = Evaluator(spec).costs(plan)
     console.print(
         f"[bold]{spec.name}[/]: {plan.pipelines} pipeline(s) × {plan.num_stages} stages over "
         f"{' → '.join(dict.fromkeys(plan.stage_sites))}"
@@ -68,21 +109,7 @@ def print_plan(spec: ClusterSpec, report: Any, console: Any) -> None:
         f"micro-batch {plan.micro_batch_size} × {plan.num_microbatches} per pipeline, "
         f"seq len {plan.seq_len}, schedule {plan.schedule}; WAN boundaries: {dn or 'none'}"
     )
-    c = Table(title="predicted iteration (same micro-batch, seq len, codec)")
-    for col in ("schedule", "iteration", "tokens/s", "bubble", "max peak mem", "speed-up"):
-        c.add_column(col, justify="right")
-    rows = [("look-ahead" if plan.schedule == "lookahead" else plan.schedule, best)]
-    rows += list(report.baselines.items())
-    for name, e in rows:
-        c.add_row(
-            name,
-            fmt_time(e.iteration_time_s),
-            f"{e.tokens_per_s:,.0f}",
-            f"{e.bubble_ratio:.1%}",
-            f"{max(e.peak_memory_bytes) / GiB:.2f} GiB",
-            f"{e.iteration_time_s / best.iteration_time_s:.2f}×",
-        )
-    console.print(c)
+    console.print(_comparison(report))
     if not best.feasible:
         console.print(f"[red]no feasible plan found[/]: {best.reason}")
     s = report.search
@@ -97,6 +124,33 @@ def print_plan(spec: ClusterSpec, report: Any, console: Any) -> None:
     console.print(line)
 
 
+def _comparison(report: Any) -> Any:
+    """The plan next to the baselines: one row per schedule, infeasible ones marked."""
+    from rich.table import Table
+
+    best = report.best
+    name = "look-ahead" if best.plan.schedule == "lookahead" else best.plan.schedule
+    rows = [(name, best)]
+    rows += [(k, e) for k, e in report.baselines.items() if k != best.plan.schedule]
+    notes = [infeasible_note(e) for _, e in rows]
+    c = Table(title="predicted iteration (same micro-batch, seq len, codec)")
+    cols = ["schedule", "iteration", "tokens/s", "bubble", "max peak mem", "speed-up"]
+    for col in cols + (["note"] if any(notes) else []):
+        c.add_column(col, justify="left" if col == "note" else "right")
+    for (name, e), note in zip(rows, notes, strict=True):
+        ratio = e.iteration_time_s / best.iteration_time_s
+        cells = [
+            name,
+            fmt_time(e.iteration_time_s),
+            f"{e.tokens_per_s:,.0f}",
+            f"{e.bubble_ratio:.1%}" if e.plan is not None else "-",
+            f"{max(e.peak_memory_bytes, default=0.0) / GiB:.2f} GiB",
+            f"{ratio:.2f}×" if math.isfinite(ratio) else "-",
+        ]
+        c.add_row(*cells, *([note] if any(notes) else []))
+    return c
+
+
 def format_simulation(name: str, s: dict) -> str:
     """One evaluated configuration (``geopipe simulate``), from its JSON summary."""
     return (
@@ -104,7 +158,7 @@ def format_simulation(name: str, s: dict) -> str:
         f"s={s['seq_len']} ΔN={s['delta_n']} codecs={s['codecs']}\n"
         f"  iteration {fmt_time(s['iteration_time_s'])}, {s['tokens_per_s']:,.0f} tokens/s, "
         f"bubble {s['bubble_ratio']:.1%}, peak memory "
-        f"{max(s['peak_memory_bytes']) / GiB:.2f} GiB, feasible: {s['feasible']} "
+        f"{max(s['peak_memory_bytes'], default=0.0) / GiB:.2f} GiB, feasible: {s['feasible']} "
         f"({s['reason']})"
     )
 

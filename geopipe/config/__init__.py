@@ -9,13 +9,14 @@ cross-checks (links name real sites, the model fits, the batch divides) live in
 """
 
 from geopipe.config.checks import choice_values
-from geopipe.config.load import load_cluster, parse_cluster
+from geopipe.config.load import load_cluster, parse_cluster, parse_yaml
 from geopipe.config.specs import (
     MAX_DELTA_N,
     MAX_GA_POPULATION,
     MAX_GLOBAL_BATCH,
     MAX_LAYERS,
     MAX_SITE_DEVICES,
+    MAX_STEPS,
     RECOVERY_SNAPSHOTS_KEPT,
     CheckpointSpec,
     Choice,
@@ -37,6 +38,7 @@ __all__ = [
     "MAX_GLOBAL_BATCH",
     "MAX_LAYERS",
     "MAX_SITE_DEVICES",
+    "MAX_STEPS",
     "RECOVERY_SNAPSHOTS_KEPT",
     "CheckpointSpec",
     "Choice",
@@ -53,4 +55,5 @@ __all__ = [
     "choice_values",
     "load_cluster",
     "parse_cluster",
+    "parse_yaml",
 ]

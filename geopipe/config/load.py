@@ -20,8 +20,7 @@ __all__ = ["load_cluster", "parse_cluster", "parse_yaml"]
 def _is_branch(part: Any) -> bool:
     """Is this location part a union-branch marker pydantic inserts for `Choice`?"""
     return isinstance(part, str) and (
-        part in ("int", "list[int]", "Range")
-        or part.endswith((", Range]", ", int]", ", int]]"))
+        part in ("int", "list[int]", "Range") or part.endswith((", Range]", ", int]", ", int]]"))
     )
 
 

@@ -15,6 +15,7 @@ from functools import lru_cache
 from geopipe.config import ClusterSpec, choice_values
 from geopipe.model.sizes import elem_bytes, layer_forward_flops, layer_param_counts
 from geopipe.optimizer.costs import boundary_message_elems
+from geopipe.optimizer.errors import PlanningError
 from geopipe.optimizer.memory import (
     MemoryBreakdown,
     device_limits,
@@ -26,7 +27,7 @@ from geopipe.optimizer.shapes import build_plan, candidate_shapes
 from geopipe.optimizer.simulator import PipelineCosts, SimResult, lower_bound, simulate
 from geopipe.pipeline.schedule import Schedule, make_schedule
 from geopipe.plan import Plan, Shape
-from geopipe.transport.wire import codec_throughput_bytes_per_s, wire_bytes
+from geopipe.transport.wire import MAX_TOPK_NUMEL, codec_throughput_bytes_per_s, wire_bytes
 
 __all__ = ["Candidate", "Evaluation", "Evaluator", "SearchSpace"]
 
@@ -165,7 +166,7 @@ class Evaluator:
         )
         self.shapes: dict[int, Shape] = {s.pipelines: s for s in candidate_shapes(spec, d_vals)}
         if not self.shapes:
-            raise ValueError(
+            raise PlanningError(
                 "no pipeline shape fits these sites: every site must host at least one stage"
             )
         any_shape = next(iter(self.shapes.values()))
@@ -257,6 +258,8 @@ class Evaluator:
                 lat_b.append(site.intra_latency_ms / 1e3)
                 continue
             codec = plan.codecs[j]
+            if codec == "topk" and elems > MAX_TOPK_NUMEL:
+                codec = "bf16"  # topk cannot send it (_evaluate rejects such plans): price as bf16
             codec_s = raw / codec_throughput_bytes_per_s(codec)
             for direction, (a_, z_), ser, lat in (
                 ("forward", (src, dst), ser_f, lat_f),
@@ -314,6 +317,12 @@ class Evaluator:
                 c, None, False, "global batch not divisible by pipelines × micro-batch"
             )
         spec = self.spec
+        elems = boundary_message_elems(spec.model, plan.micro_batch_size, plan.seq_len)
+        if elems > MAX_TOPK_NUMEL and "topk" in (plan.codecs[j] for j in plan.wan_boundaries):
+            return Evaluation(
+                c, None, False, f"topk cannot encode a message of {elems:,} elements (int32 "
+                f"indices: at most {MAX_TOPK_NUMEL:,})",
+            )  # fmt: skip
         sched = _schedule(plan.schedule, plan.num_stages, plan.num_microbatches, plan.delta_n)
         mem = plan_memory(spec, plan, sched.max_in_flight)
         limits = device_limits(spec, plan.stage_sites)
@@ -321,7 +330,6 @@ class Evaluator:
         host, host_limits = self._host_memory(plan)
         host_over = [s for s, lim in host_limits.items() if host[s] > lim]
         wan_bytes = 0.0
-        elems = boundary_message_elems(spec.model, plan.micro_batch_size, plan.seq_len)
         e = elem_bytes(spec.training.precision)
         for j in plan.wan_boundaries:
             per_mb = sum(

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from geopipe.config import ClusterSpec
+from geopipe.config import MAX_DELTA_N, ClusterSpec
+from geopipe.optimizer.errors import PlanningError
 from geopipe.optimizer.evaluate import Candidate, Evaluation, Evaluator
 from geopipe.optimizer.genetic import SearchResult, exhaustive_search, genetic_search
+from geopipe.transport.wire import CODECS
 
 __all__ = ["PlanReport", "evaluate_fixed", "plan_cluster"]
 
@@ -80,22 +82,32 @@ def evaluate_fixed(
     codec: str | None = None,
     record: bool = False,
 ) -> Evaluation:
-    """Evaluate one fixed configuration (``geopipe simulate``)."""
+    """Evaluate one fixed configuration (``geopipe simulate``); :class:`PlanningError` names
+    the setting that cannot be used."""
     ev = Evaluator(spec, schedule=schedule)
     sp = ev.space
     d = pipelines if pipelines is not None else max(sp.pipelines)
     if d not in ev.shapes:
-        raise ValueError(f"{d} pipelines do not fit these sites (possible: {sorted(ev.shapes)})")
+        raise PlanningError(f"{d} pipelines do not fit these sites (possible: {sorted(ev.shapes)})")
     w = sp.wan_boundaries
     dn = [delta_n] * w if isinstance(delta_n, int) else list(delta_n)
     if len(dn) != w:
-        raise ValueError(f"--delta-n needs one value or {w} (one per WAN boundary), got {len(dn)}")
+        raise PlanningError(
+            f"--delta-n needs one value or {w} (one per WAN boundary), got {len(dn)}"
+        )
+    if any(not 0 <= x <= MAX_DELTA_N for x in dn):
+        raise PlanningError(f"--delta-n values must be in [0, {MAX_DELTA_N}], got {dn}")
+    if not 1 <= seq_len <= spec.model.max_seq_len:
+        raise PlanningError(
+            f"--seq-len must be in [1, model.max_seq_len={spec.model.max_seq_len}], got {seq_len}"
+        )
+    if codec is not None and codec not in CODECS:
+        raise PlanningError(f"--codec must be one of {', '.join(CODECS)}, got {codec!r}")
+    gbs = spec.training.global_batch_size
+    if micro_batch_size < 1 or gbs % (d * micro_batch_size):
+        raise PlanningError(
+            f"global batch {gbs} is not divisible by {d} pipelines × micro-batch {micro_batch_size}"
+        )
     codecs = [codec or sp.codecs[0]] * w
     c = Candidate(d, micro_batch_size, seq_len, tuple(dn), tuple(codecs), schedule)
-    e = ev.evaluate(c, record=record)
-    if e.plan is None:
-        raise ValueError(
-            f"global batch {spec.training.global_batch_size} is not divisible by "
-            f"{d} pipelines × micro-batch {micro_batch_size}"
-        )
-    return e
+    return ev.evaluate(c, record=record)

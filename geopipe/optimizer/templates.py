@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 from geopipe.config import ClusterSpec
 from geopipe.model.sizes import num_layers
+from geopipe.optimizer.errors import PlanningError
 from geopipe.optimizer.evaluate import Evaluator
 from geopipe.optimizer.ladder import LayoutPredictor, Prediction
 from geopipe.optimizer.shapes import build_plan, partition_for, site_order, trim_to_layers
@@ -338,7 +339,7 @@ def build_templates(
     else:
         divides = [x for x in space.micro_batch_sizes if gbs % x == 0]
         if not divides:
-            raise ValueError(f"no micro-batch size divides the global batch {gbs}")
+            raise PlanningError(f"no micro-batch size divides the global batch {gbs}")
         b, s, sched = min(divides), max(space.seq_lens), space.schedule
     codecs: dict[tuple[str, str], str] = {}
     for lk in spec.links:
