@@ -126,7 +126,7 @@ RunName = _name(128)
 # enough that every time and byte count the planner derives stays a finite float.
 TFLOPS = _bounded(1e-6, 1e4, lo_open=True, unit="TFLOP/s")
 FRACTION = _bounded(0.0, 1.0, lo_open=True)
-MEMORY_GB = _bounded(1e-3, 1e6, unit="GiB")
+MEMORY_GB = _bounded(1e-9, 1e6, unit="GiB")
 BANDWIDTH_GBPS = _bounded(1e-6, 1e6, unit="Gbit/s")
 MEM_BW_GB_PER_S = _bounded(1e-3, 1e6, unit="GB/s")
 LATENCY_MS = _bounded(0.0, 1e5, unit="ms")

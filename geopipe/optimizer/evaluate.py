@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 from geopipe.config import ClusterSpec, choice_values
 from geopipe.model.sizes import elem_bytes, layer_forward_flops, layer_param_counts
@@ -24,8 +23,8 @@ from geopipe.optimizer.memory import (
     stages_over,
 )
 from geopipe.optimizer.shapes import build_plan, candidate_shapes
-from geopipe.optimizer.simulator import PipelineCosts, SimResult, lower_bound, simulate
-from geopipe.pipeline.schedule import Schedule, make_schedule
+from geopipe.optimizer.simulator import PipelineCosts, SimResult, lower_bound
+from geopipe.optimizer.steady import peak_in_flight, predict
 from geopipe.plan import Plan, Shape
 from geopipe.transport.wire import MAX_TOPK_NUMEL, codec_throughput_bytes_per_s, wire_bytes
 
@@ -144,11 +143,6 @@ class SearchSpace:
         )
         w = self.wan_boundaries
         return db * len(self.seq_lens) * len(self.delta_ns) ** w * len(self.codecs) ** w
-
-
-@lru_cache(maxsize=8192)
-def _schedule(name: str, p: int, m: int, delta_n: tuple[int, ...]) -> Schedule:
-    return make_schedule(name, p, m, delta_n)
 
 
 class Evaluator:
@@ -323,8 +317,8 @@ class Evaluator:
                 c, None, False, f"topk cannot encode a message of {elems:,} elements (int32 "
                 f"indices: at most {MAX_TOPK_NUMEL:,})",
             )  # fmt: skip
-        sched = _schedule(plan.schedule, plan.num_stages, plan.num_microbatches, plan.delta_n)
-        mem = plan_memory(spec, plan, sched.max_in_flight)
+        args = (plan.schedule, plan.num_stages, plan.num_microbatches, plan.delta_n)
+        mem = plan_memory(spec, plan, peak_in_flight(*args))
         limits = device_limits(spec, plan.stage_sites)
         over = stages_over(mem, limits)
         host, host_limits = self._host_memory(plan)
@@ -374,7 +368,7 @@ class Evaluator:
                 base.pruned = base.skipped_simulation = True
                 base.reason = "pruned: its lower bound is slower than the best plan found"
                 return base
-        sim = simulate(sched, costs, record=record)
+        sim = predict(*args, costs, record=record)
         base.iteration_time_s = sim.iteration_time_s
         base.bubble_ratio = sim.bubble_ratio
         base.link_utilization = [

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from geopipe.pipeline.schedule import Kind, Schedule, ScheduleError
 
-__all__ = ["Event", "PipelineCosts", "SimResult", "simulate"]
+__all__ = ["Event", "PipelineCosts", "Replay", "SimResult", "lower_bound", "replay", "simulate"]
 
 _F, _B, _SF, _RF, _SB, _RB = (int(k) for k in Kind)
 
@@ -69,8 +69,28 @@ class SimResult:
     events: list[Event] = field(default_factory=list)
 
 
+@dataclass
+class Replay:
+    """Everything one replay computed: the result, and the time of every event (for the
+    steady-state extrapolation in :mod:`geopipe.optimizer.steady`).
+
+    ``ends[k][i]``: stage ``k``'s clock after its ``i``-th fused op (:attr:`Schedule.fused`);
+    ``arr_f[k][mb]`` / ``arr_b[k][mb]``: when activation / gradient ``mb`` reaches stage ``k``.
+    """
+
+    result: SimResult
+    ends: list[list[float]]
+    arr_f: list[list[float]]
+    arr_b: list[list[float]]
+
+
 def simulate(sched: Schedule, costs: PipelineCosts, record: bool = False) -> SimResult:
-    """Replay ``sched`` with ``costs``; raise :class:`ScheduleError` on a deadlock.
+    """Replay ``sched`` with ``costs``; raise :class:`ScheduleError` on a deadlock."""
+    return replay(sched, costs, record).result
+
+
+def replay(sched: Schedule, costs: PipelineCosts, record: bool = False) -> Replay:
+    """Replay ``sched`` with ``costs``, keeping every event time (see :class:`Replay`).
 
     Each stage runs as far as it can; a stage blocks on a receive whose message has not
     been sent yet, and the sweep moves on to the next stage. Runs of ``RECV x, x, SEND x``
@@ -90,11 +110,12 @@ def simulate(sched: Schedule, costs: PipelineCosts, record: bool = False) -> Sim
     link_busy = [0.0] * max(p - 1, 0)
     ev: list[Event] | None = [] if record else None
     lengths = [len(x) for x in progs]
+    op_ends = [[0.0] * n for n in lengths]
     remaining = sum(lengths)
     while remaining:
         moved = False
         for k in range(p):
-            ops, n = progs[k], lengths[k]
+            ops, n, ends_k = progs[k], lengths[k], op_ends[k]
             i = ptr[k]
             if i == n:
                 continue
@@ -182,6 +203,7 @@ def simulate(sched: Schedule, costs: PipelineCosts, record: bool = False) -> Sim
                         break
                     if a > t:
                         t = a
+                ends_k[i] = t
                 i += 1
             if i != ptr[k]:
                 remaining -= i - ptr[k]
@@ -200,7 +222,8 @@ def simulate(sched: Schedule, costs: PipelineCosts, record: bool = False) -> Sim
     iteration = max(ends)
     busy = [m * (fwd[k] + bwd[k]) + costs.step_s[k] for k in range(p)]
     bubble = 1.0 - sum(busy) / (p * iteration) if iteration > 0 else 0.0
-    return SimResult(iteration, pipeline_time, busy, bubble, link_busy, ev or [])
+    result = SimResult(iteration, pipeline_time, busy, bubble, link_busy, ev or [])
+    return Replay(result, op_ends, arr_f, arr_b)
 
 
 def lower_bound(costs: PipelineCosts, m: int) -> float:

@@ -1,0 +1,362 @@
+"""Iteration time for any number of micro-batches ``m`` at a cost independent of ``m``.
+
+The planner's fitness replays a schedule (:mod:`geopipe.optimizer.simulator`), which costs
+``O(p·m)``. :func:`predict` returns the same numbers (to rounding: tested against the full
+replay to 1e-9 relative) from a replay of a short run, because a pipeline's steady state is
+periodic:
+
+* GPipe has a closed form (:func:`gpipe_time`): its forward phase is a tandem of FIFO
+  servers (stages and link directions) all fed at time 0, its backward phase the same
+  tandem in reverse with each stage free from the end of its forward phase.
+* Every other schedule is replayed for a short run and extrapolated along its periodic
+  steady state — see [Note: periodic steady state]. Anything that does not fit the pattern
+  (short runs, schedules without one) is simply replayed in full.
+
+[Note: periodic steady state] A 1F1B-like schedule's fused program (:attr:`Schedule.fused`)
+on stage ``k`` is warm-up ops, then a *body* of rounds in which round ``r+1`` repeats round
+``r`` with every micro-batch one higher (``F w+r, B r`` for 1F1B), then cool-down ops; one
+more micro-batch adds exactly one round and shifts the cool-down by one micro-batch
+(checked on the generator's own output for ``m_s`` and ``m_s + 1``, :func:`_structure`).
+Event times are max-plus expressions (``start = max(ready, free) + cost``) of the events
+before them, so: (1) a body event of a run of any length equals that of the infinite run
+(checked: no body op waits for a cool-down op); (2) if, in some run, every body event of
+the last ``L`` rounds of every stage (and every message those rounds send) happens exactly
+``c·λ`` after the same event ``c`` rounds earlier, and ``L`` covers how far back in rounds
+any body event's inputs lie (its *reach*, measured from the structure), then by induction
+every later event does too — max and + commute with a common shift; (3) the cool-down of a
+run of ``m`` micro-batches then is that of a run of ``m - c·n`` shifted by ``c·n·λ``. Hence
+``T(m) = T(m_a) + (m - m_a)·λ`` for a short ``m_a ≡ m (mod c)``. Steady states of period
+``c > 1`` happen (a round trip that spans several rounds); a transient longer than the
+probe doubles it, up to a full replay.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from geopipe.optimizer.simulator import PipelineCosts, Replay, SimResult, replay, simulate
+from geopipe.pipeline.schedule import Schedule, make_schedule
+
+__all__ = ["gpipe_time", "peak_in_flight", "predict", "schedule_for"]
+
+# A probe's periodicity test: every compared difference within this fraction of the largest
+# event time. Rounding noise is ~1e-15 of it; a looser test could take a slow transient for
+# the steady state.
+_TOLERANCE = 4e-12
+_MAX_PERIOD_PROBES = 4  # probe doublings before giving up and replaying in full
+_RESIDUE = 12  # probes are as long as m modulo this (see predict)
+
+_F_KINDS = {0} | set(range(6, 10))  # fused codes of a forward (plain F or RECV/F/SEND)
+
+
+@lru_cache(maxsize=8192)
+def schedule_for(name: str, p: int, m: int, delta_n: tuple[int, ...]) -> Schedule:
+    """The schedule family ``name`` at ``m`` micro-batches (cached: searches revisit)."""
+    return make_schedule(name, p, m, delta_n)
+
+
+# ---------------------------------------------------------------------------------------------
+# Program structure
+
+
+def _fb(code: int) -> int:
+    """+1 for a forward, -1 for a backward, 0 for a plain send or receive."""
+    if code in _F_KINDS:
+        return 1
+    return -1 if code == 1 or code >= 10 else 0
+
+
+def _recv(code: int) -> str | None:
+    """The message kind ('F' activation, 'B' gradient) an op waits for, if any."""
+    if code == 3 or (6 <= code < 10 and (code - 6) & 1):
+        return "F"
+    if code == 5 or (code >= 10 and (code - 10) & 1):
+        return "B"
+    return None
+
+
+def _send(code: int) -> str | None:
+    if code == 2 or (6 <= code < 10 and (code - 6) & 2):
+        return "F"
+    if code == 4 or (code >= 10 and (code - 10) & 2):
+        return "B"
+    return None
+
+
+@dataclass(frozen=True)
+class _Body:
+    start: int  # index of the body's first op in the fused program
+    period: int  # ops per round
+    rounds: int  # rounds at the structure's m_s
+
+    @property
+    def end(self) -> int:
+        return self.start + self.rounds * self.period
+
+
+def _body(ops: list[int]) -> _Body | None:
+    """The longest run of rounds in which each op recurs ``period`` ops later with the next
+    micro-batch, holding as many forwards as backwards (so the in-flight count is flat)."""
+    best: _Body | None = None
+    n = len(ops)
+    for period in range(2, 9):
+        i = 0
+        while i + period < n:
+            if ops[i + period] != ops[i] + 16:
+                i += 1
+                continue
+            j = i
+            while j + period < n and ops[j + period] == ops[j] + 16:
+                j += 1
+            rounds = (j + period - i) // period
+            flat = sum(_fb(op & 15) for op in ops[i : i + period]) == 0
+            if flat and (best is None or rounds > best.rounds):
+                best = _Body(i, period, rounds)
+            i = j + 1
+    return best
+
+
+@dataclass(frozen=True)
+class _Structure:
+    """A schedule family's shape for one (p, ΔN), valid for every ``m >= m_s``."""
+
+    m_s: int
+    bodies: tuple[_Body, ...]
+    reach: int  # L of the module note, in rounds
+    peak: tuple[int, ...]  # micro-batches in flight per stage, for every m >= m_s
+
+    def rounds(self, k: int, m: int) -> int:
+        return self.bodies[k].rounds + (m - self.m_s)
+
+
+@lru_cache(maxsize=4096)
+def _structure(name: str, p: int, delta_n: tuple[int, ...]) -> _Structure | None:
+    """Find and check the body of every stage (module note); None if there is none."""
+    if name == "gpipe":
+        return None
+    m_s = p + sum(delta_n) + 2
+    for _ in range(3):
+        st = _check(schedule_for(name, p, m_s, delta_n), schedule_for(name, p, m_s + 1, delta_n))
+        if st is not None:
+            return st
+        m_s *= 2
+    return None
+
+
+def _check(a: Schedule, b: Schedule) -> _Structure | None:
+    """The structure if ``b`` (one more micro-batch) is ``a`` with one more body round and
+    its cool-down shifted by one micro-batch, and no body op waits on a cool-down op."""
+    bodies: list[_Body] = []
+    for ops_a, ops_b in zip(a.fused, b.fused, strict=True):
+        body = _body(ops_a)
+        if body is None or body.rounds < 2:
+            return None
+        last = ops_a[body.end - body.period : body.end]
+        grown = ops_a[: body.end] + [op + 16 for op in last + ops_a[body.end :]]
+        if grown != ops_b:
+            return None
+        bodies.append(body)
+    if a.max_in_flight != b.max_in_flight:
+        return None
+    reach = _reach(a.fused, bodies)
+    if reach is None:
+        return None
+    return _Structure(a.num_microbatches, tuple(bodies), reach, a.max_in_flight)
+
+
+def _reach(progs: list[list[int]], bodies: list[_Body]) -> int | None:
+    """How many rounds back (in the sense of the module note) a body or cool-down op's
+    inputs can lie; None if a body op waits for another stage's cool-down."""
+    p = len(progs)
+    sent: list[dict[tuple[str, int], int]] = []
+    for ops in progs:
+        sent.append({(kind, op >> 4): i for i, op in enumerate(ops) if (kind := _send(op & 15))})
+    reach = 1  # an op's own stage: the previous op, one round back at most
+    for k, ops in enumerate(progs):
+        bk = bodies[k]
+        for i, op in enumerate(ops):
+            kind = _recv(op & 15)
+            if kind is None or i < bk.start:
+                continue
+            j = k - 1 if kind == "F" else k + 1
+            if not 0 <= j < p:
+                return None
+            idx = sent[j].get((kind, op >> 4))
+            if idx is None:
+                return None
+            bj = bodies[j]
+            if idx >= bj.end:
+                if i < bk.end:
+                    return None  # a body op waits for a cool-down op
+                continue  # cool-down to cool-down: shifts along with the cool-down
+            if idx < bj.start:
+                continue  # a warm-up input: only the first rounds, far from the probe's end
+            r_j = (idx - bj.start) // bj.period
+            if i < bk.end:
+                r_k = (i - bk.start) // bk.period
+                reach = max(reach, bj.rounds - bk.rounds + r_k - r_j)
+            else:
+                reach = max(reach, bj.rounds - r_j)
+    return reach + 1
+
+
+def peak_in_flight(name: str, p: int, m: int, delta_n: tuple[int, ...]) -> tuple[int, ...]:
+    """Micro-batches in flight at each stage's peak (the memory model's multiplier)."""
+    if name == "gpipe":
+        return (m,) * p
+    st = _structure(name, p, delta_n)
+    if st is not None and m >= st.m_s:
+        return st.peak
+    return schedule_for(name, p, m, delta_n).max_in_flight
+
+
+# ---------------------------------------------------------------------------------------------
+# Prediction
+
+
+def predict(
+    name: str, p: int, m: int, delta_n: tuple[int, ...], costs: PipelineCosts, record: bool = False
+) -> SimResult:
+    """The simulator's result for schedule ``name`` at ``m`` micro-batches (module note).
+
+    With ``record`` (a timeline is wanted) the schedule is replayed in full.
+    """
+    if record:
+        return simulate(schedule_for(name, p, m, delta_n), costs, record=True)
+    if name == "gpipe":
+        return gpipe_time(costs, m)
+    st = _structure(name, p, delta_n)
+    m_p = m
+    if st is not None:
+        # A probe that long shows the steady state (its last `reach` rounds, a few periods
+        # back) unless the transient is long; its length ≡ m (mod 12), so a period dividing
+        # 12 (nearly all) needs no second replay.
+        m_p = st.m_s + 2 * st.reach + 8
+        m_p += (m - m_p) % _RESIDUE
+    for _ in range(_MAX_PERIOD_PROBES):
+        if st is None or m <= m_p:
+            break
+        probe = replay(schedule_for(name, p, m_p, delta_n), costs)
+        found = _period(probe, *_window(name, p, delta_n, m_p))
+        if found is not None:
+            return _extrapolate(name, p, m, delta_n, costs, probe.result, m_p, *found)
+        m_p += m_p + (m - 2 * m_p) % _RESIDUE
+    return simulate(schedule_for(name, p, m, delta_n), costs)
+
+
+def _extrapolate(
+    name: str,
+    p: int,
+    m: int,
+    delta_n: tuple[int, ...],
+    costs: PipelineCosts,
+    probe: SimResult,
+    m_p: int,
+    period: int,
+    lam: float,
+) -> SimResult:
+    """``T(m) = T(m_a) + (m - m_a)·λ`` with ``m_a ≡ m (mod period)`` (module note)."""
+    m_a = m_p + (m - m_p) % period
+    base = probe if m_a == m_p else simulate(schedule_for(name, p, m_a, delta_n), costs)
+    shift = (m - m_a) * lam
+    iteration = base.iteration_time_s + shift
+    return _result(costs, m, iteration, base.pipeline_time_s + shift)
+
+
+def _result(costs: PipelineCosts, m: int, iteration: float, pipeline: float) -> SimResult:
+    """A :class:`SimResult` whose busy times and link use follow from ``m`` directly."""
+    p = len(costs.fwd_s)
+    busy = [m * (costs.fwd_s[k] + costs.bwd_s[k]) + costs.step_s[k] for k in range(p)]
+    bubble = 1.0 - sum(busy) / (p * iteration) if iteration > 0 else 0.0
+    link = [m * (costs.ser_f[j] + costs.ser_b[j]) for j in range(p - 1)]
+    return SimResult(iteration, pipeline, busy, bubble, link)
+
+
+def gpipe_time(costs: PipelineCosts, m: int) -> SimResult:
+    """GPipe in closed form (module docstring): ``O(p²)``, independent of ``m``.
+
+    Identical jobs through a tandem of FIFO servers of times ``t_i`` (plus pure delays)
+    leave the last server at ``Σ t_i + Σ delays + (m-1)·max t_i``: the longest path through
+    the job × server grid. Forwards start at 0, so stage ``k`` ends its forward phase at
+    ``a_k`` by that formula over ``f_0, ser_f0, …, f_k``. Backwards run through
+    ``b_{p-1}, ser_b, …, b_0`` with stage ``j`` free from ``a_j``, so stage ``k`` ends at
+    ``max_{j≥k} a_j + Σ + (m-1)·max`` over the servers from ``j`` down to ``k``.
+    """
+    f, b, step = costs.fwd_s, costs.bwd_s, costs.step_s
+    p = len(f)
+    a = [0.0] * p
+    total, delays, top = f[0], 0.0, f[0]
+    a[0] = total + (m - 1) * top
+    for k in range(1, p):
+        total += costs.ser_f[k - 1] + f[k]
+        delays += costs.lat_f[k - 1]
+        top = max(top, costs.ser_f[k - 1], f[k])
+        a[k] = total + delays + (m - 1) * top
+    ends = []
+    for k in range(p):
+        total, top = b[k], b[k]
+        best = a[k] + total + (m - 1) * top
+        for j in range(k + 1, p):
+            total += costs.ser_b[j - 1] + costs.lat_b[j - 1] + b[j]
+            top = max(top, costs.ser_b[j - 1], b[j])
+            best = max(best, a[j] + total + (m - 1) * top)
+        ends.append(best)
+    iteration = max(e + s for e, s in zip(ends, step, strict=True))
+    return _result(costs, m, iteration, max(ends))
+
+
+@lru_cache(maxsize=4096)
+def _window(
+    name: str, p: int, delta_n: tuple[int, ...], m_p: int
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """Indices (into the probe's flattened event times) of the last ``reach`` body rounds of
+    every stage and of the messages they send, each index's distance to the same event one
+    round earlier, and the largest period the probe can test."""
+    st = _structure(name, p, delta_n)
+    assert st is not None
+    progs = schedule_for(name, p, m_p, delta_n).fused
+    p = len(progs)
+    base: list[int] = []
+    stride: list[int] = []
+    offsets = np.cumsum([0] + [len(x) for x in progs]).tolist()
+    arr_f0 = offsets[-1]
+    arr_b0 = arr_f0 + p * m_p
+    c_max = m_p
+    for k, ops in enumerate(progs):
+        b = st.bodies[k]
+        rounds = st.rounds(k, m_p)
+        c_max = min(c_max, rounds - st.reach)
+        first = b.start + (rounds - st.reach) * b.period
+        for i in range(first, b.start + rounds * b.period):
+            base.append(offsets[k] + i)
+            stride.append(b.period)
+            kind, mb = _send(ops[i] & 15), ops[i] >> 4
+            if kind == "F":
+                base.append(arr_f0 + (k + 1) * m_p + mb)
+                stride.append(1)
+            elif kind == "B":
+                base.append(arr_b0 + (k - 1) * m_p + mb)
+                stride.append(1)
+    return np.array(base), np.array(stride), c_max
+
+
+def _period(
+    probe: Replay, base: np.ndarray, stride: np.ndarray, c_max: int
+) -> tuple[int, float] | None:
+    """The steady state's period ``c`` (rounds) and time per round ``λ``, if the probe's last
+    rounds show it (module note); None if they do not."""
+    if c_max < 1:
+        return None
+    events = np.concatenate(
+        [np.asarray(x, dtype=float) for x in (*probe.ends, *probe.arr_f, *probe.arr_b)]
+    )
+    tol = _TOLERANCE * float(np.max(np.abs(events)))
+    later = events[base]
+    for c in range(1, c_max + 1):
+        diff = later - events[base - c * stride]
+        if float(np.max(diff) - np.min(diff)) <= tol:
+            return c, float(np.mean(diff)) / c
+    return None
