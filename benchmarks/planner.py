@@ -18,7 +18,8 @@ import yaml
 
 from geopipe.config import load_cluster, parse_cluster
 from geopipe.optimizer.evaluate import Evaluator
-from geopipe.optimizer.genetic import exhaustive_search, genetic_search
+from geopipe.optimizer.exhaustive import exhaustive_search
+from geopipe.optimizer.genetic import genetic_search
 from geopipe.optimizer.planner import plan_cluster
 
 ROOT = Path(__file__).resolve().parents[1]

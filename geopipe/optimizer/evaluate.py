@@ -9,6 +9,7 @@ partitions and whole evaluations are cached, because the genetic search revisits
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from geopipe.config import ClusterSpec, choice_values
@@ -28,9 +29,15 @@ from geopipe.optimizer.steady import peak_in_flight, predict
 from geopipe.plan import Plan, Shape
 from geopipe.transport.wire import MAX_TOPK_NUMEL, codec_throughput_bytes_per_s, wire_bytes
 
-__all__ = ["Candidate", "Evaluation", "Evaluator", "SearchSpace"]
+__all__ = ["TIE_TOLERANCE", "Candidate", "Evaluation", "Evaluator", "SearchSpace", "choose"]
 
 INFEASIBLE = 1e3  # fitness floor for infeasible candidates (feasible ones are s/token ≪ 1)
+# [Note: lean ties] Plans within this fraction of the fastest one's time are equally fast: the
+# cost model is not more accurate than that (nominal FLOP rates, link figures), while every
+# extra micro-batch in flight costs its activations in device memory for certain. Among such
+# plans the one holding the least activation memory in flight wins (choose()), everywhere a
+# plan is chosen: the GA, exhaustive search, the templates' ΔN ladder and ΔN refinement.
+TIE_TOLERANCE = 0.005
 # A link busier than this (mean of both directions) leaves no headroom for retransmissions.
 MAX_LINK_UTILIZATION = 0.95
 _ADAM_BYTES_PER_PARAM = 28.0  # read p, g, m, v; write p, m, v (fp32) per optimizer step
@@ -78,6 +85,12 @@ class Evaluation:
         return [mb.total for mb in self.memory]
 
     @property
+    def activation_bytes(self) -> float:
+        """Activation memory in flight at the peak, summed over the stages (one pipeline):
+        what a larger ΔN costs (see [Note: lean ties])."""
+        return sum(mb.activations for mb in self.memory)
+
+    @property
     def fitness(self) -> float:
         """Seconds per token; infeasible candidates rank below every feasible one."""
         if self.plan is None:
@@ -116,6 +129,25 @@ class Evaluation:
             "feasible": self.feasible,
             "reason": self.reason,
         }
+
+
+def choose(evaluations: Iterable[Evaluation]) -> Evaluation | None:
+    """The plan to run among ``evaluations`` ([Note: lean ties]).
+
+    Among feasible, simulated ones: those within :data:`TIE_TOLERANCE` of the best fitness
+    (seconds per token), the least activation memory in flight, then the faster, then the
+    smaller ΔN. Without a
+    feasible one, the least infeasible (lowest penalty). None for an empty input.
+    """
+    pool = [e for e in evaluations if not e.skipped_simulation or not e.feasible]
+    ok = [e for e in pool if e.feasible]
+    if not ok:
+        return min(pool, key=lambda e: e.fitness, default=None)
+    fastest = min(e.fitness for e in ok)
+    ties = [e for e in ok if e.fitness <= fastest * (1 + TIE_TOLERANCE)]
+    # Equal memory and time (ΔN the warm-up cap hides): the smaller ΔN, for a stable answer.
+    return min(ties, key=lambda e: (e.activation_bytes, e.fitness, sum(e.candidate.delta_n),
+                                    e.candidate.delta_n))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -217,6 +249,16 @@ class Evaluator:
             codecs=codecs,
         )
 
+    def unusable(self, plan: Plan) -> str:
+        """Why ``plan`` cannot run whatever the memory (empty if it can)."""
+        elems = boundary_message_elems(self.spec.model, plan.micro_batch_size, plan.seq_len)
+        if elems > MAX_TOPK_NUMEL and "topk" in (plan.codecs[j] for j in plan.wan_boundaries):
+            return (
+                f"topk cannot encode a message of {elems:,} elements (int32 indices: at most "
+                f"{MAX_TOPK_NUMEL:,})"
+            )
+        return ""
+
     def costs(self, plan: Plan) -> PipelineCosts:
         """Seconds per action for one pipeline of ``plan`` (see the simulator's docstring)."""
         spec, model = self.spec, self.spec.model
@@ -270,7 +312,7 @@ class Evaluator:
         )  # fmt: skip
 
     # -- evaluation ----------------------------------------------------------------------------
-    def _host_memory(self, plan: Plan) -> tuple[dict[str, float], dict[str, float]]:
+    def host_memory(self, plan: Plan) -> tuple[dict[str, float], dict[str, float]]:
         """Host RAM per node the recovery snapshots take in each site (worst case: every
         device of the node runs a replica of the site's biggest stage), and the limits the
         YAML states. Nothing when snapshots are off."""
@@ -311,17 +353,15 @@ class Evaluator:
                 c, None, False, "global batch not divisible by pipelines × micro-batch"
             )
         spec = self.spec
+        why = self.unusable(plan)
+        if why:
+            return Evaluation(c, None, False, why)
         elems = boundary_message_elems(spec.model, plan.micro_batch_size, plan.seq_len)
-        if elems > MAX_TOPK_NUMEL and "topk" in (plan.codecs[j] for j in plan.wan_boundaries):
-            return Evaluation(
-                c, None, False, f"topk cannot encode a message of {elems:,} elements (int32 "
-                f"indices: at most {MAX_TOPK_NUMEL:,})",
-            )  # fmt: skip
         args = (plan.schedule, plan.num_stages, plan.num_microbatches, plan.delta_n)
         mem = plan_memory(spec, plan, peak_in_flight(*args))
         limits = device_limits(spec, plan.stage_sites)
         over = stages_over(mem, limits)
-        host, host_limits = self._host_memory(plan)
+        host, host_limits = self.host_memory(plan)
         host_over = [s for s, lim in host_limits.items() if host[s] > lim]
         wan_bytes = 0.0
         e = elem_bytes(spec.training.precision)
@@ -363,7 +403,8 @@ class Evaluator:
         costs = self.costs(plan)
         if prune_above is not None and not record:
             lb = lower_bound(costs, plan.num_microbatches)
-            if lb / base.tokens_per_iteration > prune_above * (1 + 1e-6):
+            # Within the tie tolerance a slower plan may still win on memory: keep those.
+            if lb / base.tokens_per_iteration > prune_above * (1 + TIE_TOLERANCE + 1e-6):
                 base.iteration_time_s = lb
                 base.pruned = base.skipped_simulation = True
                 base.reason = "pruned: its lower bound is slower than the best plan found"

@@ -2,10 +2,13 @@
 
 Genome: one index per gene into the :class:`~geopipe.optimizer.evaluate.SearchSpace`
 lists — ``[pipelines, micro_batch, seq_len, ΔN per WAN boundary…, codec per WAN
-boundary…]``. Fitness is lexicographic ``(seconds per token, peak memory / device memory)``
-so that among equally fast plans the leanest wins (ΔN beyond what hides the round trip
-buys nothing but memory). Infeasible genomes (memory over the device, saturated link, batch
-that does not divide) get a penalty fitness that ranks below every feasible one.
+boundary…]``. Fitness is lexicographic ``(seconds per token, activation bytes in flight)``.
+Infeasible genomes (memory over the device, saturated link, batch that does not divide)
+get a penalty fitness that ranks below every feasible one. The plan returned is not simply
+the fittest genome: :func:`~geopipe.optimizer.evaluate.choose` picks, among every plan the
+search scored within the tie tolerance of the fastest, the one holding the least
+activation memory in flight (see [Note: lean ties]), after a last descent that lowers each
+ΔN while the time stays within that tolerance.
 
 The GA is (μ+λ) with tournament selection, uniform crossover and per-gene mutation
 (random reset or a ±1 step), seeded with the analytic ΔN estimate
@@ -18,17 +21,16 @@ callers' randomness alone.
 
 from __future__ import annotations
 
-import itertools
 import random
 import time
 from dataclasses import dataclass
 
 from deap import algorithms, base, creator, tools
 
-from geopipe.optimizer.evaluate import Candidate, Evaluation, Evaluator
+from geopipe.optimizer.evaluate import TIE_TOLERANCE, Candidate, Evaluation, Evaluator, choose
 from geopipe.optimizer.ladder import delta_n_estimate
 
-__all__ = ["SearchResult", "exhaustive_search", "genetic_search"]
+__all__ = ["SearchResult", "genetic_search"]
 
 if not hasattr(creator, "GeoPipeFitness"):
     creator.create("GeoPipeFitness", base.Fitness, weights=(-1.0, -1.0))
@@ -43,15 +45,12 @@ class SearchResult:
     method: str
     space_size: int
     generations: int = 0
+    simulated: int = 0  # candidates exhaustive search simulated (the rest: scored by bounds)
 
 
 def _key(ev: Evaluation) -> tuple[float, float]:
     """Fitness tuple, rounded so float noise does not decide between equal plans."""
-    mem = max(
-        (m / lim for m, lim in zip(ev.peak_memory_bytes, ev.memory_limit_bytes, strict=True)),
-        default=1.0,
-    )
-    return (float(f"{ev.fitness:.7g}"), round(mem, 6))
+    return (float(f"{ev.fitness:.7g}"), ev.activation_bytes)
 
 
 class _Genes:
@@ -67,6 +66,7 @@ class _Genes:
         )
         self.w = w
         self.ups = [len(lst) - 1 for lst in self.lists]  # the largest index of every gene
+        self.seen: dict[Candidate, Evaluation] = {}  # every candidate this search scored
 
     def candidate(self, g: list[int]) -> Candidate:
         v = [lst[i] for lst, i in zip(self.lists, g, strict=True)]
@@ -94,7 +94,9 @@ class _Genes:
     def fitness(self, g: list[int]) -> tuple[float, float]:
         """Repair ``g`` in place and score it (the searches' pruning evaluation)."""
         self.repair(g)
-        return _key(self.ev.evaluate(self.candidate(g), prune=True))
+        c = self.candidate(g)
+        e = self.seen[c] = self.ev.evaluate(c, prune=True)
+        return _key(e)
 
     def retune(self, g: list[int]) -> list[list[int]]:
         """``g`` with ΔN set to the analytic estimate, and to its neighbours on either side."""
@@ -144,9 +146,12 @@ def genetic_search(
         pop = _initial_population(genes, population)
         pop, best, gen = _evolve(genes, pop, population, generations, patience)
         best = _polish(genes, pop, best)
+        _lean(genes, best)
     finally:
         random.setstate(saved)
-    result = ev.evaluate(genes.candidate(best))
+    chosen = choose(genes.seen.values())
+    assert chosen is not None
+    result = ev.evaluate(chosen.candidate)
     return SearchResult(
         best=result,
         evaluations=ev.evaluations - start_evals,
@@ -238,6 +243,29 @@ def _polish(genes: _Genes, pop: list, best: list[int]) -> list[int]:
     return min(climbed, key=genes.fitness)
 
 
+def _lean(genes: _Genes, g: list[int]) -> None:
+    """Lower each ΔN gene of ``g`` one step at a time while the plan stays feasible and
+    within the tie tolerance of the fastest plan seen ([Note: lean ties]); the plans it
+    scores join ``genes.seen`` for the final choice."""
+    ok = [e.fitness for e in genes.seen.values() if e.feasible and not e.skipped_simulation]
+    if not ok:
+        return
+    limit = min(ok) * (1 + TIE_TOLERANCE)
+    g = list(g)
+    changed = True
+    while changed:
+        changed = False
+        for i in range(3, 3 + genes.w):
+            while g[i] > 0:
+                trial = list(g)
+                trial[i] -= 1
+                genes.fitness(trial)
+                e = genes.seen[genes.candidate(trial)]
+                if not (e.feasible and not e.skipped_simulation and e.fitness <= limit):
+                    break
+                g, changed = trial, True
+
+
 def _hill_climb(g: list[int], ups: list[int], fitness, retune) -> list[int]:
     """First-improvement local search.
 
@@ -263,28 +291,3 @@ def _hill_climb(g: list[int], ups: list[int], fitness, retune) -> list[int]:
                         g, cur, improved = t, f, True
                         break
     return g
-
-
-def exhaustive_search(ev: Evaluator) -> SearchResult:
-    """Evaluate every valid candidate (for small spaces and to check the GA)."""
-    genes = _Genes(ev)
-    sp = ev.space
-    start_evals, t0 = ev.evaluations, time.perf_counter()
-    best: Evaluation | None = None
-    best_key = None
-    for g in itertools.product(*(range(len(lst)) for lst in genes.lists)):
-        d, b = sp.pipelines[g[0]], sp.micro_batch_sizes[g[1]]
-        if not sp.valid(d, b, genes.gbs):
-            continue
-        e = ev.evaluate(genes.candidate(list(g)), prune=True)
-        k = _key(e)
-        if best_key is None or k < best_key:
-            best, best_key = e, k
-    assert best is not None, "the search space is empty"
-    return SearchResult(
-        best=best,
-        evaluations=ev.evaluations - start_evals,
-        seconds=time.perf_counter() - t0,
-        method="exhaustive",
-        space_size=sp.size(genes.gbs),
-    )

@@ -14,9 +14,10 @@ clusters the simulator's best is 1/8 to 1/2 of it, and the estimate itself predi
 slower), so a prediction walks the multiples :data:`DELTA_N_SCALES` of it from 1/4 while the
 time improves, also tries the running plan's ΔN on its site pairs, and keeps the fastest
 that fits in memory. Memory is checked where in-flight activations peak (``m ≥ p + ΣΔN``),
-so a layout that fits, fits for any number of micro-batches. Long runs (``p·m`` above
-:data:`EXACT_CELLS`) are simulated at two points past that peak and extrapolated along the
-steady state, which is affine in ``m``; shorter ones are simulated exactly.
+so a layout that fits, fits for any number of micro-batches. Times are the evaluator's,
+exact at any ``m`` for a cost independent of ``m`` (:mod:`geopipe.optimizer.steady`, the one
+steady-state extrapolation); the slope per extra micro-batch is measured over
+:data:`SLOPE_SPAN` micro-batches.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from geopipe.config import ClusterSpec
-from geopipe.optimizer.evaluate import Candidate, Evaluation, Evaluator
+from geopipe.optimizer.evaluate import TIE_TOLERANCE, Candidate, Evaluation, Evaluator
 from geopipe.optimizer.memory import stages_over
 from geopipe.optimizer.shapes import build_plan
 from geopipe.optimizer.simulator import PipelineCosts, lower_bound
@@ -35,15 +36,16 @@ from geopipe.plan import Plan
 
 __all__ = [
     "DELTA_N_SCALES",
-    "EXACT_CELLS",
+    "SLOPE_SPAN",
     "LayoutCandidate",
     "LayoutPredictor",
     "Prediction",
     "delta_n_estimate",
 ]
 
-# Above this many stage × micro-batch cells a run is extrapolated, not simulated (~10 µs/cell).
-EXACT_CELLS = 4096
+# Micro-batches over which a prediction's slope is measured: a multiple of every common
+# steady-state period (see geopipe.optimizer.steady), so the slope is the steady state's.
+SLOPE_SPAN = 12
 # ΔN is searched over these multiples of the estimate, starting at index DELTA_N_START: on
 # the shipped clusters the best lies between 1/8 and 1/2 of it.
 DELTA_N_SCALES = (0.0, 0.125, 0.25, 0.5, 1.0)
@@ -76,7 +78,6 @@ class Prediction:
     delta_n: tuple[int, ...]  # one per stage boundary (0 inside a site)
     codecs: tuple[str, ...]  # one per stage boundary ("none" inside a site)
     peak_memory_bytes: tuple[float, ...]
-    exact: bool  # simulated at this micro-batch count (else extrapolated, see the module note)
     per_microbatch_s: float  # steady-state slope of iteration time in the micro-batch count
 
 
@@ -246,13 +247,15 @@ class LayoutPredictor:
                 break
         if planned is not None:
             at(planned)
-        best = min(tried.values(), key=lambda pr: (rank(pr), sum(pr.delta_n)))
-        if not best.feasible:  # report the smallest ΔN: the least memory it can need
-            best = at(ladder[0])
-        return best
+        fastest = min(rank(pr) for pr in tried.values())
+        if math.isinf(fastest):  # report the smallest ΔN: the least memory it can need
+            return at(ladder[0])
+        # [Note: lean ties]: within the tolerance, the least memory (ΔN changes activations only)
+        ties = [pr for pr in tried.values() if rank(pr) <= fastest * (1 + TIE_TOLERANCE)]
+        return min(ties, key=lambda pr: (sum(pr.peak_memory_bytes), rank(pr), sum(pr.delta_n)))
 
     def _predict_at(self, stage_sites: Layout, d: int, m: int, dn: tuple[int, ...]) -> Prediction:
-        """Predict one ΔN: memory at the in-flight peak, time exact or extrapolated."""
+        """Predict one ΔN: memory at the in-flight peak, the time at ``m`` (exact)."""
         p = len(stage_sites)
         m_peak = min(m, p + sum(dn))  # in-flight activations peak from here on
         peak = self._eval(self.candidate(stage_sites, d, m_peak, dn))
@@ -265,34 +268,19 @@ class LayoutPredictor:
                 delta_n=dn,
                 codecs=peak.plan.codecs,
                 peak_memory_bytes=tuple(peak.peak_memory_bytes),
-                exact=True,
                 per_microbatch_s=math.inf,
             )
-        at_m: Evaluation | None = peak
-        if m != m_peak:
-            at_m = self.simulate(stage_sites, d, m, dn) if p * m <= EXACT_CELLS else None
-        # The slope: between the peak and m, or one pipeline depth further (that point may not
-        # fit in memory, which does not matter for a slope, hence a plain simulation).
-        if at_m is not None and at_m is not peak:
-            far = at_m
-        else:
-            far = self.simulate(stage_sites, d, m_peak + max(p, 4), dn)
-        assert far.plan is not None
-        slope = (far.iteration_time_s - peak.iteration_time_s) / (
-            far.plan.num_microbatches - m_peak
-        )
-        if at_m is None:  # a long run: extrapolate along the steady state
-            t, last = peak.iteration_time_s + slope * (m - m_peak), far
-        else:
-            t, last = at_m.iteration_time_s, at_m
-        bad = next((e for e in (peak, last) if not e.feasible), None)
+        at_m = peak if m == m_peak else self.simulate(stage_sites, d, m, dn)
+        # The slope may be measured past what fits in memory: a plain simulation.
+        far = self.simulate(stage_sites, d, m + SLOPE_SPAN, dn)
+        slope = (far.iteration_time_s - at_m.iteration_time_s) / SLOPE_SPAN
+        bad = next((e for e in (peak, at_m) if not e.feasible), None)
         return Prediction(
             feasible=bad is None,
             reason="ok" if bad is None else bad.reason,
-            iteration_time_s=t,
+            iteration_time_s=at_m.iteration_time_s,
             delta_n=dn,
             codecs=peak.plan.codecs,
             peak_memory_bytes=tuple(peak.peak_memory_bytes),
-            exact=at_m is not None,
             per_microbatch_s=max(slope, 0.0),
         )

@@ -12,7 +12,8 @@ from dataclasses import dataclass, replace
 from geopipe.config import MAX_DELTA_N, ClusterSpec
 from geopipe.optimizer.errors import PlanningError
 from geopipe.optimizer.evaluate import Candidate, Evaluation, Evaluator
-from geopipe.optimizer.genetic import SearchResult, exhaustive_search, genetic_search
+from geopipe.optimizer.exhaustive import exhaustive_search
+from geopipe.optimizer.genetic import SearchResult, genetic_search
 from geopipe.transport.wire import CODECS
 
 __all__ = ["PlanReport", "evaluate_fixed", "plan_cluster"]
@@ -37,6 +38,7 @@ class PlanReport:
             ex = self.exhaustive
             search["exhaustive"] = {
                 "evaluations": ex.evaluations,
+                "simulated": ex.simulated,
                 "seconds": round(ex.seconds, 4),
                 "best": ex.best.summary(),
                 "gap": self.best.fitness / ex.best.fitness - 1.0,

@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 from geopipe.config import ClusterSpec
-from geopipe.optimizer.evaluate import Evaluator
+from geopipe.optimizer import steady
+from geopipe.optimizer.evaluate import TIE_TOLERANCE, Evaluator
 from geopipe.optimizer.memory import device_limits, plan_memory, stages_over
-from geopipe.optimizer.simulator import PipelineCosts, simulate
-from geopipe.pipeline.schedule import make_schedule
+from geopipe.optimizer.simulator import PipelineCosts
 from geopipe.plan import Plan
 
 __all__ = ["measured_costs", "pessimistic", "predict", "refine_delta_n"]
@@ -48,36 +48,62 @@ def pessimistic(costs: PipelineCosts, compute: float = 0.6, latency: float = 1.2
 
 
 def predict(plan: Plan, costs: PipelineCosts) -> float:
-    sched = make_schedule(plan.schedule, plan.num_stages, plan.num_microbatches, plan.delta_n)
-    return simulate(sched, costs).iteration_time_s
+    args = (plan.schedule, plan.num_stages, plan.num_microbatches, plan.delta_n)
+    return steady.predict(*args, costs).iteration_time_s
 
 
-def _fits(spec: ClusterSpec, plan: Plan) -> bool:
-    sched = make_schedule(plan.schedule, plan.num_stages, plan.num_microbatches, plan.delta_n)
-    mem = plan_memory(spec, plan, sched.max_in_flight)
-    return not stages_over(mem, device_limits(spec, plan.stage_sites))
+def _memory(spec: ClusterSpec, plan: Plan) -> float | None:
+    """Total peak bytes over the stages (ΔN changes only the activations), None if it does
+    not fit."""
+    args = (plan.schedule, plan.num_stages, plan.num_microbatches, plan.delta_n)
+    mem = plan_memory(spec, plan, steady.peak_in_flight(*args))
+    if stages_over(mem, device_limits(spec, plan.stage_sites)):
+        return None
+    return sum(mb.total for mb in mem)
 
 
 def refine_delta_n(
     spec: ClusterSpec, plan: Plan, costs: PipelineCosts, candidates: list[int]
 ) -> tuple[Plan, float]:
-    """Coordinate descent over ΔN per WAN boundary: fastest, then smallest, that fits."""
+    """ΔN per WAN boundary for ``costs``: coordinate descent to the fastest that fits, then
+    ([Note: lean ties]) the least memory whose time stays within the tie tolerance of it."""
     if plan.schedule != "lookahead" or not plan.wan_boundaries:
         return plan, predict(plan, costs)
+    values = sorted({min(v, plan.num_microbatches) for v in candidates})
     best, best_t = plan, predict(plan, costs)
     changed = True
     while changed:
         changed = False
         for j in plan.wan_boundaries:
-            for v in sorted(set(candidates)):
-                dn = list(best.delta_n)
-                dn[j] = min(v, plan.num_microbatches)
-                trial = replace(best, delta_n=tuple(dn))
-                if trial == best or not _fits(spec, trial):
+            for v in values:
+                trial = _with(best, j, v)
+                if trial == best or _memory(spec, trial) is None:
                     continue
                 t = predict(trial, costs)
-                better = t < best_t * (1 - 1e-9)
-                tie_smaller = abs(t - best_t) <= best_t * 1e-9 and dn[j] < best.delta_n[j]
-                if better or tie_smaller:
+                if t < best_t * (1 - 1e-9):
                     best, best_t, changed = trial, t, True
-    return best, best_t
+    limit = best_t * (1 + TIE_TOLERANCE)
+    lean, lean_t = best, best_t
+    lean_mem = _memory(spec, best)
+    changed = True
+    while changed:
+        changed = False
+        for j in plan.wan_boundaries:
+            for v in values:
+                if v >= lean.delta_n[j]:
+                    break
+                trial = _with(lean, j, v)
+                mem = _memory(spec, trial)
+                if mem is None or (lean_mem is not None and mem >= lean_mem):
+                    continue
+                t = predict(trial, costs)
+                if t <= limit:
+                    lean, lean_t, lean_mem, changed = trial, t, mem, True
+                    break
+    return lean, lean_t
+
+
+def _with(plan: Plan, j: int, v: int) -> Plan:
+    dn = list(plan.delta_n)
+    dn[j] = v
+    return replace(plan, delta_n=tuple(dn))

@@ -25,9 +25,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from geopipe.pipeline.schedule import Kind, Schedule, ScheduleError
 
-__all__ = ["Event", "PipelineCosts", "Replay", "SimResult", "lower_bound", "replay", "simulate"]
+__all__ = [
+    "Event",
+    "PipelineCosts",
+    "Replay",
+    "SimResult",
+    "in_flight_bound",
+    "lower_bound",
+    "replay",
+    "simulate",
+]
 
 _F, _B, _SF, _RF, _SB, _RB = (int(k) for k in Kind)
 
@@ -253,3 +264,30 @@ def lower_bound(costs: PipelineCosts, m: int) -> float:
     for j in range(p - 1):
         best = max(best, round_trip + (m - 1) * max(costs.ser_f[j], costs.ser_b[j]) + step[0])
     return best
+
+
+def in_flight_bound(costs: PipelineCosts, m: int, in_flight: np.ndarray) -> np.ndarray:
+    """A bound from each stage's in-flight cap, for many candidates at once.
+
+    ``in_flight[i, k]``: the most micro-batches in flight on stage ``k`` under candidate
+    ``i`` (its schedule's peak; ΔN raises it). Valid for schedules whose stages run forwards
+    and backwards in micro-batch order (GPipe, 1F1B, look-ahead): stage ``k`` can then start
+    ``F x`` only after ``B (x - cap)`` ended, and ``B x`` ends at least a round trip ``RT_k``
+    (its compute and everything downstream, with every link's latency and serialisation)
+    after ``F x`` starts. Chaining ``ceil(m / cap)`` round trips from the first activation's
+    arrival (``fill_k``), then the last gradient's way back to stage 0 and its step, gives a
+    bound that grows as ΔN shrinks — so the searches can prune over ΔN, which
+    :func:`lower_bound` cannot see.
+    """
+    f, b, step = (np.asarray(x, dtype=float) for x in (costs.fwd_s, costs.bwd_s, costs.step_s))
+    p = f.size
+    hop_f = np.asarray(costs.ser_f, dtype=float) + np.asarray(costs.lat_f, dtype=float)
+    hop_b = np.asarray(costs.ser_b, dtype=float) + np.asarray(costs.lat_b, dtype=float)
+    fill = np.concatenate([[0.0], np.cumsum(f[:-1] + hop_f)])
+    drain = np.concatenate([[0.0], np.cumsum(b[:-1] + hop_b)])
+    rt = np.cumsum((f + b)[::-1])[::-1]
+    rt[:-1] += np.cumsum((hop_f + hop_b)[::-1])[::-1] if p > 1 else 0.0
+    cap = np.maximum(np.asarray(in_flight), 1)
+    trips = np.ceil(m / cap)
+    tail = np.maximum(drain + step[0], step)
+    return np.max(fill + trips * rt + tail, axis=-1)

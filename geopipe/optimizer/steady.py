@@ -40,7 +40,18 @@ import numpy as np
 from geopipe.optimizer.simulator import PipelineCosts, Replay, SimResult, replay, simulate
 from geopipe.pipeline.schedule import Schedule, make_schedule
 
-__all__ = ["gpipe_time", "peak_in_flight", "predict", "schedule_for"]
+__all__ = [
+    "IN_ORDER",
+    "gpipe_time",
+    "peak_in_flight",
+    "peak_in_flight_batch",
+    "predict",
+    "schedule_for",
+]
+
+# Families whose stages run forwards and backwards in micro-batch order (the simulator's
+# in_flight_bound holds for them) and whose in-flight peak has the closed form below.
+IN_ORDER = frozenset({"gpipe", "1f1b", "lookahead"})
 
 # A probe's periodicity test: every compared difference within this fraction of the largest
 # event time. Rounding noise is ~1e-15 of it; a looser test could take a slow transient for
@@ -211,6 +222,25 @@ def peak_in_flight(name: str, p: int, m: int, delta_n: tuple[int, ...]) -> tuple
     if st is not None and m >= st.m_s:
         return st.peak
     return schedule_for(name, p, m, delta_n).max_in_flight
+
+
+def peak_in_flight_batch(name: str, p: int, m: int, delta_n: np.ndarray) -> np.ndarray:
+    """:func:`peak_in_flight` for many ΔN rows at once (``delta_n``: ``N × (p-1)``).
+
+    For the 1F1B family stage ``k`` warms up ``w_k = p-k-1 + Σ_{j≥k} ΔN_j`` forwards
+    (``warmup_counts``), so ``min(m, w_k + 1)`` are in flight at its peak; GPipe holds all
+    ``m``. Other families are asked row by row.
+    """
+    rows = np.asarray(delta_n, dtype=np.int64)
+    rows = rows.reshape(rows.shape[0] if rows.ndim > 1 else 1, max(p - 1, 0))
+    if name == "gpipe":
+        return np.full((rows.shape[0], p), m, dtype=np.int64)
+    if name in IN_ORDER:
+        suffix = np.zeros((rows.shape[0], p), dtype=np.int64)
+        if p > 1:
+            suffix[:, :-1] = np.cumsum(rows[:, ::-1], axis=1)[:, ::-1]
+        return np.minimum(m, np.arange(p, 0, -1) + suffix)
+    return np.array([peak_in_flight(name, p, m, tuple(int(x) for x in r)) for r in rows])
 
 
 # ---------------------------------------------------------------------------------------------

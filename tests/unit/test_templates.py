@@ -15,9 +15,10 @@ from geopipe.config import ClusterSpec, load_cluster, parse_cluster
 from geopipe.model.sizes import param_totals
 from geopipe.optimizer.evaluate import Candidate, Evaluator
 from geopipe.optimizer.instantiate import instantiate, split_microbatches
-from geopipe.optimizer.ladder import EXACT_CELLS
 from geopipe.optimizer.shapes import candidate_shapes
+from geopipe.optimizer.simulator import simulate
 from geopipe.optimizer.templates import TemplateSet, Vector, best_uniform, build_templates
+from geopipe.pipeline.schedule import make_schedule
 
 ROOT = Path(__file__).resolve().parents[2]
 GIB = 1 << 30
@@ -205,9 +206,7 @@ def test_predictions_agree_with_the_planners_evaluator() -> None:
             )  # fmt: skip
             e = ev.evaluate(c)
             assert e.feasible == pr.feasible
-            assert pr.iteration_time_s == pytest.approx(e.iteration_time_s, rel=0.01)
-            if pr.exact:
-                assert pr.iteration_time_s == pytest.approx(e.iteration_time_s, rel=1e-12)
+            assert pr.iteration_time_s == pytest.approx(e.iteration_time_s, rel=1e-9)
 
 
 def test_max_vector_is_the_planners_shape_on_shipped_clusters() -> None:
@@ -220,17 +219,16 @@ def test_max_vector_is_the_planners_shape_on_shipped_clusters() -> None:
             assert ts.stage_sites(v) == shape.stage_sites, (path.name, shape.pipelines)
 
 
-def test_long_runs_are_extrapolated_accurately() -> None:
+def test_long_runs_are_predicted_exactly() -> None:
     spec = load_cluster(ROOT / "clusters" / "three-dc-wan.yaml")
     ts = build_templates(spec)
     v = ts.max_vector(ts.devices, 2)
-    p = sum(v)
     m = ts.num_microbatches // 2
-    assert p * m > EXACT_CELLS
     pr = ts.predict(v, 2, m)
-    assert not pr.exact
-    exact = ts.predictor.simulate(ts.stage_sites(v), 2, m, pr.delta_n)  # the full simulation
-    assert pr.iteration_time_s == pytest.approx(exact.iteration_time_s, rel=0.01)
+    plan = ts.predictor.plan(ts.stage_sites(v), 2, m, pr.delta_n)
+    sched = make_schedule(plan.schedule, plan.num_stages, m, plan.delta_n)
+    full = simulate(sched, ts.predictor._ev.costs(plan))  # the full replay, no extrapolation
+    assert pr.iteration_time_s == pytest.approx(full.iteration_time_s, rel=1e-9)
 
 
 def test_plan_for_builds_the_runtime_plan() -> None:
