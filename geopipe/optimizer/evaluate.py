@@ -12,6 +12,8 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from geopipe.config import ClusterSpec, choice_values
 from geopipe.model.sizes import elem_bytes, layer_forward_flops, layer_param_counts
 from geopipe.optimizer.costs import boundary_message_elems
@@ -24,8 +26,8 @@ from geopipe.optimizer.memory import (
     stages_over,
 )
 from geopipe.optimizer.shapes import build_plan, candidate_shapes
-from geopipe.optimizer.simulator import PipelineCosts, SimResult, lower_bound
-from geopipe.optimizer.steady import peak_in_flight, predict
+from geopipe.optimizer.simulator import PipelineCosts, SimResult, in_flight_bound, lower_bound
+from geopipe.optimizer.steady import IN_ORDER, peak_in_flight, predict
 from geopipe.plan import Plan, Shape
 from geopipe.transport.wire import MAX_TOPK_NUMEL, codec_throughput_bytes_per_s, wire_bytes
 
@@ -403,6 +405,9 @@ class Evaluator:
         costs = self.costs(plan)
         if prune_above is not None and not record:
             lb = lower_bound(costs, plan.num_microbatches)
+            if plan.schedule in IN_ORDER:  # too little ΔN shows here (simulator docs)
+                peaks = np.array([peak_in_flight(*args)])
+                lb = max(lb, float(in_flight_bound(costs, plan.num_microbatches, peaks)[0]))
             # Within the tie tolerance a slower plan may still win on memory: keep those.
             if lb / base.tokens_per_iteration > prune_above * (1 + TIE_TOLERANCE + 1e-6):
                 base.iteration_time_s = lb

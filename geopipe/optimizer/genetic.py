@@ -21,6 +21,7 @@ callers' randomness alone.
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from dataclasses import dataclass
@@ -48,9 +49,14 @@ class SearchResult:
     simulated: int = 0  # candidates exhaustive search simulated (the rest: scored by bounds)
 
 
+_BUCKET = math.log1p(TIE_TOLERANCE)
+
+
 def _key(ev: Evaluation) -> tuple[float, float]:
-    """Fitness tuple, rounded so float noise does not decide between equal plans."""
-    return (float(f"{ev.fitness:.7g}"), ev.activation_bytes)
+    """Fitness tuple: the time in buckets of the tie tolerance (log scale), then activation
+    bytes in flight — a total order that approximates [Note: lean ties], so selection keeps
+    lean genomes among equally fast ones."""
+    return (float(math.floor(math.log(ev.fitness) / _BUCKET)), ev.activation_bytes)
 
 
 class _Genes:
@@ -91,12 +97,23 @@ class _Genes:
                 return
             g[0] = (g[0] + 1) % len(sp.pipelines)
 
-    def fitness(self, g: list[int]) -> tuple[float, float]:
+    def score(self, g: list[int]) -> Evaluation:
         """Repair ``g`` in place and score it (the searches' pruning evaluation)."""
         self.repair(g)
         c = self.candidate(g)
         e = self.seen[c] = self.ev.evaluate(c, prune=True)
-        return _key(e)
+        return e
+
+    def fitness(self, g: list[int]) -> tuple[float, float]:
+        """The GA's fitness of ``g`` (time in tie-tolerance buckets, then memory)."""
+        return _key(self.score(g))
+
+    def exact(self, g: list[int]) -> tuple[float, float]:
+        """The hill-climb's fitness: the time itself (rounded to float noise), then memory.
+        Bucketed times would make it walk ΔN down one step per full neighbourhood scan;
+        :func:`_lean` does that walk directly."""
+        e = self.score(g)
+        return (float(f"{e.fitness:.7g}"), e.activation_bytes)
 
     def retune(self, g: list[int]) -> list[list[int]]:
         """``g`` with ΔN set to the analytic estimate, and to its neighbours on either side."""
@@ -181,22 +198,38 @@ def _toolbox(ups: list[int]) -> base.Toolbox:
     return tb
 
 
+# Seeds scale the analytic ΔN by these, most likely first: on the shipped clusters the best
+# ΔN is 1/8 to 1/2 of the estimate (see geopipe.optimizer.ladder).
+_SEED_SCALES = (0.25, 0.125, 0.5, 0.0625, 1.0, 0.0)
+
+
 def _initial_population(genes: _Genes, population: int) -> list:
-    """Seeds — for each pipeline count, the analytic ΔN at a mid micro-batch and the longest
-    sequence, with every codec — for up to half the population, random genomes for the rest;
-    all scored."""
+    """Seeds — for each pipeline count and codec, the analytic ΔN scaled by
+    :data:`_SEED_SCALES` at a mid micro-batch and the longest sequence — for up to half the
+    population (spread evenly over that grid, most likely scale first), random genomes for
+    the rest; all scored."""
     sp = genes.ev.space
     pop: list = []
+    bases = []
     for di in range(len(sp.pipelines)):
         for ci in range(len(sp.codecs)):
             g = [di, len(sp.micro_batch_sizes) // 2, len(sp.seq_lens) - 1]
             g += [0] * sp.wan_boundaries + [ci] * sp.wan_boundaries
             genes.repair(g)
-            est = _estimate_delta_n(genes.ev, genes.candidate(g))
+            bases.append((g, _estimate_delta_n(genes.ev, genes.candidate(g))))
+    seeds: list[list[int]] = []
+    for scale in _SEED_SCALES:
+        for g, est in bases:
+            seed = list(g)
             for i, x in enumerate(est):
-                g[3 + i] = _nearest(sp.delta_ns, x)
-            pop.append(creator.GeoPipeGenome(g))
-    pop = pop[: population // 2]
+                seed[3 + i] = _nearest(sp.delta_ns, round(x * scale))
+            if seed not in seeds:
+                seeds.append(seed)
+    stride = max(1.0, len(seeds) / max(1, population // 2))
+    picked = sorted(
+        {int(i * stride) for i in range(population // 2) if int(i * stride) < len(seeds)}
+    )
+    pop = [creator.GeoPipeGenome(seeds[i]) for i in picked]
     while len(pop) < population:
         pop.append(creator.GeoPipeGenome([random.randint(0, up) for up in genes.ups]))
     for ind in pop:
@@ -207,8 +240,10 @@ def _initial_population(genes: _Genes, population: int) -> list:
 def _evolve(
     genes: _Genes, pop: list, population: int, generations: int, patience: int
 ) -> tuple[list, list[int], int]:
-    """(μ+λ) generations with elitism until ``patience`` of them bring no improvement;
-    returns the last population, the best genome seen and the generations run."""
+    """(μ+λ) generations with elitism until ``patience`` of them bring no faster plan (a
+    leaner one at the same speed is kept but does not count: :func:`_lean` and the final
+    choice take care of memory); returns the last population, the best genome seen and the
+    generations run."""
     ga = genes.ev.spec.plan.ga
     tb = _toolbox(genes.ups)
     best = tools.selBest(pop, 1)[0]
@@ -222,25 +257,28 @@ def _evolve(
         elite = tools.selBest(pool, max(2, population // 8))
         pop = elite + tb.select(pool, population - len(elite))
         top = tools.selBest(pop, 1)[0]
+        faster = top.fitness.values[0] < best_key[0]
         if top.fitness.values < best_key:
-            best, best_key, stale = top, top.fitness.values, 0
-        else:
-            stale += 1
-            if stale >= patience:
-                break
+            best, best_key = top, top.fitness.values
+        stale = 0 if faster else stale + 1
+        if stale >= patience:
+            break
     return pop, best, gen
 
 
 def _polish(genes: _Genes, pop: list, best: list[int]) -> list[int]:
-    """Hill-climb from the three best distinct genomes; the best result."""
-    starts: list[list[int]] = []
-    for ind in tools.selBest([*pop, best], len(pop)):
-        if list(ind) not in starts:
-            starts.append(list(ind))
+    """Hill-climb from the best genomes of three different bases (pipelines, micro-batch,
+    seq len, codecs) — genomes differing only in ΔN climb to the same optimum, so climbing
+    from more than one of them only costs evaluations; the best result."""
+    w = genes.w
+    starts: dict[tuple[int, ...], list[int]] = {}
+    for ind in tools.selBest([*pop, best], len(pop) + 1):
+        base = (*ind[:3], *ind[3 + w :])
+        starts.setdefault(base, list(ind))
         if len(starts) == 3:
             break
-    climbed = [_hill_climb(g, genes.ups, genes.fitness, genes.retune) for g in starts]
-    return min(climbed, key=genes.fitness)
+    climbed = [_hill_climb(g, genes.ups, genes.exact, genes.retune) for g in starts.values()]
+    return min(climbed, key=genes.exact)
 
 
 def _lean(genes: _Genes, g: list[int]) -> None:
@@ -259,8 +297,7 @@ def _lean(genes: _Genes, g: list[int]) -> None:
             while g[i] > 0:
                 trial = list(g)
                 trial[i] -= 1
-                genes.fitness(trial)
-                e = genes.seen[genes.candidate(trial)]
+                e = genes.score(trial)
                 if not (e.feasible and not e.skipped_simulation and e.fitness <= limit):
                     break
                 g, changed = trial, True
@@ -269,18 +306,23 @@ def _lean(genes: _Genes, g: list[int]) -> None:
 def _hill_climb(g: list[int], ups: list[int], fitness, retune) -> list[int]:
     """First-improvement local search.
 
-    Moves: ±1 on each gene, and ±1 on a structural gene (pipelines, micro-batch, seq len)
-    with ΔN re-tuned to the analytic estimate and its neighbours — the best ΔN shifts when
-    the micro-batch changes, so single-gene moves alone stall in such valleys.
+    Moves: ±1 on each gene, halving or doubling a ΔN gene's index (the best ΔN is often far
+    below the GA's, and ±1 steps would need dozens of full neighbourhood scans to get
+    there), and ±1 on a structural gene (pipelines, micro-batch, seq len) with ΔN re-tuned
+    to the analytic estimate and its neighbours — the best ΔN shifts when the micro-batch
+    changes, so single-gene moves alone stall in such valleys.
     """
+    n_dn = (len(ups) - 3) // 2
     cur = fitness(g)
     improved = True
     while improved:
         improved = False
         for i, up in enumerate(ups):
-            for step in (-1, 1):
-                j = g[i] + step
-                if not 0 <= j <= up:
+            steps = [g[i] - 1, g[i] + 1]
+            if 3 <= i < 3 + n_dn:
+                steps += [g[i] // 2, 2 * g[i] + 1]
+            for j in dict.fromkeys(steps):
+                if not 0 <= j <= up or j == g[i]:
                     continue
                 trial = list(g)
                 trial[i] = j
@@ -290,4 +332,6 @@ def _hill_climb(g: list[int], ups: list[int], fitness, retune) -> list[int]:
                     if f < cur:
                         g, cur, improved = t, f, True
                         break
+                if improved:
+                    break
     return g

@@ -20,11 +20,13 @@ more micro-batch adds exactly one round and shifts the cool-down by one micro-ba
 Event times are max-plus expressions (``start = max(ready, free) + cost``) of the events
 before them, so: (1) a body event of a run of any length equals that of the infinite run
 (checked: no body op waits for a cool-down op); (2) if, in some run, every body event of
-the last ``L`` rounds of every stage (and every message those rounds send) happens exactly
-``c·λ`` after the same event ``c`` rounds earlier, and ``L`` covers how far back in rounds
-any body event's inputs lie (its *reach*, measured from the structure), then by induction
-every later event does too — max and + commute with a common shift; (3) the cool-down of a
-run of ``m`` micro-batches then is that of a run of ``m - c·n`` shifted by ``c·n·λ``. Hence
+the last ``W_j`` rounds of every stage ``j`` (and every message those rounds send) happens
+exactly ``c·λ`` after the same event ``c`` rounds earlier, and each window ``W_j`` covers
+how far before the end of ``j``'s body the inputs of any later event (of any stage, body or
+cool-down) can lie — measured from the structure, ``2 + ΔN_{j-1}`` for look-ahead — then by
+induction every later event does too, as max and + commute with a common shift; (3) the
+cool-down of a run of ``m`` micro-batches then is that of a run of ``m - c·n`` shifted by
+``c·n·λ``. Hence
 ``T(m) = T(m_a) + (m - m_a)·λ`` for a short ``m_a ≡ m (mod c)``. Steady states of period
 ``c > 1`` happen (a round trip that spans several rounds); a transient longer than the
 probe doubles it, up to a full replay.
@@ -57,8 +59,8 @@ IN_ORDER = frozenset({"gpipe", "1f1b", "lookahead"})
 # event time. Rounding noise is ~1e-15 of it; a looser test could take a slow transient for
 # the steady state.
 _TOLERANCE = 4e-12
-_MAX_PERIOD_PROBES = 4  # probe doublings before giving up and replaying in full
 _RESIDUE = 12  # probes are as long as m modulo this (see predict)
+_PROBE_ROUNDS = 10  # body rounds of the first probe beyond the structure's two
 
 _F_KINDS = {0} | set(range(6, 10))  # fused codes of a forward (plain F or RECV/F/SEND)
 
@@ -136,7 +138,7 @@ class _Structure:
 
     m_s: int
     bodies: tuple[_Body, ...]
-    reach: int  # L of the module note, in rounds
+    windows: tuple[int, ...]  # W_j of the module note, in rounds
     peak: tuple[int, ...]  # micro-batches in flight per stage, for every m >= m_s
 
     def rounds(self, k: int, m: int) -> int:
@@ -145,9 +147,30 @@ class _Structure:
 
 @lru_cache(maxsize=4096)
 def _structure(name: str, p: int, delta_n: tuple[int, ...]) -> _Structure | None:
-    """Find and check the body of every stage (module note); None if there is none."""
+    """The body of every stage (module note); None if there is none."""
     if name == "gpipe":
         return None
+    if name in ("1f1b", "lookahead"):
+        return _one_f_one_b_structure(p, delta_n if name == "lookahead" else (0,) * (p - 1))
+    return _found_structure(name, p, delta_n)
+
+
+def _one_f_one_b_structure(p: int, delta_n: tuple[int, ...]) -> _Structure:
+    """The 1F1B family's structure in closed form (what :func:`_found_structure` finds on its
+    programs, tested): stage ``k`` warms up ``w_k = p-k-1 + Σ_{j≥k} ΔN_j`` forwards (one
+    fused op each), then rounds ``F w_k+r, B r``; its in-flight peak is ``w_k + 1``. Round
+    ``r`` of stage ``k`` takes stage ``k+1``'s gradient of round ``r``, which lies
+    ``w_k - w_{k+1} = 1 + ΔN_k`` rounds before the end of ``k+1``'s body when ``k``'s ends,
+    so ``W_{k+1} = 2 + ΔN_k`` (one more than the reach); ``W_0 = 2``."""
+    warm = [p - k - 1 + sum(delta_n[k:]) for k in range(p)]
+    m_s = warm[0] + 2
+    bodies = tuple(_Body(w, 2, m_s - w) for w in warm)
+    windows = (2, *(2 + d for d in delta_n))
+    return _Structure(m_s, bodies, windows, tuple(w + 1 for w in warm))
+
+
+def _found_structure(name: str, p: int, delta_n: tuple[int, ...]) -> _Structure | None:
+    """Find and check the structure on the family's own programs (module note)."""
     m_s = p + sum(delta_n) + 2
     for _ in range(3):
         st = _check(schedule_for(name, p, m_s, delta_n), schedule_for(name, p, m_s + 1, delta_n))
@@ -172,20 +195,21 @@ def _check(a: Schedule, b: Schedule) -> _Structure | None:
         bodies.append(body)
     if a.max_in_flight != b.max_in_flight:
         return None
-    reach = _reach(a.fused, bodies)
-    if reach is None:
+    windows = _windows(a.fused, bodies)
+    if windows is None:
         return None
-    return _Structure(a.num_microbatches, tuple(bodies), reach, a.max_in_flight)
+    return _Structure(a.num_microbatches, tuple(bodies), windows, a.max_in_flight)
 
 
-def _reach(progs: list[list[int]], bodies: list[_Body]) -> int | None:
-    """How many rounds back (in the sense of the module note) a body or cool-down op's
-    inputs can lie; None if a body op waits for another stage's cool-down."""
+def _windows(progs: list[list[int]], bodies: list[_Body]) -> tuple[int, ...] | None:
+    """Each stage's window ``W_j`` (module note): one more than how many rounds before the
+    end of ``j``'s body an input of a later event can lie. None if a body op waits for
+    another stage's cool-down."""
     p = len(progs)
     sent: list[dict[tuple[str, int], int]] = []
     for ops in progs:
         sent.append({(kind, op >> 4): i for i, op in enumerate(ops) if (kind := _send(op & 15))})
-    reach = 1  # an op's own stage: the previous op, one round back at most
+    reach = [1] * p  # an op's own stage: the previous op, one round back at most
     for k, ops in enumerate(progs):
         bk = bodies[k]
         for i, op in enumerate(ops):
@@ -206,12 +230,12 @@ def _reach(progs: list[list[int]], bodies: list[_Body]) -> int | None:
             if idx < bj.start:
                 continue  # a warm-up input: only the first rounds, far from the probe's end
             r_j = (idx - bj.start) // bj.period
-            if i < bk.end:
+            if i < bk.end:  # rounds past the end of k's body reach back this far into j's
                 r_k = (i - bk.start) // bk.period
-                reach = max(reach, bj.rounds - bk.rounds + r_k - r_j)
+                reach[j] = max(reach[j], bj.rounds - bk.rounds + r_k - r_j)
             else:
-                reach = max(reach, bj.rounds - r_j)
-    return reach + 1
+                reach[j] = max(reach[j], bj.rounds - r_j)
+    return tuple(r + 1 for r in reach)
 
 
 def peak_in_flight(name: str, p: int, m: int, delta_n: tuple[int, ...]) -> tuple[int, ...]:
@@ -259,21 +283,19 @@ def predict(
     if name == "gpipe":
         return gpipe_time(costs, m)
     st = _structure(name, p, delta_n)
-    m_p = m
     if st is not None:
-        # A probe that long shows the steady state (its last `reach` rounds, a few periods
-        # back) unless the transient is long; its length ≡ m (mod 12), so a period dividing
-        # 12 (nearly all) needs no second replay.
-        m_p = st.m_s + 2 * st.reach + 8
+        # A probe this long shows the steady state unless the transient (or the period) is
+        # long; then it doubles. A probe is only worth it while a miss leaves the full replay
+        # at most half more work. Its length ≡ m (mod 12): a period dividing 12 (nearly all)
+        # needs no second replay.
+        m_p = st.m_s + _PROBE_ROUNDS
         m_p += (m - m_p) % _RESIDUE
-    for _ in range(_MAX_PERIOD_PROBES):
-        if st is None or m <= m_p:
-            break
-        probe = replay(schedule_for(name, p, m_p, delta_n), costs)
-        found = _period(probe, *_window(name, p, delta_n, m_p))
-        if found is not None:
-            return _extrapolate(name, p, m, delta_n, costs, probe.result, m_p, *found)
-        m_p += m_p + (m - 2 * m_p) % _RESIDUE
+        while 2 * m_p <= m:
+            probe = replay(schedule_for(name, p, m_p, delta_n), costs)
+            found = _period(probe, *_window(name, p, delta_n, m_p))
+            if found is not None:
+                return _extrapolate(name, p, m, delta_n, costs, probe.result, m_p, *found)
+            m_p += m_p + (m - 2 * m_p) % _RESIDUE
     return simulate(schedule_for(name, p, m, delta_n), costs)
 
 
@@ -342,9 +364,9 @@ def gpipe_time(costs: PipelineCosts, m: int) -> SimResult:
 def _window(
     name: str, p: int, delta_n: tuple[int, ...], m_p: int
 ) -> tuple[np.ndarray, np.ndarray, int]:
-    """Indices (into the probe's flattened event times) of the last ``reach`` body rounds of
-    every stage and of the messages they send, each index's distance to the same event one
-    round earlier, and the largest period the probe can test."""
+    """Indices (into the probe's flattened event times) of the last ``W_k`` body rounds of
+    every stage ``k`` and of the messages they send, each index's distance to the same event
+    one round earlier, and the largest period the probe can test."""
     st = _structure(name, p, delta_n)
     assert st is not None
     progs = schedule_for(name, p, m_p, delta_n).fused
@@ -358,8 +380,8 @@ def _window(
     for k, ops in enumerate(progs):
         b = st.bodies[k]
         rounds = st.rounds(k, m_p)
-        c_max = min(c_max, rounds - st.reach)
-        first = b.start + (rounds - st.reach) * b.period
+        c_max = min(c_max, rounds - st.windows[k])
+        first = b.start + (rounds - st.windows[k]) * b.period
         for i in range(first, b.start + rounds * b.period):
             base.append(offsets[k] + i)
             stride.append(b.period)
@@ -384,9 +406,12 @@ def _period(
         [np.asarray(x, dtype=float) for x in (*probe.ends, *probe.arr_f, *probe.arr_b)]
     )
     tol = _TOLERANCE * float(np.max(np.abs(events)))
-    later = events[base]
-    for c in range(1, c_max + 1):
-        diff = later - events[base - c * stride]
-        if float(np.max(diff) - np.min(diff)) <= tol:
-            return c, float(np.mean(diff)) / c
-    return None
+    periods = np.arange(1, c_max + 1)
+    # Every period at once: row c-1 holds each windowed event minus the same event c rounds
+    # earlier; the steady state's period is the first row whose differences all agree.
+    diff = events[base][None, :] - events[base[None, :] - periods[:, None] * stride[None, :]]
+    ok = np.flatnonzero(np.ptp(diff, axis=1) <= tol)
+    if not ok.size:
+        return None
+    c = int(periods[ok[0]])
+    return c, float(np.mean(diff[ok[0]])) / c
