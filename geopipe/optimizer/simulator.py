@@ -37,6 +37,7 @@ __all__ = [
     "in_flight_bound",
     "lower_bound",
     "replay",
+    "result_for",
     "simulate",
 ]
 
@@ -235,6 +236,17 @@ def replay(sched: Schedule, costs: PipelineCosts, record: bool = False) -> Repla
     bubble = 1.0 - sum(busy) / (p * iteration) if iteration > 0 else 0.0
     result = SimResult(iteration, pipeline_time, busy, bubble, link_busy, ev or [])
     return Replay(result, op_ends, arr_f, arr_b)
+
+
+def result_for(costs: PipelineCosts, m: int, iteration: float, pipeline: float) -> SimResult:
+    """The :class:`SimResult` of a run of ``m`` micro-batches whose times are known: busy
+    time and link use follow from ``m`` (every micro-batch runs once on every stage and
+    crosses every boundary once each way)."""
+    p = len(costs.fwd_s)
+    busy = [m * (costs.fwd_s[k] + costs.bwd_s[k]) + costs.step_s[k] for k in range(p)]
+    bubble = 1.0 - sum(busy) / (p * iteration) if iteration > 0 else 0.0
+    link = [m * (costs.ser_f[j] + costs.ser_b[j]) for j in range(p - 1)]
+    return SimResult(iteration, pipeline, busy, bubble, link)
 
 
 def lower_bound(costs: PipelineCosts, m: int) -> float:

@@ -39,8 +39,16 @@ from functools import lru_cache
 
 import numpy as np
 
-from geopipe.optimizer.simulator import PipelineCosts, Replay, SimResult, replay, simulate
-from geopipe.pipeline.schedule import Schedule, make_schedule
+from geopipe.optimizer.onefoneb import FAMILIES, fast_replay
+from geopipe.optimizer.simulator import (
+    PipelineCosts,
+    Replay,
+    SimResult,
+    replay,
+    result_for,
+    simulate,
+)
+from geopipe.pipeline.schedule import Schedule, make_schedule, warmup_counts
 
 __all__ = [
     "IN_ORDER",
@@ -242,6 +250,9 @@ def peak_in_flight(name: str, p: int, m: int, delta_n: tuple[int, ...]) -> tuple
     """Micro-batches in flight at each stage's peak (the memory model's multiplier)."""
     if name == "gpipe":
         return (m,) * p
+    if name in FAMILIES:  # see peak_in_flight_batch
+        dn = delta_n if name == "lookahead" else [0] * (p - 1)
+        return tuple(min(m, w + 1) for w in warmup_counts(p, m, dn))
     st = _structure(name, p, delta_n)
     if st is not None and m >= st.m_s:
         return st.peak
@@ -291,12 +302,19 @@ def predict(
         m_p = st.m_s + _PROBE_ROUNDS
         m_p += (m - m_p) % _RESIDUE
         while 2 * m_p <= m:
-            probe = replay(schedule_for(name, p, m_p, delta_n), costs)
+            probe = _run(name, p, m_p, delta_n, costs)
             found = _period(probe, *_window(name, p, delta_n, m_p))
             if found is not None:
                 return _extrapolate(name, p, m, delta_n, costs, probe.result, m_p, *found)
             m_p += m_p + (m - 2 * m_p) % _RESIDUE
-    return simulate(schedule_for(name, p, m, delta_n), costs)
+    return _run(name, p, m, delta_n, costs).result
+
+
+def _run(name: str, p: int, m: int, delta_n: tuple[int, ...], costs: PipelineCosts) -> Replay:
+    """A full replay: the 1F1B family's fast one (:mod:`.onefoneb`), else the simulator's."""
+    if name in FAMILIES:
+        return fast_replay(name, p, m, delta_n, costs)
+    return replay(schedule_for(name, p, m, delta_n), costs)
 
 
 def _extrapolate(
@@ -312,19 +330,10 @@ def _extrapolate(
 ) -> SimResult:
     """``T(m) = T(m_a) + (m - m_a)·λ`` with ``m_a ≡ m (mod period)`` (module note)."""
     m_a = m_p + (m - m_p) % period
-    base = probe if m_a == m_p else simulate(schedule_for(name, p, m_a, delta_n), costs)
+    base = probe if m_a == m_p else _run(name, p, m_a, delta_n, costs).result
     shift = (m - m_a) * lam
     iteration = base.iteration_time_s + shift
-    return _result(costs, m, iteration, base.pipeline_time_s + shift)
-
-
-def _result(costs: PipelineCosts, m: int, iteration: float, pipeline: float) -> SimResult:
-    """A :class:`SimResult` whose busy times and link use follow from ``m`` directly."""
-    p = len(costs.fwd_s)
-    busy = [m * (costs.fwd_s[k] + costs.bwd_s[k]) + costs.step_s[k] for k in range(p)]
-    bubble = 1.0 - sum(busy) / (p * iteration) if iteration > 0 else 0.0
-    link = [m * (costs.ser_f[j] + costs.ser_b[j]) for j in range(p - 1)]
-    return SimResult(iteration, pipeline, busy, bubble, link)
+    return result_for(costs, m, iteration, base.pipeline_time_s + shift)
 
 
 def gpipe_time(costs: PipelineCosts, m: int) -> SimResult:
@@ -357,7 +366,7 @@ def gpipe_time(costs: PipelineCosts, m: int) -> SimResult:
             best = max(best, a[j] + total + (m - 1) * top)
         ends.append(best)
     iteration = max(e + s for e, s in zip(ends, step, strict=True))
-    return _result(costs, m, iteration, max(ends))
+    return result_for(costs, m, iteration, max(ends))
 
 
 @lru_cache(maxsize=4096)
@@ -369,8 +378,10 @@ def _window(
     one round earlier, and the largest period the probe can test."""
     st = _structure(name, p, delta_n)
     assert st is not None
-    progs = schedule_for(name, p, m_p, delta_n).fused
-    p = len(progs)
+    if name in FAMILIES:  # the programs' shape is known (onefoneb): no need to build them
+        progs = [_one_f_one_b_ops(k, p, m_p, st.bodies[k].start) for k in range(p)]
+    else:
+        progs = schedule_for(name, p, m_p, delta_n).fused
     base: list[int] = []
     stride: list[int] = []
     offsets = np.cumsum([0] + [len(x) for x in progs]).tolist()
@@ -393,6 +404,18 @@ def _window(
                 base.append(arr_b0 + (k - 1) * m_p + mb)
                 stride.append(1)
     return np.array(base), np.array(stride), c_max
+
+
+def _one_f_one_b_ops(k: int, p: int, m: int, w: int) -> list[int]:
+    """Stage ``k``'s fused program in the 1F1B family with ``w`` warm-up forwards, as far as
+    :func:`_window` reads it: each op's send kind and micro-batch (tested against the
+    generator)."""
+    f_op = 6 + (2 if k < p - 1 else 0) + (1 if k else 0)
+    b_op = 10 + (2 if k else 0) + (1 if k < p - 1 else 0)
+    ops = [f_op | (x << 4) for x in range(w)]
+    for r in range(m - w):
+        ops += [f_op | ((w + r) << 4), b_op | (r << 4)]
+    return ops + [b_op | (x << 4) for x in range(m - w, m)]
 
 
 def _period(
