@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import random
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from geopipe.config import ClusterSpec, load_cluster, parse_cluster
 from geopipe.optimizer.evaluate import TIE_TOLERANCE, Candidate, Evaluator, choose
 from geopipe.optimizer.exhaustive import exhaustive_search
 from geopipe.optimizer.genetic import genetic_search
+from geopipe.optimizer.refine import _memory, predict, refine_delta_n
 from geopipe.pipeline.partition import balanced_partition, order_sites, stage_time_bottleneck
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -337,3 +339,54 @@ def test_order_sites_trivial_cases() -> None:
     assert order_sites([], lambda a, b: 1.0) == []
     assert order_sites(["x"], lambda a, b: None) == ["x"]
     assert order_sites(["b", "a"], lambda a, b: 1.0) == ["b", "a"]  # tie: input order
+
+
+# --------------------------------------------------------------------------------------------
+# ΔN re-chosen from measured costs (refine_delta_n): fastest, then lean within the tolerance
+
+
+def _brute(spec, plan, costs, values):
+    """(ΔN, time, memory) of every ΔN vector that fits."""
+    wan = plan.wan_boundaries
+    out = []
+    for combo in itertools.product(values, repeat=len(wan)):
+        dn = list(plan.delta_n)
+        for j, v in zip(wan, combo, strict=True):
+            dn[j] = v
+        trial = replace(plan, delta_n=tuple(dn))
+        mem = _memory(spec, trial)
+        if mem is not None:
+            out.append((combo, predict(trial, costs), mem))
+    return out
+
+
+def test_one_boundary_gives_the_leanest_of_the_fastest() -> None:
+    spec = _local(60.0, ("none",))
+    ev = Evaluator(spec)
+    plan = ev.make_plan(Candidate(2, 1, 128, (16,), ("none",)))
+    costs = ev.costs(plan)
+    values = list(range(17))
+    got, t = refine_delta_n(spec, plan, costs, values)
+    rows = _brute(spec, plan, costs, values)
+    fastest = min(time for _, time, _ in rows)
+    lean = min(combo for combo, time, _ in rows if time <= fastest * (1 + TIE_TOLERANCE))
+    assert tuple(got.delta_n[j] for j in plan.wan_boundaries) == lean
+    assert t == predict(got, costs) <= fastest * (1 + TIE_TOLERANCE)
+    assert lean[0] < 16  # the tolerance bought memory back
+
+
+def test_two_boundaries_stay_within_tolerance_and_locally_lean() -> None:
+    spec = _three_sites(30.0)
+    ev = Evaluator(spec)
+    plan = ev.make_plan(Candidate(1, 1, 128, (5, 5), ("none", "none")))
+    costs = ev.costs(plan)
+    values = list(range(6))
+    got, t = refine_delta_n(spec, plan, costs, values)
+    fastest = min(time for _, time, _ in _brute(spec, plan, costs, values))
+    assert t <= fastest * (1 + TIE_TOLERANCE)
+    for j in plan.wan_boundaries:  # lowering any one ΔN leaves the tolerance (or memory)
+        if got.delta_n[j] == 0:
+            continue
+        dn = list(got.delta_n)
+        dn[j] -= 1
+        assert predict(replace(got, delta_n=tuple(dn)), costs) > fastest * (1 + TIE_TOLERANCE)
