@@ -61,8 +61,8 @@ def infeasible_note(e: Any) -> str:
         if over:
             _, k = max(over)
             return (
-                f"infeasible: peak {e.peak_memory_bytes[k] / GiB:.0f} GiB > "
-                f"{e.memory_limit_bytes[k] / GiB:.0f} GiB device memory (stage {k})"
+                f"infeasible: peak {e.peak_memory_bytes[k] / GiB:.3g} GiB > "
+                f"{e.memory_limit_bytes[k] / GiB:.3g} GiB device memory (stage {k})"
             )
     return f"infeasible: {e.reason}"
 
@@ -109,7 +109,10 @@ def print_plan(spec: ClusterSpec, report: Any, console: Any) -> None:
         f"micro-batch {plan.micro_batch_size} × {plan.num_microbatches} per pipeline, "
         f"seq len {plan.seq_len}, schedule {plan.schedule}; WAN boundaries: {dn or 'none'}"
     )
-    console.print(_comparison(report))
+    table, notes = _comparison(report)
+    console.print(table)
+    for note in notes:
+        console.print(note, soft_wrap=True)
     if not best.feasible:
         console.print(f"[red]no feasible plan found[/]: {best.reason}")
     s = report.search
@@ -124,8 +127,9 @@ def print_plan(spec: ClusterSpec, report: Any, console: Any) -> None:
     console.print(line)
 
 
-def _comparison(report: Any) -> Any:
-    """The plan next to the baselines: one row per schedule, infeasible ones marked."""
+def _comparison(report: Any) -> tuple[Any, list[str]]:
+    """The plan next to the baselines, one row per schedule, and why each one that does not
+    fit cannot run (printed under the table: a narrow terminal would cut a column)."""
     from rich.table import Table
 
     best = report.best
@@ -134,21 +138,21 @@ def _comparison(report: Any) -> Any:
     rows += [(k, e) for k, e in report.baselines.items() if k != best.plan.schedule]
     notes = [infeasible_note(e) for _, e in rows]
     c = Table(title="predicted iteration (same micro-batch, seq len, codec)")
-    cols = ["schedule", "iteration", "tokens/s", "bubble", "max peak mem", "speed-up"]
-    for col in cols + (["note"] if any(notes) else []):
-        c.add_column(col, justify="left" if col == "note" else "right")
+    for col in ("schedule", "iteration", "tokens/s", "bubble", "max peak mem", "speed-up", "fits"):
+        c.add_column(col, justify="right")
     for (name, e), note in zip(rows, notes, strict=True):
         ratio = e.iteration_time_s / best.iteration_time_s
-        cells = [
+        c.add_row(
             name,
             fmt_time(e.iteration_time_s),
             f"{e.tokens_per_s:,.0f}",
             f"{e.bubble_ratio:.1%}" if e.plan is not None else "-",
             f"{max(e.peak_memory_bytes, default=0.0) / GiB:.2f} GiB",
             f"{ratio:.2f}×" if math.isfinite(ratio) else "-",
-        ]
-        c.add_row(*cells, *([note] if any(notes) else []))
-    return c
+            "no" if note else "yes",
+        )
+    lines = [f"{name}: {note}" for (name, _), note in zip(rows, notes, strict=True) if note]
+    return c, lines
 
 
 def format_simulation(name: str, s: dict) -> str:

@@ -107,16 +107,16 @@ def cross_check(spec: ClusterSpec) -> Problems:
         problems.append(
             (
                 "model",
-                f"the model's weights, gradients and Adam state need {total_need / GB:.1f} GiB "
-                f"but all devices together have {total_have / GB:.1f} GiB",
+                f"the model's weights, gradients and Adam state need {total_need / GB:.3g} GiB "
+                f"but all devices together have {total_have / GB:.3g} GiB",
             )
         )
     elif largest_layer * bpp > biggest_dev:
         problems.append(
             (
                 "model",
-                f"one layer needs {largest_layer * bpp / GB:.2f} GiB but the largest device has "
-                f"{biggest_dev / GB:.2f} GiB",
+                f"one layer needs {largest_layer * bpp / GB:.3g} GiB but the largest device has "
+                f"{biggest_dev / GB:.3g} GiB",
             )
         )
     if m.n_layer > MAX_LAYERS:

@@ -389,14 +389,14 @@ class Evaluator:
             if over:
                 k = over[0]
                 base.reason = (
-                    f"stage {k} needs {mem[k].total / (1 << 30):.2f} GiB, "
-                    f"device has {limits[k] / (1 << 30):.2f} GiB"
+                    f"stage {k} needs {mem[k].total / (1 << 30):.3g} GiB, "
+                    f"device has {limits[k] / (1 << 30):.3g} GiB"
                 )
             else:
                 s = host_over[0]
                 base.reason = (
-                    f"site {s}: recovery snapshots need {host[s] / (1 << 30):.2f} GiB of host "
-                    f"RAM per node, nodes have {host_limits[s] / (1 << 30):.2f} GiB (set "
+                    f"site {s}: recovery snapshots need {host[s] / (1 << 30):.3g} GiB of host "
+                    f"RAM per node, nodes have {host_limits[s] / (1 << 30):.3g} GiB (set "
                     "training.recovery_snapshots: false to recover from checkpoints instead)"
                 )
             if prune_above is not None:
