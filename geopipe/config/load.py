@@ -89,6 +89,9 @@ def _describe(err: dict[str, Any]) -> tuple[str, str]:
         msg = msg[len("Value error, ") :]
     if kind in _BOUND_KINDS:
         msg = _range_message(loc) or msg
+    elif kind in ("float_parsing", "float_type", "finite_number"):
+        span = _span(loc)
+        msg = f"must be a finite number in {span}" if span else msg
     if "input" in err and kind not in ("model_type", "dict_type"):
         got = err["input"]
         if not isinstance(got, (dict, list)):
@@ -97,6 +100,17 @@ def _describe(err: dict[str, Any]) -> tuple[str, str]:
 
 
 _BOUND_KINDS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal"}
+
+
+def _span(loc: tuple[Any, ...]) -> str | None:
+    """The physical range a bounded float field states (config.specs._bounded), if any."""
+    parent = _model_at(loc[:-1])
+    field = parent.model_fields.get(loc[-1]) if parent and isinstance(loc[-1], str) else None
+    for m in field.metadata if field else ():
+        span = getattr(getattr(m, "func", None), "span", None)
+        if span:
+            return span
+    return None
 
 
 def _range_message(loc: tuple[Any, ...]) -> str | None:

@@ -91,6 +91,7 @@ def _bounded(lo: float, hi: float, *, lo_open: bool = False, unit: str = "") -> 
             raise ValueError(f"must be a finite number in {span}")
         return v
 
+    check.span = span  # type: ignore[attr-defined]  # the loader quotes it for type errors
     return Annotated[float, AfterValidator(check)]
 
 
