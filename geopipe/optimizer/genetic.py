@@ -308,7 +308,7 @@ def _hill_climb(g: list[int], ups: list[int], fitness, retune) -> list[int]:
 
     Moves: ±1 on each gene, halving or doubling a ΔN gene's index (the best ΔN is often far
     below the GA's, and ±1 steps would need dozens of full neighbourhood scans to get
-    there), and ±1 on a structural gene (pipelines, micro-batch, seq len) with ΔN re-tuned
+    there), every codec (they have no order), and ±1 on a structural gene (pipelines, micro-batch, seq len) with ΔN re-tuned
     to the analytic estimate and its neighbours — the best ΔN shifts when the micro-batch
     changes, so single-gene moves alone stall in such valleys.
     """
@@ -321,6 +321,8 @@ def _hill_climb(g: list[int], ups: list[int], fitness, retune) -> list[int]:
             steps = [g[i] - 1, g[i] + 1]
             if 3 <= i < 3 + n_dn:
                 steps += [g[i] // 2, 2 * g[i] + 1]
+            elif i >= 3 + n_dn:  # a codec: no order among them, try each
+                steps += list(range(up + 1))
             for j in dict.fromkeys(steps):
                 if not 0 <= j <= up or j == g[i]:
                     continue
