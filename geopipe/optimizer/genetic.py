@@ -308,9 +308,10 @@ def _hill_climb(g: list[int], ups: list[int], fitness, retune) -> list[int]:
 
     Moves: ±1 on each gene, halving or doubling a ΔN gene's index (the best ΔN is often far
     below the GA's, and ±1 steps would need dozens of full neighbourhood scans to get
-    there), every codec (they have no order), and ±1 on a structural gene (pipelines, micro-batch, seq len) with ΔN re-tuned
-    to the analytic estimate and its neighbours — the best ΔN shifts when the micro-batch
-    changes, so single-gene moves alone stall in such valleys.
+    there), every codec (they have no order), and ±1 on a structural gene (pipelines,
+    micro-batch, seq len) with ΔN re-tuned to the analytic estimate and its neighbours — the
+    best ΔN shifts when the micro-batch changes, so single-gene moves alone stall in such
+    valleys.
     """
     n_dn = (len(ups) - 3) // 2
     cur = fitness(g)

@@ -295,19 +295,27 @@ def predict(
         return gpipe_time(costs, m)
     st = _structure(name, p, delta_n)
     if st is not None:
-        # A probe this long shows the steady state unless the transient (or the period) is
-        # long; then it doubles. A probe is only worth it while a miss leaves the full replay
-        # at most half more work. Its length ≡ m (mod 12): a period dividing 12 (nearly all)
-        # needs no second replay.
-        m_p = st.m_s + _PROBE_ROUNDS
-        m_p += (m - m_p) % _RESIDUE
-        while 2 * m_p <= m:
+        # Probes, shortest first (module note): most steady states show two rounds after the
+        # warm-up, so the first probe is that short and taken whenever it is shorter than
+        # the run; later ones only while a miss leaves the full replay at most half more
+        # work. Their length ≡ m (mod 12): a period dividing 12 needs no second replay.
+        for m_p in _probe_lengths(st.m_s, m):
             probe = _run(name, p, m_p, delta_n, costs)
             found = _period(probe, *_window(name, p, delta_n, m_p))
             if found is not None:
                 return _extrapolate(name, p, m, delta_n, costs, probe.result, m_p, *found)
-            m_p += m_p + (m - 2 * m_p) % _RESIDUE
     return _run(name, p, m, delta_n, costs).result
+
+
+def _probe_lengths(m_s: int, m: int) -> list[int]:
+    """The probes :func:`predict` tries for a run of ``m`` (see there)."""
+    out = [m_s + 2] if m_s + 2 < m else []
+    m_p = m_s + _PROBE_ROUNDS
+    m_p += (m - m_p) % _RESIDUE
+    while 2 * m_p <= m:
+        out.append(m_p)
+        m_p += m_p + (m - 2 * m_p) % _RESIDUE
+    return out
 
 
 def _run(name: str, p: int, m: int, delta_n: tuple[int, ...], costs: PipelineCosts) -> Replay:
