@@ -16,7 +16,8 @@ periodic:
 on stage ``k`` is warm-up ops, then a *body* of rounds in which round ``r+1`` repeats round
 ``r`` with every micro-batch one higher (``F w+r, B r`` for 1F1B), then cool-down ops; one
 more micro-batch adds exactly one round and shifts the cool-down by one micro-batch
-(checked on the generator's own output for ``m_s`` and ``m_s + 1``, :func:`_structure`).
+(checked on the generator's own output for ``m_s`` and ``m_s + 1``, :func:`_found_structure`;
+for the 1F1B family the same structure is written in closed form and tested against it).
 Event times are max-plus expressions (``start = max(ready, free) + cost``) of the events
 before them, so: (1) a body event of a run of any length equals that of the infinite run
 (checked: no body op waits for a cool-down op); (2) if, in some run, every body event of
@@ -26,10 +27,11 @@ how far before the end of ``j``'s body the inputs of any later event (of any sta
 cool-down) can lie — measured from the structure, ``2 + ΔN_{j-1}`` for look-ahead — then by
 induction every later event does too, as max and + commute with a common shift; (3) the
 cool-down of a run of ``m`` micro-batches then is that of a run of ``m - c·n`` shifted by
-``c·n·λ``. Hence
-``T(m) = T(m_a) + (m - m_a)·λ`` for a short ``m_a ≡ m (mod c)``. Steady states of period
-``c > 1`` happen (a round trip that spans several rounds); a transient longer than the
-probe doubles it, up to a full replay.
+``c·n·λ``. Hence ``T(m) = T(m_a) + (m - m_a)·λ`` for a short ``m_a ≡ m (mod c)``. Steady
+states of period ``c > 1`` happen (a round trip that spans several rounds); a transient
+longer than the probe makes it grow, up to a full replay. The comparison allows float
+rounding (:data:`_TOLERANCE`); max-plus maps do not amplify differences, so the error of
+the extrapolation stays within the tolerance times the number of periods skipped.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ IN_ORDER = frozenset({"gpipe", "1f1b", "lookahead"})
 # the steady state.
 _TOLERANCE = 4e-12
 _RESIDUE = 12  # probes are as long as m modulo this (see predict)
-_PROBE_ROUNDS = 10  # body rounds of the first probe beyond the structure's two
+_PROBE_ROUNDS = 10  # body rounds of the second probe (the first has the structure's two)
 
 _F_KINDS = {0} | set(range(6, 10))  # fused codes of a forward (plain F or RECV/F/SEND)
 
