@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from geopipe.optimizer.errors import PlanningError
 from geopipe.optimizer.evaluate import (
     INFEASIBLE,
     TIE_TOLERANCE,
@@ -35,7 +36,11 @@ from geopipe.optimizer.memory import device_limits, plan_memory
 from geopipe.optimizer.simulator import in_flight_bound, lower_bound
 from geopipe.optimizer.steady import IN_ORDER, peak_in_flight_batch
 
-__all__ = ["exhaustive_search"]
+__all__ = ["MAX_EXHAUSTIVE", "exhaustive_search"]
+
+# Candidates exhaustive search accepts: a few million score in seconds; far more would only
+# run out of memory (the bulk scores are arrays over every ΔN combination).
+MAX_EXHAUSTIVE = 5_000_000
 
 
 @dataclass
@@ -53,6 +58,11 @@ def exhaustive_search(ev: Evaluator) -> SearchResult:
     """Score every valid candidate of ``ev.space`` (module docstring); the chosen plan."""
     sp = ev.space
     gbs = ev.spec.training.global_batch_size
+    if sp.size(gbs) > MAX_EXHAUSTIVE:
+        raise PlanningError(
+            f"exhaustive search over {sp.size(gbs):,} candidates is not practical (at most "
+            f"{MAX_EXHAUSTIVE:,}): narrow plan.delta_n, plan.codecs or plan.pipelines"
+        )
     t0, start_evals = time.perf_counter(), ev.evaluations
     w = sp.wan_boundaries
     grid = np.array(list(itertools.product(sp.delta_ns, repeat=w)), dtype=np.int64)

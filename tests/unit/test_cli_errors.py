@@ -133,6 +133,11 @@ def test_genuine_bug_is_an_internal_error_not_a_traceback(capsys, monkeypatch) -
         main(["plan", str(LOCAL)])
 
 
+def test_exhaustive_search_too_large_exits_2(capsys) -> None:
+    code, _, err = run(capsys, "plan", str(ROOT / "clusters" / "worldwide-64.yaml"), "--exhaustive")
+    assert code == 2 and "exhaustive search over" in err and "not practical" in err
+
+
 def test_unwritable_output_file_exits_2(tmp_path, capsys) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("")
