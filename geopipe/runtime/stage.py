@@ -259,8 +259,9 @@ class StageWorker:
     def ping(self) -> int:
         return os.getpid()
 
-    def data_digest(self) -> str:
-        return self.stream.corpus.digest
+    def data_digest(self) -> str | None:
+        """The corpus digest; None on a middle stage (it reads no data)."""
+        return self.stream.corpus.digest if self.stream is not None else None
 
     def inject_fault(self, step: int, delay_s: float, write_delay_s: float = 0.0) -> None:
         """Fault injection for tests: at ``step``, stall ``delay_s`` before this replica's
