@@ -146,8 +146,12 @@ def headline(per_l: dict[float, dict]) -> dict:
         x, y = _time(r[a]), _time(r[b])
         return y / x if inv else x / y
 
-    errors = [abs(r["predicted_s"] / r["iteration_time_s"] - 1)
-              for res in per_l.values() for k, r in res.items() if k.startswith("geopipe")]  # fmt: skip
+    errors = [
+        abs(r["predicted_s"] / r["iteration_time_s"] - 1)
+        for res in per_l.values()
+        for k, r in res.items()
+        if k.startswith("geopipe")
+    ]
     l40 = per_l.get(40.0, {})
     bubble = None
     if "geopipe_1f1b" in l40 and "geopipe_lookahead" in l40:
@@ -216,7 +220,7 @@ def main() -> None:
                 for k, r in res.items()
             }
             for lat, res in per_l.items()
-        },  # fmt: skip
+        },
     }
     print(json.dumps(result))
 

@@ -147,11 +147,11 @@ class StageWorker:
         """Open the receiver of this replica's WAN neighbours; returns its address."""
         return self.links.listen(_local_ip())
 
-    def probe_link(self, address: tuple[str, int], link: Any, sizes: list[int]) -> float:
+    def probe_link(self, address: tuple[str, int], link: Any, sizes: list[int]) -> dict:
         """Launch-time link probe, upstream side (see :mod:`geopipe.runtime.linkprobe`)."""
         return linkprobe.probe(self.links.inbox, tuple(address), link, sizes)
 
-    def probe_echo(self, address: tuple[str, int], link: Any, sizes: list[int]) -> list[float]:
+    def probe_echo(self, address: tuple[str, int], link: Any, sizes: list[int]) -> dict:
         """Launch-time link probe, downstream side."""
         return linkprobe.echo(self.links.inbox, tuple(address), link, sizes)
 
@@ -177,18 +177,33 @@ class StageWorker:
         res.duration_s = time.monotonic() - res.start
         foreground = sum(res.breakdown[k] for k in BREAKDOWN[:-3])
         res.breakdown["other"] = max(0.0, res.duration_s - foreground)
+        self._collect_transport(res, step)
+        return res
+
+    def _collect_transport(self, res: IterationResult, step: int) -> None:
+        """Move this step's transport timings from the inbox into ``res`` (later steps'
+        stay; a launch-time link probe's messages are no training traffic and go)."""
         inbox = self.links.inbox
         res.transport_excess_s = {"F": [], "B": []}
         later = []
         for key, delay in inbox.transfers:
             if key[0] not in res.transport_excess_s:
-                continue  # a launch-time link probe's message, not training traffic
+                continue
             if key[1] == step:
                 res.transport_excess_s[key[0]].append(delay)
             elif key[1] > step:
                 later.append((key, delay))
         inbox.transfers = later
-        return res
+        res.transport_stamps = {"F": [], "B": []}
+        stamped = []
+        for key, sent, usable in inbox.stamped:
+            if key[0] not in res.transport_stamps:
+                continue
+            if key[1] == step:
+                res.transport_stamps[key[0]].append((key[2], sent, usable))
+            elif key[1] > step:
+                stamped.append((key, sent, usable))
+        inbox.stamped = stamped
 
     # -- state ---------------------------------------------------------------------------------
     def full_state(self) -> dict:

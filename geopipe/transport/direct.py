@@ -41,7 +41,12 @@ link a 1 KiB message right behind a 1 MiB one arrived in ~87 ms either way (82 m
 Frame (little endian)::
 
     prefix  magic "GPDC" | version u8 | flags u8 | header_len u16 | payload_len u64
-            | seq u64 | deliver_at f64 (0 = no emulation) | payload_crc u32 | header_crc u32
+            | seq u64 | deliver_at f64 (0 = no emulation) | sent_at f64 | payload_crc u32
+            | header_crc u32
+
+``sent_at`` is the sender's ``time.monotonic()`` when the compute thread handed the tensor
+over: with the clock offset the launch-time probe measures, the receiver's arrival time
+gives each message's real one-way time, which calibration compares with the link model.
     header  header_len bytes of JSON: key, codec, shape, dtype, direction, [array dtype, shape]
     payload the raw bytes of each ``Encoded.arrays`` entry, back to back
 
@@ -85,9 +90,9 @@ from geopipe.transport.wire import wire_bytes
 __all__ = ["DirectReceiver", "DirectSender", "PeerLostError"]
 
 _MAGIC = b"GPDC"
-_VERSION = 1
-# magic, version, flags, header_len, payload_len, seq, deliver_at, payload_crc
-_PREFIX = struct.Struct("<4sBBHQQdI")
+_VERSION = 2
+# magic, version, flags, header_len, payload_len, seq, deliver_at, sent_at, payload_crc
+_PREFIX = struct.Struct("<4sBBHQQddI")
 _HCRC = struct.Struct("<I")
 _FIXED = _PREFIX.size + _HCRC.size
 # Array dtypes a frame may carry: what the codecs produce (and nothing numpy could make
@@ -119,7 +124,9 @@ def _key_from_json(obj: Any) -> Hashable:
     return tuple(_key_from_json(o) for o in obj) if isinstance(obj, list) else obj
 
 
-def _frame(key: Hashable, sealed: Sealed, seq: int, deliver_at: float) -> list[memoryview]:
+def _frame(
+    key: Hashable, sealed: Sealed, seq: int, deliver_at: float, sent_at: float = 0.0
+) -> list[memoryview]:
     """Header and payload buffers of one frame, for one scatter-gather ``sendmsg``."""
     enc = sealed.enc
     arrays = [np.ascontiguousarray(a) for a in enc.arrays]
@@ -137,7 +144,9 @@ def _frame(key: Hashable, sealed: Sealed, seq: int, deliver_at: float) -> list[m
     if len(header) > 0xFFFF:
         raise ValueError(f"frame header of {len(header)} bytes is too long")
     plen = sum(a.nbytes for a in arrays)
-    prefix = _PREFIX.pack(_MAGIC, _VERSION, 0, len(header), plen, seq, deliver_at, sealed.checksum)
+    prefix = _PREFIX.pack(
+        _MAGIC, _VERSION, 0, len(header), plen, seq, deliver_at, sent_at, sealed.checksum
+    )
     hcrc = _HCRC.pack(zlib.crc32(header, zlib.crc32(prefix)))
     bufs = [memoryview(prefix + hcrc + header)]
     bufs += [memoryview(a.reshape(-1).view(np.uint8)) for a in arrays if a.nbytes]
@@ -180,12 +189,13 @@ def _recv_exact(sock: socket.socket, buf: memoryview) -> bool:
     return True
 
 
-def _read_frame(sock: socket.socket) -> tuple[Hashable, int, Sealed, float] | None:
-    """Read one frame: ``(key, seq, sealed, deliver_at)``, or None at a clean end of stream."""
+def _read_frame(sock: socket.socket) -> tuple[Hashable, int, Sealed, float, float] | None:
+    """Read one frame: ``(key, seq, sealed, deliver_at, sent_at)``, or None at a clean end of
+    stream."""
     fixed = bytearray(_FIXED)
     if not _recv_exact(sock, memoryview(fixed)):
         return None
-    magic, version, _flags, hlen, plen, seq, deliver_at, pcrc = _PREFIX.unpack_from(fixed)
+    magic, version, _flags, hlen, plen, seq, deliver_at, sent_at, pcrc = _PREFIX.unpack_from(fixed)
     if magic != _MAGIC:
         raise _StreamCorruptError(f"bad frame magic {bytes(magic)!r}")
     if version != _VERSION:
@@ -218,7 +228,7 @@ def _read_frame(sock: socket.socket) -> tuple[Hashable, int, Sealed, float] | No
             raise ConnectionError("peer closed mid-frame")
         arrays.append(raw.view(dt).reshape(ashape))
     enc = Encoded(codec, shape, dtype, direction, tuple(arrays))
-    return key, seq, Sealed(enc, pcrc), deliver_at
+    return key, seq, Sealed(enc, pcrc), deliver_at, sent_at
 
 
 # --------------------------------------------------------------------------- sockets
@@ -314,11 +324,11 @@ class DirectReceiver:
                 frame = _read_frame(conn)
                 if frame is None:
                     return  # the sender closed cleanly
-                key, seq, sealed, deliver_at = frame
+                key, seq, sealed, deliver_at, sent_at = frame
                 if seq != expect:
                     raise _StreamCorruptError(f"frame {seq} arrived, expected {expect}")
                 expect += 1
-                self._file(key, sealed, deliver_at)
+                self._file(key, sealed, deliver_at, sent_at)
         except _StreamCorruptError as exc:
             self.errors.append(exc)
             self.inbox.fail(exc)  # nothing after this point can be attributed or trusted
@@ -331,10 +341,11 @@ class DirectReceiver:
                 self._conns.discard(conn)
             conn.close()
 
-    def _file(self, key: Hashable, sealed: Sealed, deliver_at: float) -> None:
+    def _file(self, key: Hashable, sealed: Sealed, deliver_at: float, sent_at: float) -> None:
         inbox = self.inbox
         try:
-            inbox.deliver_sealed(key, sealed, deliver_at)  # files a CorruptPayloadError itself
+            # files a CorruptPayloadError itself
+            inbox.deliver_sealed(key, sealed, deliver_at, sent_at)
             self.messages += 1
         except Exception as exc:  # e.g. metadata the codec cannot decode, a duplicate key
             self.errors.append(exc)
@@ -478,7 +489,7 @@ class DirectSender:
                 deliver_at = (
                     self._emulator.stamp(enc.payload_nbytes, sent_at) if self._emulator else 0.0
                 )
-                bufs = _frame(key, seal(enc), seq, deliver_at)
+                bufs = _frame(key, seal(enc), seq, deliver_at, sent_at)
             except BaseException as exc:  # surfaced to the compute thread on send/flush
                 self._fail(gen, exc)
                 continue
