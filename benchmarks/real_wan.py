@@ -212,11 +212,20 @@ def main() -> None:
         **headline(per_l),
         "per_latency": {
             f"L{lat:g}": {
-                k: {"time_s": round(_time(r), 4),
-                    **({"predicted_s": round(r["predicted_s"], 4), "delta_n": r["delta_n"],
-                        "bubble_ratio": round(r["bubble_ratio"], 4),
-                        "breakdown_s": r["breakdown_s"], "links_measured": r["links_measured"]}
-                       if "predicted_s" in r else {})}
+                k: {
+                    "time_s": round(_time(r), 4),
+                    **(
+                        {
+                            "predicted_s": round(r["predicted_s"], 4),
+                            "delta_n": r["delta_n"],
+                            "bubble_ratio": round(r["bubble_ratio"], 4),
+                            "breakdown_s": r["breakdown_s"],
+                            "links_measured": r["links_measured"],
+                        }
+                        if "predicted_s" in r
+                        else {}
+                    ),
+                }
                 for k, r in res.items()
             }
             for lat, res in per_l.items()

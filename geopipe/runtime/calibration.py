@@ -29,9 +29,9 @@ from geopipe.runtime.executor import IterationResult
 __all__ = [
     "Calibration",
     "Calibrator",
-    "measured_stage_times",
     "boundary_offsets",
     "fifo_excess",
+    "measured_stage_times",
     "profile_machine",
     "should_profile",
     "with_real_transport",
