@@ -99,6 +99,9 @@ def _cmd_testbed(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["testbed"]:  # its own options may come first (--state-dir X up …)
+        return _cmd_testbed(argparse.Namespace(testbed_args=argv[1:]))
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
