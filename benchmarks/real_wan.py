@@ -66,23 +66,51 @@ def _geopipe_role(address: str, latency_ms: float, steps: int, runs: list[str]) 
             out[name] = _summary(ctl, res, events)
             r = out[name]
             print(f"  {name}: {r['iteration_time_s']:.3f} s/step, predicted "
-                  f"{r['predicted_s']:.3f} s, bubble {r['bubble_ratio']:.1%}, "
-                  f"ΔN {r['delta_n']}", file=sys.stderr, flush=True)  # fmt: skip
+                  f"{r['predicted_s']:.3f} s (model {r['model_error']:.1%} off), bubble "
+                  f"{r['bubble_ratio']:.1%}, ΔN {r['delta_n']}",
+                  file=sys.stderr, flush=True)  # fmt: skip
     finally:
         if ray.is_initialized():
             ray.shutdown()
     print("RESULT " + json.dumps(out), flush=True)
 
 
+def _model_times(ctl, steps) -> list[float]:
+    """Per step: the simulator's time for that step's own measured stage times (from its
+    breakdown) and the calibrated links — the model's error with the host's load drift
+    taken out (the forecast uses the steps before)."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from geopipe.optimizer.refine import predict
+    from geopipe.runtime.calibration import measured_stage_times
+
+    out = []
+    for s in steps:
+        rs = [SimpleNamespace(stage=k, breakdown=b, micro_batches=M)
+              for k, b in enumerate(s.breakdown)]  # fmt: skip
+        f, b, end = measured_stage_times(rs, len(rs))
+        costs = replace(ctl.calibrator.costs, fwd_s=tuple(f), bwd_s=tuple(b), step_s=tuple(end))
+        out.append(predict(ctl.plan, costs))
+    return out
+
+
 def _summary(ctl, res, events: list[dict]) -> dict:
     steps = res.steps[CALIBRATION_STEPS:]
     plan_ev = next(e for e in events if e["event"] == "plan")
+    lines = [json.loads(x) for x in ctl.metrics_path.read_text().splitlines()]
+    forecast = {x["step"]: x["predicted_iteration_time_s"] for x in lines if "event" not in x}
+    model = _model_times(ctl, steps)
     parts = [{k: statistics.mean(s.breakdown[st][k] for s in steps) for k in steps[0].breakdown[st]}
              for st in range(len(steps[0].breakdown))]  # fmt: skip
     return {
         "iteration_time_s": statistics.median(s.iteration_time_s for s in steps),
         "step_s": [s.iteration_time_s for s in res.steps],
-        "predicted_s": ctl.calibrator.predicted_s,
+        # the controller's forecast of each step, made from the steps before it
+        "predicted_s": statistics.median(forecast[s.step] for s in steps),
+        "model_error": statistics.median(
+            abs(m / s.iteration_time_s - 1) for m, s in zip(model, steps, strict=True)
+        ),
         "bubble_ratio": statistics.median(s.bubble_ratio for s in steps),
         "delta_n": [ctl.plan.delta_n[j] for j in ctl.plan.wan_boundaries],
         "partition": [list(p) for p in ctl.plan.partition],
@@ -152,6 +180,8 @@ def headline(per_l: dict[float, dict]) -> dict:
         for k, r in res.items()
         if k.startswith("geopipe")
     ]
+    models = [r["model_error"] for res in per_l.values() for k, r in res.items()
+              if k.startswith("geopipe")]  # fmt: skip
     l40 = per_l.get(40.0, {})
     bubble = None
     if "geopipe_1f1b" in l40 and "geopipe_lookahead" in l40:
@@ -166,6 +196,7 @@ def headline(per_l: dict[float, dict]) -> dict:
             "geopipe_lookahead_int8", "torch_1f1b", 40.0, inv=True
         ),
         "max_prediction_error": max(errors) if errors else None,
+        "max_model_error": max(models) if models else None,
         "bubble_reduction_L40": bubble,
     }
 

@@ -244,6 +244,7 @@ class Calibrator:
         self.links = list(links or [])  # launch-time link measurements (clock offsets)
         self._base = 0  # first step of the current layout
         self._pool: list[list[IterationResult]] = []
+        self.costs: PipelineCosts | None = None  # the latest calibrated costs
 
     def restart(self, step: int) -> None:
         """A new layout (recovery, grow-back) from ``step`` on: measure it afresh."""
@@ -273,7 +274,7 @@ class Calibrator:
     def _calibrate(
         self, plan: Plan, results: list[IterationResult], choose_delta_n: bool
     ) -> Calibration:
-        costs = self._costs(plan, results)
+        costs = self.costs = self._costs(plan, results)
         cands = choice_values(self.spec.plan.delta_n, default=[0], powers_of_two=False)
         if self.fixed_plan or plan.schedule != "lookahead":
             cands = sorted({plan.delta_n[j] for j in plan.wan_boundaries} or {0})

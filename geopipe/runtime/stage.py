@@ -196,14 +196,19 @@ class StageWorker:
         inbox.transfers = later
         res.transport_stamps = {"F": [], "B": []}
         stamped = []
+        got = inbox.got_at
         for key, sent, usable in inbox.stamped:
             if key[0] not in res.transport_stamps:
                 continue
             if key[1] == step:
+                called, returned = got.get(key, (usable, usable))
+                if called < usable:  # the computation waited: it had the data on waking
+                    usable = max(usable, returned)
                 res.transport_stamps[key[0]].append((key[2], sent, usable))
             elif key[1] > step:
                 stamped.append((key, sent, usable))
         inbox.stamped = stamped
+        inbox.got_at = {k: v for k, v in got.items() if _step_of(k) > step}
 
     # -- state ---------------------------------------------------------------------------------
     def full_state(self) -> dict:
@@ -322,6 +327,13 @@ class StageWorker:
             self.engine.destroy()
             self.engine = None
         destroy_process_group()
+
+
+def _step_of(key: Any) -> int:
+    """The step of an inbox key ``(kind, step, mb)``; other keys count as past."""
+    if isinstance(key, tuple) and len(key) > 1 and isinstance(key[1], int):
+        return key[1]
+    return -1
 
 
 def _local_ip() -> str:

@@ -64,6 +64,10 @@ class Inbox:
         # real link (no emulated delivery time): calibration turns them into one-way times
         # with the clock offset the launch-time probe measured.
         self.stamped: list[tuple[Hashable, float, float]] = []
+        # (called, returned) of each ``get``: a consumer that waited sees a message only
+        # once its thread is woken and scheduled, which on a busy host is part of the
+        # transfer as the computation experiences it.
+        self.got_at: dict[Hashable, tuple[float, float]] = {}
 
     def deliver_sealed(
         self, key: Hashable, sealed: Sealed, deliver_at: float, sent_at: float = 0.0
@@ -91,8 +95,10 @@ class Inbox:
         self._box.put(key, _Failure(error), 0.0)
 
     def get(self, key: Hashable, timeout: float | None = None) -> torch.Tensor:
+        called = time.monotonic()
         try:
             item = self._box.get(key, timeout=timeout)
+            self.got_at[key] = (called, time.monotonic())
         except MailboxClosedError:
             if self._error is not None:
                 raise self._error from None
