@@ -43,6 +43,14 @@ def _phases(quick: bool) -> list[dict]:
     scale = 2 if quick else 1
     return [
         {"name": "lat_1KiB", "size": KiB, "count": 20, "gap": 0.05, "streams": 1},
+        # pipeline traffic: one activation (128 KiB) every 15 ms, as a stage computes them
+        {
+            "name": "lat_128KiB_every_15ms",
+            "size": 128 * KiB,
+            "count": 64,
+            "gap": 0.015,
+            "streams": 1,
+        },
         {"name": "tput_128KiB", "size": 128 * KiB, "count": 128 // scale, "gap": 0, "streams": 1},
         {"name": "tput_1MiB", "size": MiB, "count": 48 // scale, "gap": 0, "streams": 1},
         {"name": "tput_4MiB", "size": 4 * MiB, "count": 24 // scale, "gap": 0, "streams": 1},
@@ -161,8 +169,13 @@ def _summarise(phases: list[dict], sent: dict, arr: dict, rate_bps: float | None
         if not s or not a:
             continue
         if ph["gap"]:
-            lat = sorted(x - y for x, y in zip(a, s, strict=True))
-            out[ph["name"]] = {"one_way_ms_median": 1e3 * statistics.median(lat)}
+            lat = [x - y for x, y in zip(a, s, strict=True)]
+            lat = sorted(lat[len(lat) // 2 :] if ph.get("steady") else lat)
+            out[ph["name"]] = {
+                "one_way_ms_median": round(1e3 * statistics.median(lat), 2),
+                "one_way_ms_p90": round(1e3 * lat[int(0.9 * (len(lat) - 1))], 2),
+                "one_way_ms_mean": round(1e3 * statistics.mean(lat), 2),
+            }
             continue
         n, size, h = len(a), ph["size"], len(a) // 2
         # Steady state: the second half's arrivals (start-up and slow start excluded).
