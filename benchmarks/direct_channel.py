@@ -59,6 +59,15 @@ def _phases(quick: bool) -> list[dict]:
             "streams": 1,
             "steady": True,
         },
+        # 1F1B over the WAN: one activation per round trip, the link idle in between
+        {
+            "name": "lat_128KiB_every_100ms",
+            "size": 128 * KiB,
+            "count": 30,
+            "gap": 0.1,
+            "streams": 1,
+            "steady": True,
+        },
     ]
 
 

@@ -20,9 +20,9 @@ so there is one stream and no re-ordering. A stream's window is bounded by its s
 buffers, so one stream carries at most ~``tcp_wmem[2]`` / RTT (4 MiB / 80 ms = 420 Mbit/s
 here); on a faster or longer link raise ``net.ipv4.tcp_wmem``/``tcp_rmem`` (root) rather
 than set SO_SNDBUF/SO_RCVBUF, which switches autotuning off and is capped by
-``net.core.wmem_max``/``rmem_max`` (4 MiB here). With cubic instead of BBR also set
-``net.ipv4.tcp_slow_start_after_idle=0``: pipeline traffic is bursty, and cubic would
-restart from a small window after every idle gap longer than the RTO.
+``net.core.wmem_max``/``rmem_max`` (4 MiB here). The senders use cubic (see the note at
+:data:`CONGESTION` for why, measured); where the gaps between steps exceed the RTO, also
+set ``net.ipv4.tcp_slow_start_after_idle=0``, or cubic restarts from a small window.
 
 A 2-rank gloo group per boundary pair (torch.distributed send/recv, measured on the same
 link) reaches the link rate only when every receive is pre-posted with its exact size
@@ -249,8 +249,19 @@ def _tune(sock: socket.socket, user_timeout_s: float) -> None:
 
 
 # [Note: cubic, not the host's default]
-# The sender's congestion control. Measured on the test bed (200 Mbit/s, one-way 40 ms,
-# `benchmarks/direct_channel.py --congestion`): CONGESTION_NOTE_TODO
+# The senders' congestion control, set per socket (the host's default, BBR here, stays for
+# everything else). Measured on the test bed (geopipe/testbed: 200 Mbit/s, one-way 40 ms),
+# training the demo GPT with 1F1B across it (`benchmarks/real_wan.py --latencies 40`, runs
+# interleaved): with BBR each 128 KiB activation or gradient took 51-58 ms one way (from
+# the frames' stamped send and arrival times) against 41-42 ms with cubic, for an ideal
+# 47 ms (latency + serialisation), and a step took 2.49-2.76 s against 2.13 s. 1F1B sends
+# one message per round trip: the flow is application-limited, BBR's bandwidth estimate
+# decays without fresh full-rate samples, and it paces each message out over more time
+# than the link needs; cubic sends it at once within its window. The price, measured with
+# `benchmarks/direct_channel.py --congestion bbr,cubic`: back-to-back 4 MiB messages
+# reached 82 % of the link with cubic against 96 % with BBR (1 MiB: 97 % against 80-86 %;
+# evenly paced 128 KiB at 15 or 100 ms gaps: the same 46.6 ms either way). Pipeline traffic
+# is many small, latency-bound messages, so cubic; set it to "" to keep the host's choice.
 CONGESTION = "cubic"
 
 
