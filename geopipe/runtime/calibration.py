@@ -261,20 +261,27 @@ class Calibrator:
         choose = i < DELTA_N_STEPS
         # Pool only steps run under the ΔN in force: after a choice, start afresh.
         self._pool = [] if choose else [*self._pool, results][-WINDOW:]
-        pooled = [r for rs in self._pool for r in rs] or results
-        cal = self._calibrate(plan, pooled, choose_delta_n=choose)
+        cal = self._calibrate(plan, self._pool or [results], choose_delta_n=choose)
         return cal if i < CALIBRATION_STEPS else replace(cal, event=None)
 
-    def _costs(self, plan: Plan, results: list[IterationResult]) -> PipelineCosts:
-        fwd, bwd, step_t = measured_stage_times(results, plan.num_stages)
+    def _costs(self, plan: Plan, steps: list[list[IterationResult]]) -> PipelineCosts:
+        """Stage times: per step the mean (the simulator adds them up), then the median
+        over the window's steps, so one step slowed by another process does not move the
+        prediction of the next; transport delays pooled over the window."""
+        per_step = [measured_stage_times(rs, plan.num_stages) for rs in steps]
+        fwd, bwd, step_t = (
+            [statistics.median(col) for col in zip(*(t[i] for t in per_step), strict=True)]
+            for i in range(3)
+        )
         costs = measured_costs(self.spec, plan, fwd, bwd, step_t)
-        costs = with_transport_overhead(costs, results, plan)
-        return with_real_transport(costs, results, plan, boundary_offsets(plan, self.links))
+        pooled = [r for rs in steps for r in rs]
+        costs = with_transport_overhead(costs, pooled, plan)
+        return with_real_transport(costs, pooled, plan, boundary_offsets(plan, self.links))
 
     def _calibrate(
-        self, plan: Plan, results: list[IterationResult], choose_delta_n: bool
+        self, plan: Plan, steps: list[list[IterationResult]], choose_delta_n: bool
     ) -> Calibration:
-        costs = self.costs = self._costs(plan, results)
+        costs = self.costs = self._costs(plan, steps)
         cands = choice_values(self.spec.plan.delta_n, default=[0], powers_of_two=False)
         if self.fixed_plan or plan.schedule != "lookahead":
             cands = sorted({plan.delta_n[j] for j in plan.wan_boundaries} or {0})
