@@ -31,7 +31,7 @@ from pathlib import Path
 from geopipe.testbed import netns
 from geopipe.testbed.plan import DEVICE, RAY_PORT, BedError, BedPlan
 
-__all__ = ["Bed", "BedUnavailable", "running", "state_dir"]
+__all__ = ["Bed", "BedUnavailable", "running", "state_dir", "stop_forwarders"]
 
 
 class BedUnavailable(RuntimeError):
@@ -306,6 +306,26 @@ class Bed:
                 (self.root / f"{self.plan.prefix}{suffix}").unlink()
         shutil.rmtree(self.ray_temp, ignore_errors=True)
         return stopped
+
+
+def stop_forwarders(prefix: str) -> list[int]:
+    """Stop forwarders of test bed ``prefix`` found by their command line (their state file
+    is gone, so no PID was recorded); returns their PIDs."""
+    out = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            if _FORWARDER.encode() in argv and any(
+                a.endswith(f"/{prefix}.json".encode()) for a in argv
+            ):
+                os.kill(int(proc.name), signal.SIGTERM)
+                out.append(int(proc.name))
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline and any(_alive(p, _FORWARDER) for p in out):
+        time.sleep(0.05)
+    return out
 
 
 @contextlib.contextmanager

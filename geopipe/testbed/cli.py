@@ -19,7 +19,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from geopipe.testbed.bed import Bed, BedUnavailable
+from geopipe.testbed import netns
+from geopipe.testbed.bed import Bed, BedUnavailable, state_dir, stop_forwarders
 from geopipe.testbed.plan import BedError, BedPlan
 
 __all__ = ["build_parser", "main"]
@@ -108,6 +109,8 @@ def _dispatch(args: argparse.Namespace, root: Path | None) -> int:
                 f"{sites[0]} -- geopipe launch CLUSTER.yaml"
             )
         return 0
+    if c == "down" and not (root or state_dir()).joinpath(f"{args.prefix}.json").exists():
+        return _down_orphans(args.prefix, root)
     bed = Bed.load(args.prefix, root)
     if c == "exec":
         cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
@@ -128,6 +131,20 @@ def _dispatch(args: argparse.Namespace, root: Path | None) -> int:
         return 0
     stopped = bed.down()  # "down"
     print(f"test bed down: {len(stopped)} process(es) stopped, namespaces removed")
+    return 0
+
+
+def _down_orphans(prefix: str, root: Path | None) -> int:
+    """``down`` without a state file (it was removed, or ``up`` died early): remove the
+    namespaces named ``<prefix>-*`` and what runs in them."""
+    sites = tuple(ns[len(prefix) + 1 :] for ns in netns.listed() if ns.startswith(prefix + "-"))
+    if not sites:
+        print(f"no test bed is up (no namespaces {prefix}-*)")
+        return 0
+    plan = BedPlan((*sites, *(("orphan-pad",) if len(sites) < 2 else ())), prefix=prefix)
+    bed = Bed(plan, root)
+    stopped = stop_forwarders(prefix) + bed.down()  # down() also removes what they wrote
+    print(f"test bed down: {len(stopped)} process(es) stopped, {len(sites)} namespace(s) removed")
     return 0
 
 
