@@ -64,6 +64,7 @@ def _geopipe_role(address: str, latency_ms: float, steps: int, runs: list[str]) 
             doc["plan"]["calibrate"] = True  # plan from this machine's speed, not the YAML's
             ctl, res, events = run(spec_of(doc), steps, tmp / name, schedule)
             out[name] = _summary(ctl, res, events)
+            out[name]["load"] = round(os.getloadavg()[0], 2)
             r = out[name]
             print(f"  {name}: {r['iteration_time_s']:.3f} s/step, predicted "
                   f"{r['predicted_s']:.3f} s (model {r['model_error']:.1%} off), bubble "
@@ -155,9 +156,22 @@ def measure_latency(bed, latency_ms: float, a: argparse.Namespace) -> dict:
     for sched in ("1f1b", "gpipe"):
         if f"torch_{sched}" in a.runs:
             r = _torch(bed, sched, a.torch_steps, split)
+            r["load"] = round(os.getloadavg()[0], 2)
             res[f"torch_{sched}"] = r
             print(f"  torch_{sched}: {r['median_s']:.3f} s/step", file=sys.stderr, flush=True)
     return res
+
+
+def _brief(res: dict) -> dict:
+    """One latency's settings for the JSON line: times, and geopipe's own figures."""
+    keys = ("predicted_s", "model_error", "delta_n", "bubble_ratio", "breakdown_s",
+            "links_measured", "load")  # fmt: skip
+    out = {}
+    for name, r in res.items():
+        out[name] = {"time_s": round(_time(r), 4)}
+        out[name].update({k: round(r[k], 4) if isinstance(r[k], float) else r[k]
+                          for k in keys if k in r})  # fmt: skip
+    return out
 
 
 def _time(r: dict) -> float:
@@ -241,26 +255,7 @@ def main() -> None:
         "load_after": round(os.getloadavg()[0], 2),
         "seconds": round(time.monotonic() - t0),
         **headline(per_l),
-        "per_latency": {
-            f"L{lat:g}": {
-                k: {
-                    "time_s": round(_time(r), 4),
-                    **(
-                        {
-                            "predicted_s": round(r["predicted_s"], 4),
-                            "delta_n": r["delta_n"],
-                            "bubble_ratio": round(r["bubble_ratio"], 4),
-                            "breakdown_s": r["breakdown_s"],
-                            "links_measured": r["links_measured"],
-                        }
-                        if "predicted_s" in r
-                        else {}
-                    ),
-                }
-                for k, r in res.items()
-            }
-            for lat, res in per_l.items()
-        },
+        "per_latency": {f"L{lat:g}": _brief(res) for lat, res in per_l.items()},
     }
     print(json.dumps(result))
 
