@@ -109,6 +109,9 @@ def _dispatch(args: argparse.Namespace, root: Path | None) -> int:
                 f"{sites[0]} -- geopipe launch CLUSTER.yaml"
             )
         return 0
+    why = netns.unavailable()
+    if why:  # every command below reads or changes namespaces
+        raise BedUnavailable(f"the test bed {why}")
     if c == "down" and not (root or state_dir()).joinpath(f"{args.prefix}.json").exists():
         return _down_orphans(args.prefix, root)
     bed = Bed.load(args.prefix, root)
