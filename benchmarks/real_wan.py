@@ -149,16 +149,26 @@ def _geopipe(bed, latency_ms: float, steps: int, runs: list[str]) -> dict:
 
 
 def measure_latency(bed, latency_ms: float, a: argparse.Namespace) -> dict:
+    """Every setting at one latency. The pairs the ratios compare run back to back
+    (geopipe 1F1B, torch 1F1B, geopipe look-ahead, torch GPipe), so a change in the shared
+    host's load between settings skews them as little as it can."""
     bed.set_link(latency_ms=latency_ms)
     res: dict = {}
-    res.update(_geopipe(bed, latency_ms, a.geopipe_steps, a.runs))
-    split = next(iter(res.values()))["partition"][1][0] if res else 3
-    for sched in ("1f1b", "gpipe"):
-        if f"torch_{sched}" in a.runs:
-            r = _torch(bed, sched, a.torch_steps, split)
-            r["load"] = round(os.getloadavg()[0], 2)
-            res[f"torch_{sched}"] = r
-            print(f"  torch_{sched}: {r['median_s']:.3f} s/step", file=sys.stderr, flush=True)
+    order = [["geopipe_1f1b"], ["torch_1f1b"],
+             ["geopipe_lookahead", "geopipe_lookahead_int8"], ["torch_gpipe"]]  # fmt: skip
+    for group in order:
+        runs = [r for r in group if r in a.runs]
+        if not runs:
+            continue
+        if runs[0].startswith("geopipe"):
+            res.update(_geopipe(bed, latency_ms, a.geopipe_steps, runs))
+            continue
+        sched = runs[0].split("_", 1)[1]
+        split = next((r["partition"][1][0] for r in res.values() if "partition" in r), 3)
+        r = _torch(bed, sched, a.torch_steps, split)
+        r["load"] = round(os.getloadavg()[0], 2)
+        res[runs[0]] = r
+        print(f"  torch_{sched}: {r['median_s']:.3f} s/step", file=sys.stderr, flush=True)
     return res
 
 
