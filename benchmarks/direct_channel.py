@@ -3,8 +3,8 @@
 Sender and receiver are separate processes. Paths measured:
 
 * ``loopback``: both on 127.0.0.1 (CPU-bound: what encode, seal, copy and decode cost).
-* ``wan``: two network namespaces joined only by ``benchmarks/_tun_link.py`` (a user-space
-  TUN forwarder adding one-way latency L and a 200 Mbit/s rate, since kernel netem is absent),
+* ``wan``: two network namespaces joined only by the test bed's forwarder (geopipe/testbed:
+  a user-space TUN forwarder adding one-way latency L and a 200 Mbit/s rate; no kernel netem),
   at L = 40 ms (80 ms round trip, BDP 2 MB) unless ``--latency-ms`` says otherwise. Needs root
   and /dev/net/tun; skipped with the reason otherwise.
 
@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -49,6 +48,26 @@ def _phases(quick: bool) -> list[dict]:
         {"name": "tput_4MiB", "size": 4 * MiB, "count": 24 // scale, "gap": 0, "streams": 1},
         {"name": "tput_16MiB", "size": 16 * MiB, "count": 8 // scale, "gap": 0, "streams": 1},
         {"name": "tput_4MiB_x4", "size": 4 * MiB, "count": 24 // scale, "gap": 0, "streams": 4},
+        # pipeline traffic: one activation (128 KiB) every 15 ms as a stage computes them (70
+        # Mbit/s offered), on a warm connection after an idle second; one-way times over the
+        # second half
+        {
+            "name": "lat_128KiB_every_15ms",
+            "size": 128 * KiB,
+            "count": 192,
+            "gap": 0.015,
+            "streams": 1,
+            "steady": True,
+        },
+        # 1F1B over the WAN: one activation per round trip, the link idle in between
+        {
+            "name": "lat_128KiB_every_100ms",
+            "size": 128 * KiB,
+            "count": 30,
+            "gap": 0.1,
+            "streams": 1,
+            "steady": True,
+        },
     ]
 
 
@@ -162,8 +181,13 @@ def _summarise(phases: list[dict], sent: dict, arr: dict, rate_bps: float | None
         if not s or not a:
             continue
         if ph["gap"]:
-            lat = sorted(x - y for x, y in zip(a, s, strict=True))
-            out[ph["name"]] = {"one_way_ms_median": 1e3 * statistics.median(lat)}
+            lat = [x - y for x, y in zip(a, s, strict=True)]
+            lat = sorted(lat[len(lat) // 2 :] if ph.get("steady") else lat)
+            out[ph["name"]] = {
+                "one_way_ms_median": round(1e3 * statistics.median(lat), 2),
+                "one_way_ms_p90": round(1e3 * lat[int(0.9 * (len(lat) - 1))], 2),
+                "one_way_ms_mean": round(1e3 * statistics.mean(lat), 2),
+            }
             continue
         n, size, h = len(a), ph["size"], len(a) // 2
         # Steady state: the second half's arrivals (start-up and slow start excluded).
@@ -179,12 +203,14 @@ def _summarise(phases: list[dict], sent: dict, arr: dict, rate_bps: float | None
     return out
 
 
-def run_direct(phases: list[dict], ns: tuple[str, str] | None, ips: tuple[str, str]) -> dict:
+def run_direct(
+    phases: list[dict], ns: tuple[str, str] | None, ips: tuple[str, str], cc: str | None = None
+) -> dict:
     settle = "1.0" if ns else "0.2"
     rx = _spawn(ns and ns[1], "--role", "recv", "--bind", ips[1], "--plan", json.dumps(phases))
     addrs = _line(rx, "ADDR")
     tx = _spawn(ns and ns[0], "--role", "send", "--addrs", addrs, "--plan", json.dumps(phases),
-                "--settle", settle)  # fmt: skip
+                "--settle", settle, *(["--congestion", cc] if cc else []))  # fmt: skip
     sent = json.loads(_line(tx, "RESULT"))
     arr = json.loads(_line(rx, "RESULT"))
     tx.wait()
@@ -246,13 +272,9 @@ def run_ray(phases: list[dict]) -> dict:
 
 
 def _wan_available() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root (network namespaces, TUN)"
-    if not os.path.exists("/dev/net/tun"):
-        return "no /dev/net/tun"
-    if not shutil.which("ip"):
-        return "no iproute2"
-    return None
+    from geopipe.testbed.netns import unavailable
+
+    return unavailable()
 
 
 def main() -> None:
@@ -270,10 +292,16 @@ def main() -> None:
     ap.add_argument("--ray", action="store_true", help="also measure Ray actor calls (loopback)")
     ap.add_argument("--quick", action="store_true", help="half the messages")
     ap.add_argument("--no-wan", action="store_true", help="loopback only")
+    ap.add_argument("--congestion", default=None,
+                    help="senders' TCP congestion control; bbr,cubic: each in turn")  # fmt: skip
     a = ap.parse_args()
     if a.role == "recv":
         return _role_recv(a.bind, json.loads(a.plan))
     if a.role == "send":
+        if a.congestion:
+            from geopipe.transport import direct
+
+            direct.CONGESTION = a.congestion.split(",")[0]
         return _role_send(json.loads(a.addrs), json.loads(a.plan), a.settle)
     if a.role == "gloo":
         return _role_gloo(a.rank, a.master, a.port, json.loads(a.plan))
@@ -292,25 +320,20 @@ def main() -> None:
     if why:
         result["wan_skipped"] = why
     else:
-        from benchmarks import _tun_link
+        from geopipe.testbed import BedPlan, running
 
-        link = subprocess.Popen(
-            [sys.executable, str(Path(__file__).parent / "_tun_link.py"),
-             "--latency-ms", str(a.latency_ms), "--rate-mbit", str(WAN_RATE_BPS / 1e6)],
-            stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        try:
-            link.stdout.readline()  # "ready": namespaces and forwarder are up
-            ns, ips = _tun_link.NS, _tun_link.IPS
+        plan = BedPlan(("a", "b"), a.latency_ms, WAN_RATE_BPS / 1e6, prefix="gpdc")
+        with running(plan):
+            ns = (plan.namespace("a"), plan.namespace("b"))
+            ips = (plan.address("a"), plan.address("b"))
             key = f"wan_rtt{2 * a.latency_ms:g}ms_200mbit"
-            result[key] = run_direct(phases, ns, ips)
-            print(key, json.dumps(result[key]), flush=True)
+            for cc in (a.congestion or "").split(",") if a.congestion else [None]:
+                k = key + (f"_{cc}" if cc else "")
+                result[k] = run_direct(phases, ns, ips, cc)
+                print(k, json.dumps(result[k]), flush=True)
             if a.gloo:
                 result[key + "_gloo"] = run_gloo(phases, ns, ips)
                 print(key + " gloo", json.dumps(result[key + "_gloo"]), flush=True)
-        finally:
-            link.terminate()
-            link.wait()
     print(json.dumps(result))
 
 

@@ -1,4 +1,4 @@
-"""``geopipe`` command line: plan | simulate | launch | status | checkpoints.
+"""``geopipe`` command line: plan | simulate | launch | status | checkpoints | testbed.
 
 Errors in user input (a bad YAML, an impossible setting, a file that cannot be written)
 print one clear message and exit with status 2. Anything else escaping a command is a bug
@@ -122,10 +122,27 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("run_dir", nargs="?", default=None)
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=cmd_status)
+
+    tb = sub.add_parser(
+        "testbed", help="a real emulated WAN on this host (namespaces; needs root)",
+        add_help=False,
+    )  # fmt: skip
+    tb.add_argument("testbed_args", nargs=argparse.REMAINDER)
+    tb.set_defaults(func=_cmd_testbed)
     return p
 
 
+def _cmd_testbed(args: argparse.Namespace) -> int:
+    """Delegate to the test bed's own command line (also ``python -m geopipe.testbed``)."""
+    from geopipe.testbed.cli import main as testbed_main
+
+    return testbed_main(args.testbed_args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["testbed"]:  # its own options may come first (--state-dir X up …)
+        return _cmd_testbed(argparse.Namespace(testbed_args=argv[1:]))
     args = build_parser().parse_args(argv)
     name = f"geopipe {args.command}"
     try:

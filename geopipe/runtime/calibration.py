@@ -5,10 +5,11 @@ Two measurements feed the planner's cost model:
 * before planning, on the embedded cluster, a quick single-threaded profile of the model
   on this machine replaces the YAML's nominal device speed (:func:`profile_machine`; on a
   real cluster the YAML's numbers stand unless ``plan.calibrate`` says otherwise);
-* over the first steps of a layout, the stages' measured forward/backward times and the
-  transport's delay beyond the link model replace the nominal costs, and ΔN — the one
-  knob that changes only the action lists, not the actors — is re-chosen
-  (:class:`Calibrator`).
+* after every step, the stages' measured forward/backward times and the transport's delay
+  beyond the link model (the emulator's stamps, or on real links the data plane's stamped
+  send and arrival times) replace the nominal costs, the same simulator the planner uses
+  predicts the next step, and over a layout's first steps ΔN — the one knob that changes
+  only the action lists, not the actors — is re-chosen (:class:`Calibrator`).
 """
 
 from __future__ import annotations
@@ -28,13 +29,18 @@ from geopipe.runtime.executor import IterationResult
 __all__ = [
     "Calibration",
     "Calibrator",
+    "boundary_offsets",
+    "fifo_excess",
     "measured_stage_times",
     "profile_machine",
     "should_profile",
+    "with_real_transport",
     "with_transport_overhead",
 ]
 
-CALIBRATION_STEPS = 3  # steps of a layout whose measurements re-calibrate the prediction
+CALIBRATION_STEPS = 3  # steps of a layout that record events and write `calibrated` events
+DELTA_N_STEPS = 2  # ΔN is (re)chosen after each of a layout's first steps
+WINDOW = 3  # the prediction uses the measurements of this many latest steps
 
 
 # -- before planning: this machine's speed -----------------------------------------------------
@@ -98,30 +104,31 @@ def profile_machine(spec: ClusterSpec, micro_batch: int, seq_len: int) -> Cluste
 def measured_stage_times(
     results: list[IterationResult], num_stages: int
 ) -> tuple[list[float], list[float], list[float]]:
-    """Mean forward and backward seconds per stage from recorded events, and the extra time
-    of each stage's last backward (it runs the ZeRO-1 reduction and the optimizer step).
+    """Mean forward and backward seconds per micro-batch per stage, and each stage's extra
+    time at the end of the step, from the replicas' step breakdowns (always reported, so
+    every step calibrates, not only the ones that record events).
 
-    Means, not medians: the simulator adds the times up, so occasional slow operations
-    (a GC pause, a busy core) belong in the figure.
+    Handing a tensor to a link (``send``) runs on the compute thread between computations,
+    so it is folded into the computation before it: a forward on stages that send
+    activations, a backward on stages that send gradients (half each in between). The end
+    of the step — ZeRO-1 reduction and optimizer, the boundary snapshot, bookkeeping — is
+    the simulator's ``step_s``. Means, not medians: the simulator adds the times up, so
+    occasional slow operations (a GC pause, a busy core) belong in the figure.
     """
     fwd: list[list[float]] = [[] for _ in range(num_stages)]
     bwd: list[list[float]] = [[] for _ in range(num_stages)]
-    extra: list[list[float]] = [[] for _ in range(num_stages)]
+    end: list[list[float]] = [[] for _ in range(num_stages)]
     for r in results:
-        k = r.stage
-        f = [t1 - t0 for kind, _, t0, t1 in r.events if kind == "F"]
-        b = [t1 - t0 for kind, _, t0, t1 in r.events if kind == "B"]
-        fwd[k] += f
-        if len(b) > 1:
-            body = statistics.mean(b[:-1])
-            bwd[k] += b[:-1]
-            extra[k].append(max(0.0, b[-1] - body))
-        else:
-            bwd[k] += b
+        k, b, m = r.stage, r.breakdown, max(1, r.micro_batches)
+        share_f = 0.0 if k == num_stages - 1 else (1.0 if k == 0 else 0.5)
+        send = b.get("send", 0.0)
+        fwd[k].append((b.get("forward", 0.0) + share_f * send) / m)
+        bwd[k].append((b.get("backward", 0.0) + (1 - share_f) * send) / m)
+        end[k].append(b.get("optimizer", 0.0) + b.get("snapshot", 0.0) + b.get("other", 0.0))
     return (
         [statistics.mean(x) for x in fwd],
         [statistics.mean(x) for x in bwd],
-        [statistics.mean(x) if x else 0.0 for x in extra],
+        [statistics.mean(x) if x else 0.0 for x in end],
     )
 
 
@@ -145,32 +152,99 @@ def with_transport_overhead(
     return replace(costs, lat_f=tuple(lat_f), lat_b=tuple(lat_b))
 
 
+def fifo_excess(stamps: list[tuple[float, float]], ser_s: float, lat_s: float) -> list[float]:
+    """How much later than the link model each message became usable.
+
+    ``stamps`` are ``(sent, usable)`` on one clock, of one link direction in one step. The
+    model is the simulator's: a FIFO server taking ``ser_s`` per message, then ``lat_s``.
+    """
+    out, free = [], float("-inf")
+    for sent, usable in sorted(stamps):
+        free = max(sent, free) + ser_s
+        out.append(usable - (free + lat_s))
+    return out
+
+
+def with_real_transport(
+    costs: PipelineCosts,
+    results: list[IterationResult],
+    plan: Plan,
+    offsets: dict[int, float],
+) -> PipelineCosts:
+    """On real links: each WAN hop's latency becomes what the stamped messages took beyond
+    their serialisation (probe's latency + the mean excess over the FIFO model).
+
+    ``offsets[j]`` is the clock offset across boundary ``j`` (downstream minus upstream,
+    from the launch-time probe); boundaries without one keep the probe's latency.
+    """
+    lat_f, lat_b = list(costs.lat_f), list(costs.lat_b)
+    ex_f: dict[int, list[float]] = {}
+    ex_b: dict[int, list[float]] = {}
+    for r in results:
+        k = r.stage
+        fwd, bwd = r.transport_stamps.get("F", []), r.transport_stamps.get("B", [])
+        if fwd and k > 0 and (k - 1) in offsets:
+            off = offsets[k - 1]  # sent on stage k-1's clock, usable on stage k's
+            st = [(s + off, u) for _, s, u in fwd]
+            ex_f.setdefault(k - 1, []).extend(fifo_excess(st, costs.ser_f[k - 1], lat_f[k - 1]))
+        if bwd and k < plan.num_stages - 1 and k in offsets:
+            off = offsets[k]  # sent on stage k+1's clock, usable on stage k's
+            st = [(s - off, u) for _, s, u in bwd]
+            ex_b.setdefault(k, []).extend(fifo_excess(st, costs.ser_b[k], lat_b[k]))
+    for j, xs in ex_f.items():
+        lat_f[j] = max(0.0, costs.lat_f[j] + statistics.mean(xs))
+    for j, xs in ex_b.items():
+        lat_b[j] = max(0.0, costs.lat_b[j] + statistics.mean(xs))
+    return replace(costs, lat_f=tuple(lat_f), lat_b=tuple(lat_b))
+
+
+def boundary_offsets(plan: Plan, measured: list[Any]) -> dict[int, float]:
+    """Clock offset per WAN boundary of ``plan`` from the launch-time link measurements."""
+    by_pair = {(m.src, m.dst): m.clock_offset_s for m in measured}
+    out = {}
+    for j in plan.wan_boundaries:
+        a, b = plan.stage_sites[j], plan.stage_sites[j + 1]
+        if (a, b) in by_pair:
+            out[j] = by_pair[(a, b)]
+        elif (b, a) in by_pair:
+            out[j] = -by_pair[(b, a)]
+    return out
+
+
 @dataclass(frozen=True)
 class Calibration:
     """The outcome of one calibration step: the plan to run next and its prediction."""
 
     plan: Plan
     predicted_s: float
-    event: dict[str, Any]  # the ``calibrated`` metrics event
+    event: dict[str, Any] | None  # the ``calibrated`` metrics event (first steps only)
 
 
 class Calibrator:
-    """Pools the first :data:`CALIBRATION_STEPS` steps of each layout and re-predicts.
+    """Predicts each step from the measurements of the steps before it.
 
-    After the first step ΔN is chosen for pessimistic costs (stages 40 % faster, links 25 %
-    slower than measured): too small a ΔN exposes the whole round trip, one too large only
-    holds a few more activations. The following steps, run under that ΔN, only update the
-    prediction: stage times depend on how busy the machine is, which depends on the
-    schedule.
+    ΔN — the one knob that changes only the action lists, not the actors — is chosen after
+    each of a layout's first :data:`DELTA_N_STEPS` steps from that step's measurements, for
+    pessimistic costs (stages twice as fast, links 25 % slower than measured): too small a
+    ΔN exposes the whole round trip, one too large only holds a few more activations. The
+    first step runs cold (allocations, first-touch), so the second decides. From then on ΔN
+    stays and every step re-predicts from the last :data:`WINDOW` steps under it: stage
+    times on a shared host move with its load, and a prediction from the first steps alone
+    drifts from what later steps see. Link costs: the probe's (real links) or the YAML's
+    (emulated), plus what the stamped messages took beyond that model.
     """
 
-    def __init__(self, spec: ClusterSpec, fixed_plan: bool, predicted_s: float) -> None:
+    def __init__(
+        self, spec: ClusterSpec, fixed_plan: bool, predicted_s: float, links: list | None = None
+    ) -> None:
         self.spec = spec
         self.fixed_plan = fixed_plan  # the plan was given: ΔN stays within its own values
         self.predicted_s = predicted_s
         self.calibrated = False  # predicted_s comes from measured times
+        self.links = list(links or [])  # launch-time link measurements (clock offsets)
         self._base = 0  # first step of the current layout
-        self._pool: list[IterationResult] = []
+        self._pool: list[list[IterationResult]] = []
+        self.costs: PipelineCosts | None = None  # the latest calibrated costs
 
     def restart(self, step: int) -> None:
         """A new layout (recovery, grow-back) from ``step`` on: measure it afresh."""
@@ -179,34 +253,48 @@ class Calibrator:
         self.calibrated = False
 
     def wants(self, step: int) -> bool:
-        """Whether ``step``'s measurements are needed (the executor then records events)."""
+        """Whether ``step``'s events are recorded (the first steps' timelines)."""
         return step - self._base < CALIBRATION_STEPS
 
     def observe(self, step: int, plan: Plan, results: list[IterationResult]) -> Calibration:
-        first = step == self._base
-        # After ΔN is chosen (first step), pool the following steps' measurements.
-        self._pool = [] if first else [*self._pool, *results]
-        return self._calibrate(plan, self._pool or results, choose_delta_n=first)
+        i = step - self._base
+        choose = i < DELTA_N_STEPS
+        # Pool only steps run under the ΔN in force: after a choice, start afresh.
+        self._pool = [] if choose else [*self._pool, results][-WINDOW:]
+        cal = self._calibrate(plan, self._pool or [results], choose_delta_n=choose)
+        return cal if i < CALIBRATION_STEPS else replace(cal, event=None)
+
+    def _costs(self, plan: Plan, steps: list[list[IterationResult]]) -> PipelineCosts:
+        """Stage times: per step the mean (the simulator adds them up), then the median
+        over the window's steps, so one step slowed by another process does not move the
+        prediction of the next; transport delays pooled over the window."""
+        per_step = [measured_stage_times(rs, plan.num_stages) for rs in steps]
+        fwd, bwd, step_t = (
+            [statistics.median(col) for col in zip(*(t[i] for t in per_step), strict=True)]
+            for i in range(3)
+        )
+        costs = measured_costs(self.spec, plan, fwd, bwd, step_t)
+        pooled = [r for rs in steps for r in rs]
+        costs = with_transport_overhead(costs, pooled, plan)
+        return with_real_transport(costs, pooled, plan, boundary_offsets(plan, self.links))
 
     def _calibrate(
-        self, plan: Plan, results: list[IterationResult], choose_delta_n: bool
+        self, plan: Plan, steps: list[list[IterationResult]], choose_delta_n: bool
     ) -> Calibration:
-        fwd, bwd, step_t = measured_stage_times(results, plan.num_stages)
-        costs = measured_costs(self.spec, plan, fwd, bwd, step_t)
-        costs = with_transport_overhead(costs, results, plan)
+        costs = self.costs = self._costs(plan, steps)
         cands = choice_values(self.spec.plan.delta_n, default=[0], powers_of_two=False)
         if self.fixed_plan or plan.schedule != "lookahead":
             cands = sorted({plan.delta_n[j] for j in plan.wan_boundaries} or {0})
         new = plan
         if choose_delta_n:
-            new, _ = refine_delta_n(self.spec, plan, pessimistic(costs), cands)
+            new, _ = refine_delta_n(self.spec, plan, pessimistic(costs, compute=0.5), cands)
         t = predict(new, costs)
         self.predicted_s = t
         self.calibrated = True
         event = {
-            "forward_s": fwd,
-            "backward_s": bwd,
-            "step_s": step_t,
+            "forward_s": list(costs.fwd_s),
+            "backward_s": list(costs.bwd_s),
+            "step_s": list(costs.step_s),
             "link_latency_s": {"forward": list(costs.lat_f), "backward": list(costs.lat_b)},
             "delta_n": list(new.delta_n),
             "previous_delta_n": list(plan.delta_n),

@@ -232,7 +232,8 @@ class Controller:
         KeyboardInterrupt; a second Ctrl-C abandons the step.
         """
         self.calibrator = Calibrator(self.spec, self.opts.plan is not None,
-                                     self.predicted.iteration_time_s)  # fmt: skip
+                                     self.predicted.iteration_time_s,
+                                     self.links_measured)  # fmt: skip
         self.calibrator.restart(self.start_step)
         self._result = RunResult(
             self.plan, self.predicted, run_dir=self.run_dir,
@@ -322,15 +323,15 @@ class Controller:
         m = aggregate(results, self.plan.num_stages, tokens)
         self._result.steps.append(m)
         self.reporter.step(m, self.calibrator.predicted_s)
-        if self.calibrator.wants(step):
-            cal = self.calibrator.observe(step, self.plan, results)
+        cal = self.calibrator.observe(step, self.plan, results)  # predicts the next step
+        if cal.event is not None:
             self.reporter.event("calibrated", **cal.event)
-            if cal.plan.delta_n != self.plan.delta_n:
-                import ray
+        if cal.plan.delta_n != self.plan.delta_n:
+            import ray
 
-                delta_n = list(cal.plan.delta_n)
-                ray.get([a.set_delta_n.remote(delta_n) for a in self.flat_actors()])
-            self._set_plan(cal.plan)
+            delta_n = list(cal.plan.delta_n)
+            ray.get([a.set_delta_n.remote(delta_n) for a in self.flat_actors()])
+        self._set_plan(cal.plan)
         self._status(step + 1)
         self._last_results = results
         self.checkpoints.poll()

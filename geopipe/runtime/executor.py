@@ -47,6 +47,9 @@ class IterationResult:
     events: list[tuple[str, int, float, float]] = field(default_factory=list)
     # how much later than the (emulated) link each inbound WAN message became usable
     transport_excess_s: dict[str, list[float]] = field(default_factory=dict)
+    # over a real link: (micro-batch, sent at on the sender's clock, usable at on this
+    # replica's clock) of each inbound WAN message, per direction ("F", "B")
+    transport_stamps: dict[str, list[tuple[int, float, float]]] = field(default_factory=dict)
     # where the step's time went on this replica (seconds; see :data:`BREAKDOWN`)
     breakdown: dict[str, float] = field(default_factory=dict)
 

@@ -11,7 +11,15 @@ construction (within 2 %), and on a loaded host a probe would measure the host's
 scheduling rather than a link.
 
 A few seconds at most: the burst is sized from the YAML's bandwidth (half a second's
-worth, 1–32 MiB).
+worth, 1–32 MiB) and cut into :data:`BURST_MESSAGES` messages. The rate is the median of
+the per-message rates (bytes over the gap between consecutive arrivals), not one figure
+over the whole burst: a fresh connection over a long round trip spends its first few
+hundred milliseconds in slow start, and a single whole-burst figure once read 58 Mbit/s
+on a 200 Mbit/s link; the median skips those first messages and a stray late arrival.
+
+The pings also give the offset between the two actors' clocks (NTP's estimate, from the
+ping with the shortest round trip): calibration uses it to turn the data plane's stamped
+send and arrival times into one-way transfer times across hosts.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from geopipe.transport.link import LinkParams
 __all__ = [
     "LinkMeasurement",
     "burst_rate",
+    "clock_offset",
     "echo",
     "measure_links",
     "probe",
@@ -40,8 +49,11 @@ __all__ = [
 
 PINGS = 5
 PING_BYTES = 1024
-CHUNK_BYTES = 4 << 20
+BURST_MESSAGES = 9  # 8 inter-arrival rates; the median ignores slow start's few
 WARN_OFF = 0.20  # warn when a measurement is this far from the YAML
+# ... and the latency differs by more than this much in absolute terms: at L ≈ 0 a 0.3 ms
+# measured against a 0.1 ms YAML is no 200 % error worth a warning.
+WARN_FLOOR_S = 1e-3
 
 
 @dataclass(frozen=True)
@@ -52,6 +64,7 @@ class LinkMeasurement:
     bandwidth_bps: float
     yaml_latency_s: float
     yaml_bandwidth_bps: float
+    clock_offset_s: float = 0.0  # downstream actor's monotonic clock minus upstream's
 
     @property
     def latency_s(self) -> float:
@@ -61,7 +74,7 @@ class LinkMeasurement:
         """What differs from the YAML by more than :data:`WARN_OFF`."""
         out = []
         lat, yl = self.latency_s, self.yaml_latency_s
-        if abs(lat - yl) > WARN_OFF * max(yl, 1e-3):
+        if abs(lat - yl) > max(WARN_OFF * yl, WARN_FLOOR_S):
             out.append(f"one-way latency {lat * 1e3:.1f} ms (YAML {yl * 1e3:.1f} ms)")
         bw, yb = self.bandwidth_bps, self.yaml_bandwidth_bps
         if abs(bw - yb) > WARN_OFF * yb:
@@ -77,65 +90,90 @@ class LinkMeasurement:
             "bandwidth_mbps": self.bandwidth_bps / 1e6,
             "yaml_latency_ms": self.yaml_latency_s * 1e3,
             "yaml_bandwidth_mbps": self.yaml_bandwidth_bps / 1e6,
+            "clock_offset_ms": self.clock_offset_s * 1e3,
         }
 
 
 def _burst(bandwidth_bps: float) -> list[int]:
     """Message sizes of the bulk burst: about half a second of the link, 1–32 MiB."""
     total = int(min(32 << 20, max(1 << 20, bandwidth_bps / 8 * 0.5)))
-    n = max(2, -(-total // CHUNK_BYTES))
-    return [total // n] * n
+    return [total // BURST_MESSAGES] * BURST_MESSAGES
 
 
 # -- inside the actors -------------------------------------------------------------------------
-def probe(inbox: Any, address: tuple[str, int], link: LinkParams | None, sizes: list[int]) -> float:
-    """Upstream side: ping the neighbour at ``address`` and stream the burst; returns the
-    median round trip (seconds). The neighbour runs :func:`echo` at the same time."""
+def probe(inbox: Any, address: tuple[str, int], link: LinkParams | None, sizes: list[int]) -> dict:
+    """Upstream side: ping the neighbour at ``address`` and stream the burst. Returns
+    ``rtt_s`` (median round trip), and per ping when it was sent and its answer in (this
+    clock). The neighbour runs :func:`echo` at the same time."""
     tx = DirectSender(address, "none", "forward", link)
+    inbox.watched, inbox.arrived_at = {"probe-pong"}, {}
     try:
-        rtts = []
+        sent, rtts = [], []
         small = torch.zeros(PING_BYTES // 4)
         for i in range(PINGS):
             t0 = time.monotonic()
             tx.send(("probe-ping", i), small, stream="probe")
             inbox.get(("probe-pong", i), timeout=60)
+            sent.append(t0)
             rtts.append(time.monotonic() - t0)
         for j, n in enumerate(sizes):
             tx.send(("probe-bulk", j), torch.zeros(n // 4), stream="probe")
         tx.flush(timeout=120)
-        return statistics.median(rtts)
+        back = [inbox.arrived_at[("probe-pong", i)] for i in range(PINGS)]
+        return {"rtt_s": statistics.median(rtts), "ping_sent": sent, "pong_in": back}
     finally:
+        inbox.watched, inbox.arrived_at = set(), {}
         tx.close()
 
 
-def echo(
-    inbox: Any, address: tuple[str, int], link: LinkParams | None, sizes: list[int]
-) -> list[float]:
+def echo(inbox: Any, address: tuple[str, int], link: LinkParams | None, sizes: list[int]) -> dict:
     """Downstream side: answer the pings, then time the burst's arrivals on this clock
-    (stamped by the transport as each message is in, see ``Inbox.watched``)."""
+    (stamped by the transport as each message is in, see ``Inbox.watched``). Returns the
+    burst's ``arrivals`` and per ping when it was in and its answer sent (this clock)."""
     tx = DirectSender(address, "none", "backward", link)
-    inbox.watched, inbox.arrived_at = "probe-bulk", {}
+    inbox.watched, inbox.arrived_at = {"probe-bulk", "probe-ping"}, {}
     try:
         small = torch.zeros(PING_BYTES // 4)
+        ping_in, answered = [], []
         for i in range(PINGS):
             inbox.get(("probe-ping", i), timeout=60)
+            answered.append(time.monotonic())
+            # The first ping may be in before this call started watching: then it waited,
+            # its round trip looks long, and clock_offset does not pick it.
+            ping_in.append(inbox.arrived_at.get(("probe-ping", i), answered[-1]))
             tx.send(("probe-pong", i), small, stream="probe")
         tx.flush(timeout=60)
         for j in range(len(sizes)):
             inbox.get(("probe-bulk", j), timeout=120)
-        return [inbox.arrived_at[("probe-bulk", j)] for j in range(len(sizes))]
+        return {
+            "arrivals": [inbox.arrived_at[("probe-bulk", j)] for j in range(len(sizes))],
+            "ping_in": ping_in,
+            "pong_sent": answered,
+        }
     finally:
-        inbox.watched, inbox.arrived_at = None, {}
+        inbox.watched, inbox.arrived_at = set(), {}
         tx.close()
 
 
 def burst_rate(sizes: list[int], arrivals: list[float]) -> float | None:
-    """Bits per second from the burst's arrival times on the receiver's clock: the bytes
-    after the first message over the time they took, so TCP's start-up (slow start over a
-    long round trip) stays mostly behind the first message and no clock sync is needed.
-    None when the arrivals carry no timing (all at once)."""
-    span = arrivals[-1] - arrivals[0]
-    return sum(sizes[1:]) * 8 / span if span > 0 else None
+    """Bits per second from the burst's arrival times on the receiver's clock (no clock
+    sync needed): the median over consecutive arrivals of a message's bytes over the gap
+    before it, so slow start (the first few gaps) and a stray delay do not count. None when
+    the arrivals carry no timing (all at once)."""
+    rates = [n * 8 / (b - a) for n, a, b in zip(sizes[1:], arrivals, arrivals[1:], strict=False)
+             if b > a]  # fmt: skip
+    return statistics.median(rates) if rates else None
+
+
+def clock_offset(up: dict, down: dict) -> float:
+    """Downstream clock minus upstream clock, from the ping with the shortest round trip
+    (NTP's estimate: its error is at most half of that ping's round-trip asymmetry)."""
+    best = min(range(len(up["ping_sent"])),
+               key=lambda i: (up["pong_in"][i] - up["ping_sent"][i])
+               - (down["pong_sent"][i] - down["ping_in"][i]))  # fmt: skip
+    t0, t3 = up["ping_sent"][best], up["pong_in"][best]
+    t1, t2 = down["ping_in"][best], down["pong_sent"][best]
+    return ((t1 - t0) + (t2 - t3)) / 2
 
 
 # -- in the controller -------------------------------------------------------------------------
@@ -154,10 +192,16 @@ def measure_links(
         yaml_link = spec.link(a, b)
         sizes = _burst(yaml_link.bandwidth_bps)
         up, down = rows[k][0], rows[k + 1][0]
-        arrivals_ref = down.probe_echo.remote(addresses[(k, 0)], None, sizes)
-        rtt = ray.get(up.probe_link.remote(addresses[(k + 1, 0)], None, sizes))
-        bw = burst_rate(sizes, ray.get(arrivals_ref)) or yaml_link.bandwidth_bps
-        out.append(LinkMeasurement(a, b, rtt, bw, yaml_link.latency_s, yaml_link.bandwidth_bps))
+        echo_ref = down.probe_echo.remote(addresses[(k, 0)], None, sizes)
+        got_up = ray.get(up.probe_link.remote(addresses[(k + 1, 0)], None, sizes))
+        got_down = ray.get(echo_ref)
+        bw = burst_rate(sizes, got_down["arrivals"]) or yaml_link.bandwidth_bps
+        out.append(
+            LinkMeasurement(
+                a, b, got_up["rtt_s"], bw, yaml_link.latency_s, yaml_link.bandwidth_bps,
+                clock_offset(got_up, got_down),
+            )
+        )  # fmt: skip
     return out
 
 

@@ -100,8 +100,11 @@ class Placement:
         import ray
 
         data = self.spec.training.data
-        digests = ray.get([a.data_digest.remote() for a in self.flat()])
-        names = [n for row in self.current_names() for n in row]
+        got = ray.get([a.data_digest.remote() for a in self.flat()])
+        all_names = [n for row in self.current_names() for n in row]
+        # Middle stages read no data (None): only the ends' digests are compared.
+        names = [n for n, d in zip(all_names, got, strict=True) if d is not None]
+        digests = [d for d in got if d is not None]
         if len(set(digests)) > 1:
             seen: dict[str, list[str]] = {}
             for name, d in zip(names, digests, strict=True):

@@ -147,11 +147,11 @@ class StageWorker:
         """Open the receiver of this replica's WAN neighbours; returns its address."""
         return self.links.listen(_local_ip())
 
-    def probe_link(self, address: tuple[str, int], link: Any, sizes: list[int]) -> float:
+    def probe_link(self, address: tuple[str, int], link: Any, sizes: list[int]) -> dict:
         """Launch-time link probe, upstream side (see :mod:`geopipe.runtime.linkprobe`)."""
         return linkprobe.probe(self.links.inbox, tuple(address), link, sizes)
 
-    def probe_echo(self, address: tuple[str, int], link: Any, sizes: list[int]) -> list[float]:
+    def probe_echo(self, address: tuple[str, int], link: Any, sizes: list[int]) -> dict:
         """Launch-time link probe, downstream side."""
         return linkprobe.echo(self.links.inbox, tuple(address), link, sizes)
 
@@ -177,18 +177,38 @@ class StageWorker:
         res.duration_s = time.monotonic() - res.start
         foreground = sum(res.breakdown[k] for k in BREAKDOWN[:-3])
         res.breakdown["other"] = max(0.0, res.duration_s - foreground)
+        self._collect_transport(res, step)
+        return res
+
+    def _collect_transport(self, res: IterationResult, step: int) -> None:
+        """Move this step's transport timings from the inbox into ``res`` (later steps'
+        stay; a launch-time link probe's messages are no training traffic and go)."""
         inbox = self.links.inbox
         res.transport_excess_s = {"F": [], "B": []}
         later = []
         for key, delay in inbox.transfers:
             if key[0] not in res.transport_excess_s:
-                continue  # a launch-time link probe's message, not training traffic
+                continue
             if key[1] == step:
                 res.transport_excess_s[key[0]].append(delay)
             elif key[1] > step:
                 later.append((key, delay))
         inbox.transfers = later
-        return res
+        res.transport_stamps = {"F": [], "B": []}
+        stamped = []
+        got = inbox.got_at
+        for key, sent, usable in inbox.stamped:
+            if key[0] not in res.transport_stamps:
+                continue
+            if key[1] == step:
+                called, returned = got.get(key, (usable, usable))
+                if called < usable:  # the computation waited: it had the data on waking
+                    usable = max(usable, returned)
+                res.transport_stamps[key[0]].append((key[2], sent, usable))
+            elif key[1] > step:
+                stamped.append((key, sent, usable))
+        inbox.stamped = stamped
+        inbox.got_at = {k: v for k, v in got.items() if _step_of(k) > step}
 
     # -- state ---------------------------------------------------------------------------------
     def full_state(self) -> dict:
@@ -259,8 +279,9 @@ class StageWorker:
     def ping(self) -> int:
         return os.getpid()
 
-    def data_digest(self) -> str:
-        return self.stream.corpus.digest
+    def data_digest(self) -> str | None:
+        """The corpus digest; None on a middle stage (it reads no data)."""
+        return self.stream.corpus.digest if self.stream is not None else None
 
     def inject_fault(self, step: int, delay_s: float, write_delay_s: float = 0.0) -> None:
         """Fault injection for tests: at ``step``, stall ``delay_s`` before this replica's
@@ -306,6 +327,13 @@ class StageWorker:
             self.engine.destroy()
             self.engine = None
         destroy_process_group()
+
+
+def _step_of(key: Any) -> int:
+    """The step of an inbox key ``(kind, step, mb)``; other keys count as past."""
+    if isinstance(key, tuple) and len(key) > 1 and isinstance(key[1], int):
+        return key[1]
+    return -1
 
 
 def _local_ip() -> str:

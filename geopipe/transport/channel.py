@@ -55,15 +55,25 @@ class Inbox:
         self.transfers: list[tuple[Hashable, float]] = []
         self._error: BaseException | None = None
         self.decode_s = 0.0  # seconds spent verifying and decoding arrivals, cumulative
-        # When each message of a watched kind (``key[0]``) was in: read off the wire, and
+        # When each message of a watched kind (``key[0]`` in the set) was in: read off the wire, and
         # not before its emulated delivery time. Stamped on the transport's thread, so a
         # consumer that gets to the message late (a busy host) does not skew the timing.
-        self.watched: str | None = None
+        self.watched: set[str] = set()
         self.arrived_at: dict[Hashable, float] = {}
+        # (key, sent_at on the sender's clock, usable at on this clock) of messages over a
+        # real link (no emulated delivery time): calibration turns them into one-way times
+        # with the clock offset the launch-time probe measured.
+        self.stamped: list[tuple[Hashable, float, float]] = []
+        # (called, returned) of each ``get``: a consumer that waited sees a message only
+        # once its thread is woken and scheduled, which on a busy host is part of the
+        # transfer as the computation experiences it.
+        self.got_at: dict[Hashable, tuple[float, float]] = {}
 
-    def deliver_sealed(self, key: Hashable, sealed: Sealed, deliver_at: float) -> None:
+    def deliver_sealed(
+        self, key: Hashable, sealed: Sealed, deliver_at: float, sent_at: float = 0.0
+    ) -> None:
         """Inter-site arrival (runs on the transport's thread): verify, decode, hold."""
-        if self.watched is not None and isinstance(key, tuple) and key[0] == self.watched:
+        if self.watched and isinstance(key, tuple) and key[0] in self.watched:
             self.arrived_at[key] = max(time.monotonic(), deliver_at)
         t0 = time.perf_counter()
         try:
@@ -74,6 +84,8 @@ class Inbox:
         self.decode_s += time.perf_counter() - t0
         if deliver_at > 0:
             self.transfers.append((key, max(0.0, time.monotonic() - deliver_at)))
+        elif sent_at > 0:
+            self.stamped.append((key, sent_at, time.monotonic()))
         self._box.put(key, payload, deliver_at)
 
     def deliver_tensor(self, key: Hashable, tensor: torch.Tensor) -> None:
@@ -83,8 +95,10 @@ class Inbox:
         self._box.put(key, _Failure(error), 0.0)
 
     def get(self, key: Hashable, timeout: float | None = None) -> torch.Tensor:
+        called = time.monotonic()
         try:
             item = self._box.get(key, timeout=timeout)
+            self.got_at[key] = (called, time.monotonic())
         except MailboxClosedError:
             if self._error is not None:
                 raise self._error from None

@@ -20,9 +20,9 @@ so there is one stream and no re-ordering. A stream's window is bounded by its s
 buffers, so one stream carries at most ~``tcp_wmem[2]`` / RTT (4 MiB / 80 ms = 420 Mbit/s
 here); on a faster or longer link raise ``net.ipv4.tcp_wmem``/``tcp_rmem`` (root) rather
 than set SO_SNDBUF/SO_RCVBUF, which switches autotuning off and is capped by
-``net.core.wmem_max``/``rmem_max`` (4 MiB here). With cubic instead of BBR also set
-``net.ipv4.tcp_slow_start_after_idle=0``: pipeline traffic is bursty, and cubic would
-restart from a small window after every idle gap longer than the RTO.
+``net.core.wmem_max``/``rmem_max`` (4 MiB here). The senders use cubic (see the note at
+:data:`CONGESTION` for why, measured); where the gaps between steps exceed the RTO, also
+set ``net.ipv4.tcp_slow_start_after_idle=0``, or cubic restarts from a small window.
 
 A 2-rank gloo group per boundary pair (torch.distributed send/recv, measured on the same
 link) reaches the link rate only when every receive is pre-posted with its exact size
@@ -41,7 +41,12 @@ link a 1 KiB message right behind a 1 MiB one arrived in ~87 ms either way (82 m
 Frame (little endian)::
 
     prefix  magic "GPDC" | version u8 | flags u8 | header_len u16 | payload_len u64
-            | seq u64 | deliver_at f64 (0 = no emulation) | payload_crc u32 | header_crc u32
+            | seq u64 | deliver_at f64 (0 = no emulation) | sent_at f64 | payload_crc u32
+            | header_crc u32
+
+``sent_at`` is the sender's ``time.monotonic()`` when the compute thread handed the tensor
+over: with the clock offset the launch-time probe measures, the receiver's arrival time
+gives each message's real one-way time, which calibration compares with the link model.
     header  header_len bytes of JSON: key, codec, shape, dtype, direction, [array dtype, shape]
     payload the raw bytes of each ``Encoded.arrays`` entry, back to back
 
@@ -85,9 +90,9 @@ from geopipe.transport.wire import wire_bytes
 __all__ = ["DirectReceiver", "DirectSender", "PeerLostError"]
 
 _MAGIC = b"GPDC"
-_VERSION = 1
-# magic, version, flags, header_len, payload_len, seq, deliver_at, payload_crc
-_PREFIX = struct.Struct("<4sBBHQQdI")
+_VERSION = 2
+# magic, version, flags, header_len, payload_len, seq, deliver_at, sent_at, payload_crc
+_PREFIX = struct.Struct("<4sBBHQQddI")
 _HCRC = struct.Struct("<I")
 _FIXED = _PREFIX.size + _HCRC.size
 # Array dtypes a frame may carry: what the codecs produce (and nothing numpy could make
@@ -119,7 +124,9 @@ def _key_from_json(obj: Any) -> Hashable:
     return tuple(_key_from_json(o) for o in obj) if isinstance(obj, list) else obj
 
 
-def _frame(key: Hashable, sealed: Sealed, seq: int, deliver_at: float) -> list[memoryview]:
+def _frame(
+    key: Hashable, sealed: Sealed, seq: int, deliver_at: float, sent_at: float = 0.0
+) -> list[memoryview]:
     """Header and payload buffers of one frame, for one scatter-gather ``sendmsg``."""
     enc = sealed.enc
     arrays = [np.ascontiguousarray(a) for a in enc.arrays]
@@ -137,7 +144,9 @@ def _frame(key: Hashable, sealed: Sealed, seq: int, deliver_at: float) -> list[m
     if len(header) > 0xFFFF:
         raise ValueError(f"frame header of {len(header)} bytes is too long")
     plen = sum(a.nbytes for a in arrays)
-    prefix = _PREFIX.pack(_MAGIC, _VERSION, 0, len(header), plen, seq, deliver_at, sealed.checksum)
+    prefix = _PREFIX.pack(
+        _MAGIC, _VERSION, 0, len(header), plen, seq, deliver_at, sent_at, sealed.checksum
+    )
     hcrc = _HCRC.pack(zlib.crc32(header, zlib.crc32(prefix)))
     bufs = [memoryview(prefix + hcrc + header)]
     bufs += [memoryview(a.reshape(-1).view(np.uint8)) for a in arrays if a.nbytes]
@@ -180,12 +189,13 @@ def _recv_exact(sock: socket.socket, buf: memoryview) -> bool:
     return True
 
 
-def _read_frame(sock: socket.socket) -> tuple[Hashable, int, Sealed, float] | None:
-    """Read one frame: ``(key, seq, sealed, deliver_at)``, or None at a clean end of stream."""
+def _read_frame(sock: socket.socket) -> tuple[Hashable, int, Sealed, float, float] | None:
+    """Read one frame: ``(key, seq, sealed, deliver_at, sent_at)``, or None at a clean end of
+    stream."""
     fixed = bytearray(_FIXED)
     if not _recv_exact(sock, memoryview(fixed)):
         return None
-    magic, version, _flags, hlen, plen, seq, deliver_at, pcrc = _PREFIX.unpack_from(fixed)
+    magic, version, _flags, hlen, plen, seq, deliver_at, sent_at, pcrc = _PREFIX.unpack_from(fixed)
     if magic != _MAGIC:
         raise _StreamCorruptError(f"bad frame magic {bytes(magic)!r}")
     if version != _VERSION:
@@ -218,7 +228,7 @@ def _read_frame(sock: socket.socket) -> tuple[Hashable, int, Sealed, float] | No
             raise ConnectionError("peer closed mid-frame")
         arrays.append(raw.view(dt).reshape(ashape))
     enc = Encoded(codec, shape, dtype, direction, tuple(arrays))
-    return key, seq, Sealed(enc, pcrc), deliver_at
+    return key, seq, Sealed(enc, pcrc), deliver_at, sent_at
 
 
 # --------------------------------------------------------------------------- sockets
@@ -236,6 +246,36 @@ def _tune(sock: socket.socket, user_timeout_s: float) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, max(1, int(user_timeout_s / 3)))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, max(1, int(user_timeout_s / 9)))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+
+
+# [Note: cubic, not the host's default]
+# The senders' congestion control, set per socket (the host's default, BBR here, stays for
+# everything else). Measured on the test bed (geopipe/testbed: 200 Mbit/s, one-way 40 ms),
+# training the demo GPT with 1F1B across it (`benchmarks/real_wan.py --latencies 40`, runs
+# interleaved): with BBR each 128 KiB activation or gradient took 51-58 ms one way (from
+# the frames' stamped send and arrival times) against 41-42 ms with cubic, for an ideal
+# 47 ms (latency + serialisation), and a step took 2.49-2.76 s against 2.13 s. 1F1B sends
+# one message per round trip: the flow is application-limited, BBR's bandwidth estimate
+# decays without fresh full-rate samples, and it paces each message out over more time
+# than the link needs; cubic sends it at once within its window. The price, measured with
+# `benchmarks/direct_channel.py --congestion bbr,cubic`: back-to-back 4 MiB messages
+# reached 82 % of the link with cubic against 96 % with BBR (1 MiB: 97 % against 80-86 %;
+# evenly paced 128 KiB at 15 or 100 ms gaps: the same 46.6 ms either way). Pipeline traffic
+# is many small, latency-bound messages, so cubic; set it to "" to keep the host's choice.
+CONGESTION = "cubic"
+
+
+def set_congestion(sock: socket.socket, algorithm: str) -> bool:
+    """Use ``algorithm`` on ``sock`` if the kernel lets us (an algorithm outside
+    ``net.ipv4.tcp_allowed_congestion_control`` needs CAP_NET_ADMIN); False otherwise, and
+    the host's default stays."""
+    if not algorithm or not hasattr(socket, "TCP_CONGESTION"):
+        return False
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, algorithm.encode())
+    except OSError:
+        return False
+    return True
 
 
 def _advertised_host(bound: str) -> str:
@@ -314,11 +354,11 @@ class DirectReceiver:
                 frame = _read_frame(conn)
                 if frame is None:
                     return  # the sender closed cleanly
-                key, seq, sealed, deliver_at = frame
+                key, seq, sealed, deliver_at, sent_at = frame
                 if seq != expect:
                     raise _StreamCorruptError(f"frame {seq} arrived, expected {expect}")
                 expect += 1
-                self._file(key, sealed, deliver_at)
+                self._file(key, sealed, deliver_at, sent_at)
         except _StreamCorruptError as exc:
             self.errors.append(exc)
             self.inbox.fail(exc)  # nothing after this point can be attributed or trusted
@@ -331,10 +371,11 @@ class DirectReceiver:
                 self._conns.discard(conn)
             conn.close()
 
-    def _file(self, key: Hashable, sealed: Sealed, deliver_at: float) -> None:
+    def _file(self, key: Hashable, sealed: Sealed, deliver_at: float, sent_at: float) -> None:
         inbox = self.inbox
         try:
-            inbox.deliver_sealed(key, sealed, deliver_at)  # files a CorruptPayloadError itself
+            # files a CorruptPayloadError itself
+            inbox.deliver_sealed(key, sealed, deliver_at, sent_at)
             self.messages += 1
         except Exception as exc:  # e.g. metadata the codec cannot decode, a duplicate key
             self.errors.append(exc)
@@ -413,10 +454,14 @@ class DirectSender:
     def _connect(self, address: tuple[str, int]) -> socket.socket:
         deadline = time.monotonic() + self._connect_timeout_s
         while True:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            set_congestion(sock, CONGESTION)  # before connect: the handshake starts it
+            sock.settimeout(self._connect_timeout_s)
             try:
-                sock = socket.create_connection(tuple(address), timeout=self._connect_timeout_s)
+                sock.connect(tuple(address))
                 break
             except OSError as exc:
+                sock.close()
                 retry = exc.errno in (errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH)
                 if not retry or time.monotonic() >= deadline:
                     raise PeerLostError(f"cannot connect to {address}: {exc}") from exc
@@ -478,7 +523,7 @@ class DirectSender:
                 deliver_at = (
                     self._emulator.stamp(enc.payload_nbytes, sent_at) if self._emulator else 0.0
                 )
-                bufs = _frame(key, seal(enc), seq, deliver_at)
+                bufs = _frame(key, seal(enc), seq, deliver_at, sent_at)
             except BaseException as exc:  # surfaced to the compute thread on send/flush
                 self._fail(gen, exc)
                 continue

@@ -28,7 +28,7 @@ class RecordingInbox(Inbox):
         super().__init__()
         self.order: list[Hashable] = []
 
-    def deliver_sealed(self, key, sealed, deliver_at) -> None:
+    def deliver_sealed(self, key, sealed, deliver_at, sent_at=0.0) -> None:
         self.order.append(key)
         super().deliver_sealed(key, sealed, deliver_at)
 

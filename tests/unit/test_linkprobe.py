@@ -11,6 +11,7 @@ from geopipe.config import parse_cluster
 from geopipe.runtime.linkprobe import (
     LinkMeasurement,
     burst_rate,
+    clock_offset,
     echo,
     probe,
     with_measured_links,
@@ -30,23 +31,45 @@ def test_probe_measures_the_emulated_link():
     t = threading.Thread(target=lambda: got.update(a=echo(down_inbox, up_rx.address, link, sizes)))
     t.start()
     try:
-        rtt = probe(up_inbox, down_rx.address, link, sizes)
+        up = probe(up_inbox, down_rx.address, link, sizes)
         t.join(60)
     finally:
         up_rx.close()
         down_rx.close()
+    rtt = up["rtt_s"]
     assert rtt >= 2 * link.latency_s * 0.99  # never faster than the link's round trip
     assert rtt < 2 * link.latency_s + 0.25
-    rate = burst_rate(sizes, got["a"])
+    rate = burst_rate(sizes, got["a"]["arrivals"])
     # Loose on purpose (a loaded host delays single arrivals): a probe that measured the
     # host instead of the link was off by 3× here before arrivals were stamped on receipt.
     assert 0.5 * link.bandwidth_bps <= rate <= 1.25 * link.bandwidth_bps
-    assert not down_inbox.arrived_at and down_inbox.watched is None  # cleaned up
+    # Both ends share this process's clock: the estimated offset is ~0 (at most half the
+    # round trip's asymmetry, well under the emulated latency).
+    assert abs(clock_offset(up, got["a"])) < link.latency_s / 2
+    assert not down_inbox.arrived_at and not down_inbox.watched  # cleaned up
 
 
-def test_burst_rate_uses_the_bytes_after_the_first_message():
-    assert burst_rate([100, 200, 300], [1.0, 1.5, 2.0]) == pytest.approx(500 * 8 / 1.0)
+def test_burst_rate_is_the_median_of_per_message_rates():
+    # Slow start: the first gaps are long; one stray late arrival; the steady rate is
+    # 1000 B per 0.1 s = 80 kbit/s.
+    arrivals = [0.0, 1.0, 1.5, 1.6, 1.7, 1.8, 2.5, 2.6, 2.7]
+    assert burst_rate([1000] * 9, arrivals) == pytest.approx(1000 * 8 / 0.1)
+    # A whole-burst figure would have been 8000 B / 2.7 s: 3.4x too low.
     assert burst_rate([100, 200], [1.0, 1.0]) is None
+
+
+def test_clock_offset_from_the_shortest_round_trip():
+    # Downstream's clock runs 5 s ahead; one-way 10 ms each way, except ping 0, whose
+    # return was delayed (asymmetric): it must not be the one used.
+    up = {"ping_sent": [0.0, 1.0], "pong_in": [0.050, 1.020]}
+    down = {"ping_in": [5.010, 6.010], "pong_sent": [5.011, 6.010]}
+    assert clock_offset(up, down) == pytest.approx(5.0)
+
+
+def test_latency_warning_has_an_absolute_floor():
+    """0.3 ms measured against a 0.1 ms YAML is not worth a warning; 5 vs 40 ms is."""
+    assert LinkMeasurement("a", "b", 0.6e-3, 1e8, 0.1e-3, 1e8).off() == []
+    assert len(LinkMeasurement("a", "b", 10e-3, 1e8, 40e-3, 1e8).off()) == 1
 
 
 def test_measured_links_replace_the_yaml_and_say_what_is_off():
