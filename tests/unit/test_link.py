@@ -163,7 +163,9 @@ def test_get_waits_until_due_not_just_present() -> None:
     assert mb.poll("x") is None
     assert mb.get("x", timeout=1.0) == b"data"
     late = time.monotonic() - due
-    assert 0.0 <= late < 0.002
+    # Never early; how late depends on the machine's load (a busy 2-core box can preempt
+    # the waiter for a while), so the upper bound only catches a wait that ignores `due`.
+    assert 0.0 <= late < 0.25
     assert mb.poll("x") is None  # taken
 
 
