@@ -24,8 +24,9 @@ RAY_PROCS = ("raylet", "gcs_server", "dashboard.py")
 
 
 def ray_processes() -> list[str]:
-    """Ray's processes in this network namespace (a test bed's Ray in a namespace of its
-    own, see geopipe.testbed, is another machine as far as these tests go)."""
+    """Ray's processes of this environment in this network namespace (a test bed's Ray in
+    a namespace of its own, see geopipe.testbed, is another machine as far as these tests
+    go)."""
     here = os.readlink("/proc/self/ns/net")
     out = []
     for proc in Path("/proc").iterdir():
@@ -35,7 +36,9 @@ def ray_processes() -> list[str]:
             args = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:  # gone meanwhile, or not ours to read
             continue
-        if any(p in args for p in RAY_PROCS):
+        # Only Ray started from this checkout's environment: other checkouts' test runs
+        # on the same host are other machines as far as these tests go.
+        if sys.prefix in args and any(p in args for p in RAY_PROCS):
             out.append(args)
     return out
 
