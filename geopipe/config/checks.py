@@ -84,6 +84,7 @@ def cross_check(spec: ClusterSpec) -> Problems:
     for i, c in enumerate(spec.plan.codecs or []):
         if c not in CODECS:
             problems.append((f"plan.codecs[{i}]", f"unknown codec '{c}' (one of {CODECS})"))
+    problems += _check_site_dirs(spec)
     if problems:
         return problems
 
@@ -127,6 +128,18 @@ def cross_check(spec: ClusterSpec) -> Problems:
     if sum(s.devices for s in spec.sites) > 1 and layers < len(spec.sites):
         problems.append(("model.n_layer", f"{layers} layers cannot span {len(spec.sites)} sites"))
     return problems
+
+
+def _check_site_dirs(spec: ClusterSpec) -> Problems:
+    """With ``{site}`` in the checkpoint directory, site names become path components."""
+    if not spec.training.checkpoint.per_site:
+        return []
+    return [
+        (f"sites[{i}].name", f"'{s.name}' cannot name a directory (training.checkpoint.dir "
+         "has '{site}'): no '/', '\\', '.' or '..'")
+        for i, s in enumerate(spec.sites)
+        if "/" in s.name or "\\" in s.name or s.name in (".", "..")
+    ]  # fmt: skip
 
 
 def _short(vals: list[int]) -> str:
