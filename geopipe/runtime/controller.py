@@ -205,6 +205,12 @@ class Controller:
             self.spec, self.predicted, self.links_measured = probe_links(
                 self.spec, self.plan, self.placement
             )
+        metrics = Path(self.opts.metrics_out) if self.opts.metrics_out else None
+        self.reporter.open(metrics or self.run_dir / "metrics.jsonl")
+        self.reporter.event(
+            "plan", plan=self.plan.to_dict(), predicted=self.predicted.summary(),
+            links_measured=[m.to_dict() for m in self.links_measured],
+        )  # fmt: skip
         sites = self.plan.stage_sites
         first_actor: dict[str, Any] = {}
         for k, row in enumerate(self.actors):
@@ -215,12 +221,6 @@ class Controller:
             steps = ray.get([a.load_checkpoint.remote(paths[sites[k]])
                              for k, row in enumerate(self.actors) for a in row])  # fmt: skip
             assert set(steps) == {self.start_step}
-        metrics = Path(self.opts.metrics_out) if self.opts.metrics_out else None
-        self.reporter.open(metrics or self.run_dir / "metrics.jsonl")
-        self.reporter.event(
-            "plan", plan=self.plan.to_dict(), predicted=self.predicted.summary(),
-            links_measured=[m.to_dict() for m in self.links_measured],
-        )  # fmt: skip
         from geopipe.optimizer.templates import build_templates
 
         self.recovery = Recovery(self.spec, self.placement, self.checkpoints, self.reporter,
