@@ -73,6 +73,7 @@ class SiteStore:
         self._writers: dict[int, tuple[str, CheckpointWriter]] = {}  # step -> (save id, w)
         self._cancelled: set[str] = set()
         self._verified: dict[tuple[int, float], SiteCopy] = {}  # (step, manifest mtime)
+        self.get: Any = None  # ray.get unless a test plugs in another (the seam for fakes)
 
     def ping(self) -> str:
         return self.site
@@ -110,7 +111,11 @@ class SiteStore:
             held = self._writers.pop(step, None)
         if held is None or held[0] != save_id:
             raise CheckpointError(f"no copy of step {step} is being written on {self.site}")
-        path = held[1].commit(manifest, num_stages=num_stages)
+        try:
+            path = held[1].commit(manifest, num_stages=num_stages)
+        except BaseException:
+            held[1].abort()  # this copy failed; the site's last good one is untouched
+            raise
         self._remember(path, step, num_stages)
         pruned = prune(self.root, self.keep)
         size = sum(f.stat().st_size for f in path.iterdir())
@@ -130,8 +135,7 @@ class SiteStore:
         self, step: int, save_id: str, tmp_dir: Path, src: ShardSource, info: ShardInfo
     ) -> None:
         """Copy ``info.file`` from ``src`` chunk by chunk, paced, then fsync and verify."""
-        import ray
-
+        get = self.get or _ray_get
         path = tmp_dir / info.file
         digest = hashlib.sha256()
         t0 = time.perf_counter()
@@ -146,7 +150,7 @@ class SiteStore:
                         n = min(CHUNK_BYTES, info.bytes - off)
                         inflight.append((n, src.actor.read_chunk.remote(step, info.file, off, n)))
                     n, ref = inflight.popleft()
-                    data = ray.get(ref, timeout=120)
+                    data = get(ref, timeout=120)
                     if save_id in self._cancelled:
                         raise CheckpointError(f"the save of step {step} was abandoned")
                     if len(data) != n:
@@ -182,7 +186,10 @@ class SiteStore:
         for info in list_checkpoints(self.root):
             if info.status != "complete":
                 continue
-            key = (info.step, (info.path / MANIFEST).stat().st_mtime)
+            try:
+                key = (info.step, (info.path / MANIFEST).stat().st_mtime)
+            except OSError:  # pruned meanwhile
+                continue
             if key not in self._verified:
                 try:
                     ckpt = load_checkpoint(info.path, verify=True)
@@ -211,12 +218,10 @@ class SiteStore:
         """Make this site hold a complete copy of ``step`` by pulling every file of
         ``source``'s (another store's) copy; returns its path. Used before a restore when
         this site's own copy of the chosen checkpoint is missing."""
-        import ray
-
         have = self.root / step_dirname(step)
         if any(c.step == step for c in self.holdings()):
             return str(have)
-        doc = ray.get(source.manifest.remote(step), timeout=60)
+        doc = (self.get or _ray_get)(source.manifest.remote(step), timeout=60)
         save_id = f"copy-{step}-{time.time_ns()}"
         writer = self._writer(step, save_id)
         try:
@@ -231,3 +236,9 @@ class SiteStore:
         except BaseException:
             self.abort(step, save_id)
             raise
+
+
+def _ray_get(ref: Any, timeout: float) -> Any:
+    import ray
+
+    return ray.get(ref, timeout=timeout)

@@ -86,9 +86,10 @@ def test_runs_on_two_nodes_and_survives_losing_a_site(two_nodes, tmp_path):
 
                 def remove() -> None:
                     # Both sites hold a complete copy of step 2 before west goes away.
-                    while every not in complete_steps(west_dir) or len(
-                        last_loss_per_step(run_dir)
-                    ) < 2 * every:
+                    while (
+                        every not in complete_steps(west_dir)
+                        or len(last_loss_per_step(run_dir)) < 2 * every
+                    ):
                         time.sleep(0.05)
                     seen["east"] = complete_steps(east_dir)
                     seen["west"] = complete_steps(west_dir)
