@@ -117,8 +117,8 @@ class SiteStore:
             held[1].abort()  # this copy failed; the site's last good one is untouched
             raise
         self._remember(path, step, num_stages)
-        pruned = prune(self.root, self.keep)
         size = sum(f.stat().st_size for f in path.iterdir())
+        pruned = prune(self.root, self.keep)
         return {"path": str(path), "bytes": size, "pruned": [p.name for p in pruned]}
 
     def abort(self, step: int, save_id: str) -> None:
