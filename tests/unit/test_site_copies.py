@@ -331,3 +331,38 @@ def test_a_site_assembles_its_copy_from_another_site(tmp_path: Path) -> None:
         _save(east, step, _shards(step))
     assert [c.step for c in east.holdings()] == [4, 6]
     assert [c.step for c in west.holdings()] == [2]
+
+
+# --------------------------------------------------------------------------------------------
+# what the user sees: `geopipe status` and `geopipe checkpoints` with per-site copies
+
+
+def test_status_and_checkpoints_show_each_sites_copies(tmp_path: Path, capsys) -> None:
+    from geopipe.cli import main
+    from geopipe.cli.render import format_status
+
+    east, west = _store(tmp_path, "east"), _store(tmp_path, "west")
+    _save(east, 2, _shards(2))
+    west.copy_from(2, _Handle(east))
+    _save(east, 4, _shards(4))  # west's copy of step 4 failed
+    (west.root / "step-00000002" / "stage-1.safetensors").write_bytes(b"rotten")
+    run = tmp_path / "run"
+    run.mkdir()
+    status = {
+        "run": "r", "state": "running", "step": 5, "steps": 9, "stages": [],
+        "checkpoint": {"step": 4, "copies": {"east": east.path_of(4)},
+                       "failed": {"west": "the actor died"}},
+        "checkpoint_dirs": {"east": str(east.root), "west": str(west.root)},
+    }  # fmt: skip
+    (run / "status.json").write_text(json.dumps(status))
+    text = format_status(status, "running")
+    assert "latest checkpoint: step 4" in text and east.path_of(4) in text
+    assert "site west" in text and "copy failed: the actor died" in text
+
+    assert main(["checkpoints", str(run), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    got = {(r["site"], r["step"]): r["status"] for r in rows}
+    assert got == {("east", 2): "complete", ("east", 4): "complete", ("west", 2): "corrupt"}
+    assert main(["checkpoints", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert f"site east: {east.root}" in out and f"site west: {west.root}" in out
