@@ -215,12 +215,12 @@ class CheckpointCoordinator:
         if self.synchronous:
             self.poll(wait=True)
 
-    def poll(self, wait: bool = False) -> None:
+    def poll(self, wait: bool = False, final: bool = False) -> None:
         """Commit the save in flight if its shards are written (``wait``: until they are)."""
         import ray
 
-        if self.copies is not None:
-            self.copies.poll(wait)
+        if self.copies is not None:  # ``final``: the run's last save must commit
+            self.copies.poll(wait, strict=final)
             return
         pending = self._pending
         if pending is None:

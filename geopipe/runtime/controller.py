@@ -352,7 +352,7 @@ class Controller:
                 return Recovering(state.step, exc, [a.ping.remote() for a in self.flat_actors()])
             return Running(state.step)
         self.checkpoints.save(state.step)
-        self.checkpoints.poll(wait=True)
+        self.checkpoints.poll(wait=True, final=True)
         return Interrupted() if state.interrupted else Finished()
 
     def _relaid(self, step: int) -> None:

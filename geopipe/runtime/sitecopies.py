@@ -167,16 +167,22 @@ class SiteCopies:
         self.poll(wait=True)
         t0 = time.perf_counter()
         rows, sites = self._actors(), self._stage_sites()
-        targets = self.copy_sites()
-        stores = {s: self.store(s) for s in targets}
         flat = [a for row in rows for a in row]
+        # A dead actor raises here, before anything else: the controller then recovers.
         stalls = ray.get([a.save_shard.remote(None, step) for a in flat])
         flat_refs = [a.shard_written.remote() for a in flat]
         first = [sum(len(r) for r in rows[:k]) for k in range(len(rows))]
         save = _Save(
-            step, uuid.uuid4().hex, targets, [row[0] for row in rows],
+            step, uuid.uuid4().hex, self.copy_sites(), [row[0] for row in rows],
             [flat_refs[i] for i in first], flat_refs, {}, t0, max(stalls),
         )  # fmt: skip
+        self.live_stores()  # a store that died (its node went, then came back) is re-made
+        stores = {}
+        for s in save.sites:
+            try:
+                stores[s] = self.store(s)
+            except Exception as exc:  # the site is going: its copy fails, the others go on
+                save.failed[s] = _short(exc)
         for s, st in stores.items():
             save.fetches[s] = st.fetch.remote(step, save.save_id, self._sources(save, s, sites),
                                               *save.infos)  # fmt: skip
@@ -192,9 +198,11 @@ class SiteCopies:
         lk = self.spec.link(src, dst)
         return None if lk is None else LINK_SHARE * lk.bandwidth_bps / 8
 
-    def poll(self, wait: bool = False) -> None:
+    def poll(self, wait: bool = False, strict: bool = False) -> None:
         """Commit the copies of the save in flight once its pulls are done (``wait``: wait
-        for them); a writer that died is stood in for. Raises if no copy commits."""
+        for them); a writer that died is stood in for. If no copy commits: an event and a
+        warning (the previous checkpoint stays the newest; a failure behind it is the next
+        step's to find), or with ``strict`` (the run's last save) an error."""
         import ray
 
         save = self._pending
@@ -208,7 +216,7 @@ class SiteCopies:
         failed = {s: r for s, r in save.fetches.items() if ref_failed(r)}
         if failed:
             self._stand_in(save, failed)
-        self._finish(save)
+        self._finish(save, strict)
 
     def _stand_in(self, save: _Save, failed: dict[str, Any]) -> None:
         """Stages whose writer died: a surviving replica encodes the shard instead, and the
@@ -238,7 +246,7 @@ class SiteCopies:
         if again:
             ray.wait(list(again.values()), num_returns=len(again), timeout=120)
 
-    def _finish(self, save: _Save) -> None:
+    def _finish(self, save: _Save, strict: bool) -> None:
         """Commit every site whose copy is whole; abandon the others; report."""
         import ray
 
@@ -259,10 +267,12 @@ class SiteCopies:
             a.release_shard.remote(save.step)
         if not committed:
             self.reporter.event("checkpoint_failed", step=save.step, failed=save.failed)
-            raise CheckpointError(
-                f"no copy of checkpoint step {save.step} could be committed: "
-                + "; ".join(f"{s}: {why}" for s, why in save.failed.items())
-            )
+            why = (f"no copy of checkpoint step {save.step} could be committed: "
+                   + "; ".join(f"{s}: {why}" for s, why in save.failed.items()))  # fmt: skip
+            if strict:
+                raise CheckpointError(why)
+            print(f"geopipe: warning: {why}", file=sys.stderr)
+            return
         first = next(iter(committed.values()))
         copies = {s: c["path"] for s, c in committed.items()}
         self.reporter.checkpoint = {"step": save.step, "copies": copies,
@@ -288,11 +298,8 @@ class SiteCopies:
             return
         refs = save.flat_refs + list(save.fetches.values())
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=10)
-        try:
-            if len(ready) == len(refs):
-                self.poll(wait=True)
-                return
-        except CheckpointError:
+        if len(ready) == len(refs):
+            self.poll(wait=True)
             return
         self._pending = None
         for s in save.fetches:

@@ -107,9 +107,15 @@ def test_runs_on_two_nodes_and_survives_losing_a_site(two_nodes, tmp_path):
 
     run(shared, tmp_path / "ref", remove_west=False)
     ctl = run(per_site, tmp_path / "lost", remove_west=True)
+    # One directory, but every site's node sees it (one machine): no warning.
+    shared_storage = next(x for x in metrics(tmp_path / "ref")
+                          if x.get("event") == "checkpoint_storage")  # fmt: skip
+    assert shared_storage["mode"] == "shared" and shared_storage["warning"] is None
+    assert set(shared_storage["dirs"]) == {"east", "west"}
     lines = metrics(tmp_path / "lost")
     storage = next(x for x in lines if x.get("event") == "checkpoint_storage")
     assert storage["mode"] == "per-site" and storage["warning"] is None
+    assert storage["dirs"] == {"east": str(east_dir), "west": str(west_dir)}
     # Before the loss: each site committed a complete copy on its own, recording both.
     assert every in seen["east"] and every in seen["west"]
     assert set(seen["manifest"]["copies"]) == {"east", "west"}
