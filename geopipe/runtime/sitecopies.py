@@ -9,13 +9,13 @@ sites when ``replicate`` is on, the default; the first one otherwise —
    shard in memory on a background thread;
 2. every store pulls every stage's shard — its own site's over the site's network, the
    others' across the WAN, paced to :data:`LINK_SHARE` of the link — and checks each
-   against the writer's SHA-256; the pull starts as soon as the shard is encoded, without
-   waiting for the controller;
-3. at the controller's next poll each store whose pulls all succeeded commits its copy
-   atomically on its own disk; the manifest names every site meant to hold a copy
-   (``copies``). A copy that fails leaves that site's last good copy in place; a writer
-   that died mid-save is stood in for by a surviving replica of its stage, as with a
-   shared directory.
+   against the writer's SHA-256; the pulls start as soon as every shard is encoded,
+   without waiting for the controller;
+3. each store whose pulls all succeeded commits its copy atomically on its own disk, at
+   once (the controller's next poll only collects the outcome); the manifest names every
+   site meant to hold a copy (``copies``). A copy that fails leaves that site's last good
+   copy in place; a writer that died mid-save is stood in for by a surviving replica of
+   its stage, as with a shared directory.
 
 After a failure the controller asks the live stores what they hold and restores the newest
 checkpoint all of whose shards survive on a live site
@@ -56,6 +56,7 @@ class _Save:
 
     step: int
     save_id: str
+    manifest: dict
     sites: list[str]  # sites receiving a copy
     writers: list[Any]  # per stage: the replica whose in-memory shard is pulled
     infos: list[Any]  # per stage: ref to that shard's ShardInfo
@@ -172,8 +173,11 @@ class SiteCopies:
         stalls = ray.get([a.save_shard.remote(None, step) for a in flat])
         flat_refs = [a.shard_written.remote() for a in flat]
         first = [sum(len(r) for r in rows[:k]) for k in range(len(rows))]
+        targets = self.copy_sites()
+        manifest = {**self._manifest(step), "time": time.time(),
+                    "copies": {s: str(self.root(s)) for s in targets}}  # fmt: skip
         save = _Save(
-            step, uuid.uuid4().hex, self.copy_sites(), [row[0] for row in rows],
+            step, uuid.uuid4().hex, manifest, targets, [row[0] for row in rows],
             [flat_refs[i] for i in first], flat_refs, {}, t0, max(stalls),
         )  # fmt: skip
         self.live_stores()  # a store that died (its node went, then came back) is re-made
@@ -184,8 +188,8 @@ class SiteCopies:
             except Exception as exc:  # the site is going: its copy fails, the others go on
                 save.failed[s] = _short(exc)
         for s, st in stores.items():
-            save.fetches[s] = st.fetch.remote(step, save.save_id, self._sources(save, s, sites),
-                                              *save.infos)  # fmt: skip
+            srcs = self._sources(save, s, sites)
+            save.fetches[s] = st.save.remote(step, save.save_id, manifest, srcs, *save.infos)
         self._pending = save
 
     def _sources(self, save: _Save, dst: str, sites: list[str]) -> list[ShardSource]:
@@ -238,8 +242,8 @@ class SiteCopies:
                     self.reporter.event("checkpoint_stand_in", step=save.step, stage=k)
                     break
         live = self.live_stores()
-        again = {s: live[s].fetch.remote(save.step, save.save_id,
-                                         self._sources(save, s, sites), *save.infos)
+        again = {s: live[s].save.remote(save.step, save.save_id, save.manifest,
+                                        self._sources(save, s, sites), *save.infos)
                  for s in failed if s in live}  # fmt: skip
         for s, ref in again.items():
             save.fetches[s] = ref
@@ -247,18 +251,14 @@ class SiteCopies:
             ray.wait(list(again.values()), num_returns=len(again), timeout=120)
 
     def _finish(self, save: _Save, strict: bool) -> None:
-        """Commit every site whose copy is whole; abandon the others; report."""
+        """Collect the sites' commits; abandon the copies that failed; report."""
         import ray
 
-        manifest = {**self._manifest(save.step), "time": time.time(),
-                    "copies": {s: str(self.root(s)) for s in save.sites}}  # fmt: skip
-        n = len(save.infos)
         committed: dict[str, dict] = {}
         for s, ref in save.fetches.items():
             store = self._stores.get(s)
             try:
-                ray.get(ref, timeout=0)
-                committed[s] = ray.get(store.commit.remote(save.step, save.save_id, manifest, n))
+                committed[s] = ray.get(ref, timeout=0)
             except Exception as exc:  # any failure loses only this copy
                 save.failed[s] = _short(exc)
                 if store is not None:

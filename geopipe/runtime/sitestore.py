@@ -105,6 +105,19 @@ class SiteStore:
                 writer.add_shard(info)
         return sorted(writer.stages_written)
 
+    def save(
+        self,
+        step: int,
+        save_id: str,
+        manifest: dict,
+        sources: list[ShardSource],
+        *infos: ShardInfo,
+    ) -> dict:
+        """:meth:`fetch` every stage's shard, then :meth:`commit` — all on this site, so no
+        round trip to the driver stands between the last shard and the copy's commit."""
+        self.fetch(step, save_id, sources, *infos)
+        return self.commit(step, save_id, manifest, len(sources))
+
     def commit(self, step: int, save_id: str, manifest: dict, num_stages: int) -> dict:
         """Seal this site's copy of ``step`` (manifest last, fsync, rename), then prune."""
         with self._lock:
