@@ -64,7 +64,14 @@ class ShardSource:
 class SiteStore:
     """The actor body (wrapped with ``ray.remote`` by :mod:`geopipe.runtime.sitecopies`)."""
 
-    def __init__(self, site: str, root: str, keep: int) -> None:
+    def __init__(self, site: str, root: str, keep: int, nice: int = 10) -> None:
+        # Replication is background work: hashing and writing copies must take the CPU the
+        # stage actors leave idle (their bubbles, their waits on the WAN), not theirs.
+        if nice:
+            try:
+                os.nice(nice)
+            except OSError:  # not permitted here: run at normal priority
+                pass
         self.site = site
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)  # fails here, at launch, if it cannot
