@@ -17,8 +17,9 @@ Checkpoints without a shared file system (``{site}`` in ``training.checkpoint.di
 * ``replication_stall_ratio``: time per step with per-site directories and every
   checkpoint replicated to both sites, over the same with one shared directory: on the
   same actors, cycles of (save, N steps, wait for the save) alternating between the two
-  kinds, the median of each per-site cycle over the shared one beside it; N = 20 (the demo's own interval), and N = 2 beside it
-  (``replication_stall_ratio_every_2``, a stress case);
+  kinds, the median of each per-site cycle over the shared one beside it; N = 20 (the
+  demo's own interval), and N = 2 beside it (``replication_stall_ratio_every_2``, a stress
+  case);
 * ``site_loss_lost_steps`` / ``site_loss_resume_s``: a real two-node Ray cluster (one
   raylet per site, ``ray.cluster_utils``), per-site directories; the west node is removed
   in the middle of a step and its directory deleted. Lost steps (≤ ``checkpoint_every_steps``)
