@@ -20,6 +20,7 @@ round trips, at the price of a second kind of traffic on the training connection
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -68,10 +69,8 @@ class SiteStore:
         # Replication is background work: hashing and writing copies must take the CPU the
         # stage actors leave idle (their bubbles, their waits on the WAN), not theirs.
         if nice:
-            try:
+            with contextlib.suppress(OSError):  # not permitted here: normal priority
                 os.nice(nice)
-            except OSError:  # not permitted here: run at normal priority
-                pass
         self.site = site
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)  # fails here, at launch, if it cannot
