@@ -156,7 +156,7 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
     from geopipe.checkpoint.store import list_checkpoints
 
     root = Path(args.run_dir)
-    roots = _site_checkpoint_dirs(root)  # per-site copies: one directory per site
+    roots = _checkpoint_dirs(root)  # per-site copies: one directory per site
     if not roots:
         if (root / "checkpoints").is_dir():
             root = root / "checkpoints"
@@ -184,14 +184,15 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
     return 0
 
 
-def _site_checkpoint_dirs(run_dir: object) -> dict[str, str]:
-    """The per-site checkpoint directories a run's status file names (empty when shared)."""
+def _checkpoint_dirs(run_dir: object) -> dict[str, str]:
+    """The per-site checkpoint directories a run's status file names (empty for one shared
+    directory: that one is looked for under RUN_DIR, so a copied run dir lists its own)."""
     from pathlib import Path
 
     status = Path(str(run_dir)) / "status.json"
     try:
         dirs = json.loads(status.read_text()).get("checkpoint_dirs") or {}
-    except (OSError, ValueError):
+    except (OSError, ValueError, AttributeError):
         return {}
     return dirs if len(set(dirs.values())) > 1 else {}
 
