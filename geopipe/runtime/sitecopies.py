@@ -139,15 +139,21 @@ class SiteCopies:
         self._stores[site] = handle
         return handle
 
-    def live_stores(self, timeout: float = 10.0) -> dict[str, Any]:
-        """The stores that answer; the others are forgotten (re-created on next use)."""
+    def live_stores(self, timeout: float = 30.0) -> dict[str, Any]:
+        """The stores that answer within ``timeout``. Dead ones are forgotten (re-created on
+        next use); slow ones (a loaded machine) are only left out of this answer."""
         import ray
 
         refs = {s: h.ping.remote() for s, h in self._stores.items()}
         ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout)
-        live = {s: self._stores[s] for s, r in refs.items() if r in ready and not ref_failed(r)}
-        for s in set(self._stores) - set(live):
-            del self._stores[s]
+        live = {}
+        for s, r in refs.items():
+            if r not in ready:
+                continue
+            if ref_failed(r):
+                del self._stores[s]
+            else:
+                live[s] = self._stores[s]
         return live
 
     def close(self) -> None:
@@ -180,7 +186,7 @@ class SiteCopies:
             step, uuid.uuid4().hex, manifest, targets, [row[0] for row in rows],
             [flat_refs[i] for i in first], flat_refs, {}, t0, max(stalls),
         )  # fmt: skip
-        self.live_stores()  # a store that died (its node went, then came back) is re-made
+        self.live_stores(1.0)  # one that died (its node went, then came back) is re-made
         stores = {}
         for s in save.sites:
             try:

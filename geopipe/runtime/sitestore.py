@@ -20,7 +20,6 @@ round trips, at the price of a second kind of traffic on the training connection
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -65,12 +64,10 @@ class ShardSource:
 class SiteStore:
     """The actor body (wrapped with ``ray.remote`` by :mod:`geopipe.runtime.sitecopies`)."""
 
-    def __init__(self, site: str, root: str, keep: int, nice: int = 10) -> None:
-        # Replication is background work: hashing and writing copies must take the CPU the
-        # stage actors leave idle (their bubbles, their waits on the WAN), not theirs.
-        if nice:
-            with contextlib.suppress(OSError):  # not permitted here: normal priority
-                os.nice(nice)
+    def __init__(self, site: str, root: str, keep: int) -> None:
+        # Not at a lower CPU priority (os.nice): tried, it barely moved the replication
+        # stall, and under heavy load a niced store did not answer a recovery's questions
+        # for seconds.
         self.site = site
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)  # fails here, at launch, if it cannot

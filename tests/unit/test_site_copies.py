@@ -226,7 +226,7 @@ class _Handle:
 
 
 def _store(tmp: Path, site: str) -> SiteStore:
-    st = SiteStore(site, str(tmp / f"ckpt-{site}"), keep=2, nice=0)
+    st = SiteStore(site, str(tmp / f"ckpt-{site}"), keep=2)
     st.get = lambda ref, timeout=None: ref
     return st
 
