@@ -85,9 +85,12 @@ def test_runs_on_two_nodes_and_survives_losing_a_site(two_nodes, tmp_path):
             if remove_west:
 
                 def remove() -> None:
-                    # Both sites hold a complete copy of step 2 before west goes away.
+                    # Both sites hold a complete copy of step 2 before west goes away (a
+                    # site lost while the newest copy is still on its way costs one more
+                    # interval: the survivors restore their previous copy).
                     while (
                         every not in complete_steps(west_dir)
+                        or every not in complete_steps(east_dir)
                         or len(last_loss_per_step(run_dir)) < 2 * every
                     ):
                         time.sleep(0.05)
