@@ -1,4 +1,5 @@
-"""Recovery vs restart, on the emulated cluster with ZeRO-1 groups of 2.
+"""Recovery vs restart, on the emulated cluster with ZeRO-1 groups of 2; losing a whole site;
+what replicating checkpoints across sites costs.
 
 One run of the embedded default (2 pipelines × 2 stages, each stage's two replicas a ZeRO-1
 group inside its site). A replica is killed in the middle of step K:
@@ -10,6 +11,19 @@ group inside its site). A replica is killed in the middle of step K:
 * ``lost_steps``: optimizer steps that had to be redone (0: the failed step restarts from
   the step boundary, no step is lost), and the losses before and after the failure next to
   an uninterrupted run's.
+
+Checkpoints without a shared file system (``{site}`` in ``training.checkpoint.dir``):
+
+* ``replication_stall_ratio``: time per step with per-site directories and every
+  checkpoint replicated to both sites, over the same with one shared directory: on the
+  same actors, cycles of (save, N steps, wait for the save) alternating between the two
+  kinds, the median of each per-site cycle over the shared one beside it; N = 20 (the
+  demo's own interval), and N = 2 beside it (``replication_stall_ratio_every_2``, a stress
+  case);
+* ``site_loss_lost_steps`` / ``site_loss_resume_s``: a real two-node Ray cluster (one
+  raylet per site, ``ray.cluster_utils``), per-site directories; the west node is removed
+  in the middle of a step and its directory deleted. Lost steps (≤ ``checkpoint_every_steps``)
+  and the time from the removal to the first completed step after it.
 
 Run: ``.venv/bin/python benchmarks/recovery.py``. Prints ratios and one JSON line.
 """
@@ -30,31 +44,39 @@ from geopipe.runtime.controller import Controller, LaunchOptions
 
 KILL_STEP = 4
 STEPS = 8
+EVERY = 2  # checkpoint interval of the site-level measurements
 
 
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def main() -> None:
-    import ray
-
+def demo_doc() -> dict:
     doc = copy.deepcopy(yaml.safe_load((ROOT / "clusters" / "local-2dc.yaml").read_text()))
-    doc["training"]["checkpoint"] = {"every_steps": 2, "keep": 10}
-    spec = parse_cluster(doc, "recovery")
-    tmp = Path(tempfile.mkdtemp(prefix="geopipe-recovery-"))
+    # No dashboard: its processes steal CPU from the timings, and another Ray on this
+    # machine may hold its port.
+    doc["ray"]["dashboard"] = False
+    return doc
 
-    # 1. The chaos run: one replica killed in the middle of step KILL_STEP.
-    ctl = Controller(
-        spec,
-        LaunchOptions(steps=STEPS, run_dir=str(tmp / "chaos"), progress=False,
-                      chaos_kill_every=KILL_STEP),
-    )  # fmt: skip
+
+def train(spec, run_dir: Path, **opts) -> Controller:
+    ctl = Controller(spec, LaunchOptions(run_dir=str(run_dir), progress=False, **opts))
     try:
         ctl.launch()
         ctl.train()
     finally:
         ctl.close()
+    return ctl
+
+
+def chaos_vs_restart(tmp: Path) -> dict:
+    """A replica killed mid-step: in-place recovery, against a restart from a checkpoint."""
+    import ray
+
+    doc = demo_doc()
+    doc["training"]["checkpoint"] = {"every_steps": 2, "keep": 10}
+    spec = parse_cluster(doc, "recovery")
+    train(spec, tmp / "chaos", steps=STEPS, chaos_kill_every=KILL_STEP)
     lines = metrics(tmp / "chaos")
     kill = next(x for x in lines if x.get("event") == "chaos_kill")
     rec = next(x for x in lines if x.get("event") == "recovered")
@@ -62,45 +84,29 @@ def main() -> None:
     after = next(x for x in steps if x["completed_at"] > kill["time"])
     recovery_s = after["completed_at"] - kill["time"]
 
-    # 2. The alternative: stop everything, restart from the latest checkpoint.
-    ray_was_up = ray.is_initialized()
+    # The alternative: stop everything, restart from the latest checkpoint.
     t0 = time.time()
-    if ray_was_up:
+    if ray.is_initialized():
         ray.shutdown()
     # The newest checkpoint a restart at the time of the failure would have found.
     before = [
         x["step"] for x in lines if x.get("event") == "checkpoint" and x["step"] <= kill["step"]
     ]
     path = tmp / "chaos" / "checkpoints" / f"step-{max(before):08d}"
-    ctl2 = Controller(
-        spec,
-        LaunchOptions(steps=rec["failed_step"] + 1, run_dir=str(tmp / "restart"),
-                      progress=False, resume=str(path)),
-    )  # fmt: skip
-    try:
-        ctl2.launch()
-        ctl2.train()
-    finally:
-        ctl2.close()
+    ctl2 = train(spec, tmp / "restart", steps=rec["failed_step"] + 1, resume=str(path))
     restart_s = time.time() - t0
-    restart_from = ctl2.start_step
 
-    # 3. Reference losses: the same run without a failure.
-    ref = Controller(spec, LaunchOptions(steps=STEPS, run_dir=str(tmp / "ref"), progress=False))
-    try:
-        ref.launch()
-        ref.train()
-    finally:
-        ref.close()
+    # Reference losses: the same run without a failure.
+    train(spec, tmp / "ref", steps=STEPS)
     ref_losses = [x["loss"] for x in metrics(tmp / "ref") if "event" not in x]
     chaos_losses = [x["loss"] for x in steps]
     k = rec["failed_step"]
-    result = {
+    return {
         "recovery_s": recovery_s,
         "recovery_controller_s": rec["seconds"],
         "restart_s": restart_s,
         "restart_over_recovery": restart_s / recovery_s,
-        "restart_resumed_from_step": restart_from,
+        "restart_resumed_from_step": ctl2.start_step,
         "lost_steps": rec["lost_steps"],
         "failed_step": k,
         "state_moved_bytes": rec["moved"],
@@ -114,17 +120,166 @@ def main() -> None:
             abs(a - b) / b for a, b in zip(chaos_losses, ref_losses, strict=True)
         ),
     }
+
+
+# (checkpoint interval in steps, cycles per kind of save): the demo's own interval (its
+# YAML: every 20 steps), and a stress case where the interval (~1 s here) is about the time
+# replicating a checkpoint over half the emulated link takes.
+STALL_CASES = ((20, 8), (2, 12))
+
+
+def replication_stall(tmp: Path) -> dict:
+    """Per-site replicated checkpoints against one shared directory, on the same actors.
+
+    One run (per-site directories) whose controller also gets a shared-directory
+    coordinator over the same actors. A cycle is what training sees with a checkpoint every
+    ``n`` steps: save, ``n`` steps, and the wait for the save to complete (which the next
+    save would otherwise do). Cycles alternate between the two kinds of save, so load drift
+    on this shared machine — which moves whole runs by tens of percent — hits both alike;
+    the median ratio of neighbouring cycles is reported."""
+    import statistics
+
+    from geopipe.runtime.checkpointing import CheckpointCoordinator
+
+    doc = demo_doc()
+    doc["training"]["checkpoint"] = {"every_steps": 0, "keep": 2}
+    shared_spec = parse_cluster(doc, "stall")
+    doc["training"]["checkpoint"]["dir"] = str(tmp / "stall-ckpt-{site}")
+    opts = LaunchOptions(steps=2, run_dir=str(tmp / "stall"), progress=False)
+    ctl = Controller(parse_cluster(doc, "stall"), opts)
+    out: dict = {}
+    try:
+        ctl.launch()
+        ctl.train()  # two steps (calibration) and the final per-site save
+        shared = CheckpointCoordinator(shared_spec, tmp / "stall", ctl.reporter, ctl._rows,
+                                       ctl._manifest)  # fmt: skip
+        coords = {"per_site": ctl.checkpoints, "shared": shared}
+        step = 2
+        for every, cycles in STALL_CASES:
+            times: dict[str, list[float]] = {"shared": [], "per_site": []}
+            for i in range(2 * cycles):
+                name = ("per_site", "shared")[i % 2]
+                t0 = time.perf_counter()
+                coords[name].save(step)
+                for _ in range(every):
+                    ctl.run_step(step)
+                    step += 1
+                    coords[name].poll()
+                coords[name].poll(wait=True)
+                times[name].append((time.perf_counter() - t0) / every)
+            # Each per-site cycle against the shared one right after it: load drift on this
+            # machine moves whole minutes by tens of percent, neighbours alike.
+            pairs = sorted(p / q - 1 for p, q in zip(times["per_site"], times["shared"],
+                                                     strict=True))  # fmt: skip
+            q1, _, q3 = statistics.quantiles(pairs, n=4)
+            out[every] = {
+                "ratio": statistics.median(pairs), "pair_ratio_iqr": [q1, q3],
+                "step_s_median": {k: statistics.median(v) for k, v in times.items()},
+                "step_s": times,
+            }  # fmt: skip
+        saves = [x for x in metrics(tmp / "stall") if x.get("event") == "checkpoint"]
+        replicated = [x for x in saves if set(x.get("copies", {})) == {"east", "west"}]
+        assert len(replicated) == 1 + sum(c for _, c in STALL_CASES)
+    finally:
+        ctl.close()
+    every = STALL_CASES[0][0]
+    return {
+        "replication_stall_ratio": out[every]["ratio"],
+        "replication_stall_every_steps": every,
+        "replication_stall_ratio_every_2": out[2]["ratio"],
+        "replication_stall_detail": out,
+        "checkpoint_bytes": max(x["bytes"] for x in replicated),
+        "replication_seconds_median": statistics.median(x["seconds"] for x in replicated[1:]),
+    }
+
+
+def site_loss(tmp: Path) -> dict:
+    """A two-node cluster, one raylet per site, per-site checkpoint directories: the west
+    node is removed mid-step and its directory deleted."""
+    import shutil
+    import threading
+
+    import ray
+    from ray.cluster_utils import Cluster
+
+    doc = demo_doc()
+    doc["name"] = "siteloss"
+    doc["training"]["checkpoint"] = {"every_steps": EVERY, "keep": 3,
+                                     "dir": str(tmp / "loss-ckpt-{site}")}  # fmt: skip
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 2, "resources": {"site:east": 2}, "include_dashboard": False},
+    )
+    west = cluster.add_node(num_cpus=2, resources={"site:west": 2})
+    doc["ray"] = {"address": cluster.address, "emulate_links": True, "dashboard": False}
+    spec = parse_cluster(doc, "siteloss")
+    run_dir = tmp / "siteloss"
+    removed: dict[str, float] = {}
+
+    def remove() -> None:  # in the middle of step 5 (a checkpoint of step 4 is in flight)
+        path = run_dir / "metrics.jsonl"
+        while not path.exists() or sum("event" not in x for x in metrics(run_dir)) < 5:
+            time.sleep(0.02)
+        time.sleep(0.4)
+        removed["at"] = time.time()
+        cluster.remove_node(west)
+        shutil.rmtree(tmp / "loss-ckpt-west", ignore_errors=True)
+
+    threading.Thread(target=remove, daemon=True).start()
+    try:
+        train(spec, run_dir, steps=STEPS + 2)
+    finally:
+        ray.shutdown()  # attached, not started here: the controller leaves it up
+        cluster.shutdown()
+    lines = metrics(run_dir)
+    rec = next(x for x in lines if x.get("event") == "recovered")
+    after = next(x for x in lines if "event" not in x and x["completed_at"] > removed["at"])
+    return {
+        "site_loss_lost_steps": rec["lost_steps"],
+        "checkpoint_every_steps": EVERY,
+        "site_loss_resume_s": after["completed_at"] - removed["at"],
+        "site_loss_controller_s": rec["seconds"],
+        "site_loss_restored_from": {k: rec["restored_from"][k] for k in ("site", "step")},
+        "site_loss_failed_step": rec["failed_step"],
+        "site_loss_new_plan": {k: rec["plan"][k] for k in ("pipelines", "stage_sites")},
+    }
+
+
+def main() -> None:
+    tmp = Path(tempfile.mkdtemp(prefix="geopipe-recovery-"))
+    result = chaos_vs_restart(tmp)
+    k = result["failed_step"]
     print(
-        f"killed a replica in step {k}: back to training in {recovery_s:.1f} s "
-        f"(controller {rec['seconds']:.1f} s), lost steps {rec['lost_steps']}; restart from "
-        f"checkpoint step {restart_from} takes {restart_s:.1f} s "
+        f"killed a replica in step {k}: back to training in {result['recovery_s']:.1f} s "
+        f"(controller {result['recovery_controller_s']:.1f} s), lost steps "
+        f"{result['lost_steps']}; restart from checkpoint step "
+        f"{result['restart_resumed_from_step']} takes {result['restart_s']:.1f} s "
         f"({result['restart_over_recovery']:.1f}x longer)"
     )
-    print(f"state moved to the new layout (bytes per path): {rec['moved']}")
+    print(f"state moved to the new layout (bytes per path): {result['state_moved_bytes']}")
     print(
         f"loss: step {k - 1} {result['loss_before']:.4f}, step {k} {result['loss_after']:.4f} "
         f"(uninterrupted {result['reference_loss_after']:.4f}); worst deviation over the run "
         f"{result['max_loss_deviation']:.2%}"
+    )
+    stall = replication_stall(tmp)
+    result.update(stall)
+    for every, d in stall["replication_stall_detail"].items():
+        print(
+            f"replicating a {stall['checkpoint_bytes'] / 1e6:.1f} MB checkpoint to both sites "
+            f"every {every} steps: median {d['step_s_median']['per_site'] * 1e3:.0f} ms/step vs "
+            f"{d['step_s_median']['shared'] * 1e3:.0f} ms with one shared directory: "
+            f"{d['ratio']:+.1%} (median of paired cycles; interquartile range "
+            f"{d['pair_ratio_iqr'][0]:+.1%} … {d['pair_ratio_iqr'][1]:+.1%})"
+        )
+    loss = site_loss(tmp)
+    result.update(loss)
+    print(
+        f"west site lost mid step {loss['site_loss_failed_step']}: restored from "
+        f"{loss['site_loss_restored_from']['site']}'s copy of step "
+        f"{loss['site_loss_restored_from']['step']}, {loss['site_loss_lost_steps']} step(s) "
+        f"lost (interval {EVERY}), training again {loss['site_loss_resume_s']:.1f} s after "
+        f"the removal (controller {loss['site_loss_controller_s']:.1f} s)"
     )
     print(json.dumps(result))
 

@@ -6,6 +6,7 @@ lists and prunes what this module writes).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save, save_file
 
 from geopipe.checkpoint.store import (
     _ACTIVE,
@@ -40,7 +41,7 @@ from geopipe.checkpoint.store import (
     step_dirname,
 )
 
-__all__ = ["CheckpointWriter", "write_shard_file"]
+__all__ = ["CheckpointWriter", "shard_bytes", "shard_name", "write_shard_file"]
 
 
 def _prepare(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -64,6 +65,34 @@ def _prepare(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def _encode(
+    stage: int,
+    tensors: Mapping[str, torch.Tensor],
+    meta: Mapping[str, Any] | None,
+    rng: Mapping[str, Any] | None,
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors and safetensors header of stage ``stage``'s shard."""
+    if not isinstance(stage, int) or stage < 0:
+        raise CheckpointError(f"stage must be an int >= 0, got {stage!r}")
+    data = _prepare(tensors)
+    info = dict(meta or {})
+    if rng is not None:
+        if "rng" in info or RNG_TORCH in data:
+            raise CheckpointError("pass RNG state either as rng= or in meta/tensors, not both")
+        info["rng"] = {"python": rng["python"], "numpy": rng["numpy"]}
+        data[RNG_TORCH] = rng["torch"].detach().cpu().to(torch.uint8).clone()
+    try:
+        meta_json = json.dumps(info, sort_keys=True)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"stage {stage} metadata is not JSON-serialisable: {e}") from e
+    header = {_META_FORMAT: str(FORMAT_VERSION), _META_STAGE: str(stage), _META_JSON: meta_json}
+    return data, header
+
+
+def shard_name(stage: int) -> str:
+    return f"stage-{stage}.safetensors"
+
+
 def write_shard_file(
     directory: str | os.PathLike[str],
     stage: int,
@@ -77,22 +106,9 @@ def write_shard_file(
     A free function so a stage in another process can write into a writer's `tmp_dir` on a
     shared filesystem and hand the `ShardInfo` back to the controller (`add_shard`).
     """
-    if not isinstance(stage, int) or stage < 0:
-        raise CheckpointError(f"stage must be an int >= 0, got {stage!r}")
     t0 = time.perf_counter()
-    data = _prepare(tensors)
-    info = dict(meta or {})
-    if rng is not None:
-        if "rng" in info or RNG_TORCH in data:
-            raise CheckpointError("pass RNG state either as rng= or in meta/tensors, not both")
-        info["rng"] = {"python": rng["python"], "numpy": rng["numpy"]}
-        data[RNG_TORCH] = rng["torch"].detach().cpu().to(torch.uint8).clone()
-    try:
-        meta_json = json.dumps(info, sort_keys=True)
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"stage {stage} metadata is not JSON-serialisable: {e}") from e
-    header = {_META_FORMAT: str(FORMAT_VERSION), _META_STAGE: str(stage), _META_JSON: meta_json}
-    name = f"stage-{stage}.safetensors"
+    data, header = _encode(stage, tensors, meta, rng)
+    name = shard_name(stage)
     path = Path(directory) / name
     try:
         save_file(data, path, metadata=header)
@@ -103,6 +119,25 @@ def write_shard_file(
         path.unlink(missing_ok=True)
         raise CheckpointError(f"writing {path} failed: {e}") from e
     return ShardInfo(stage, name, digest, size, len(data), time.perf_counter() - t0)
+
+
+def shard_bytes(
+    stage: int,
+    tensors: Mapping[str, torch.Tensor],
+    meta: Mapping[str, Any] | None = None,
+    *,
+    rng: Mapping[str, Any] | None = None,
+) -> tuple[bytes, ShardInfo]:
+    """The exact bytes `write_shard_file` would write, in memory, with their `ShardInfo`:
+    for a stage whose checkpoint directory is on another machine (per-site copies), which
+    the sites' stores pull (:mod:`geopipe.runtime.sitestore`)."""
+    t0 = time.perf_counter()
+    data, header = _encode(stage, tensors, meta, rng)
+    blob = save(data, metadata=header)
+    digest = hashlib.sha256(blob).hexdigest()
+    info = ShardInfo(stage, shard_name(stage), digest, len(blob), len(data),
+                     time.perf_counter() - t0)  # fmt: skip
+    return blob, info
 
 
 class CheckpointWriter:

@@ -186,23 +186,45 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
     from geopipe.checkpoint.store import list_checkpoints
 
     root = Path(args.run_dir)
-    if (root / "checkpoints").is_dir():
-        root = root / "checkpoints"
-    if not root.is_dir():
-        print(f"geopipe checkpoints: no such directory {root}", file=sys.stderr)
-        return EXIT_USAGE
-    infos = list_checkpoints(root, verify=not args.fast)
+    roots = _checkpoint_dirs(root)  # per-site copies: one directory per site
+    if not roots:
+        if (root / "checkpoints").is_dir():
+            root = root / "checkpoints"
+        if not root.is_dir():
+            print(f"geopipe checkpoints: no such directory {root}", file=sys.stderr)
+            return EXIT_USAGE
+        roots = {"": str(root)}
+    listed = {site: list_checkpoints(d, verify=not args.fast) if Path(d).is_dir() else None
+              for site, d in roots.items()}  # fmt: skip
     if args.json:
         print(json.dumps([
             {"path": str(i.path), "step": i.step, "status": i.status, "reason": i.reason,
-             "time": i.time, "size_bytes": i.size_bytes} for i in infos
+             "time": i.time, "size_bytes": i.size_bytes, **({"site": s} if s else {})}
+            for s, infos in listed.items() for i in infos or []
         ]))  # fmt: skip
         return 0
-    if not infos:
-        print(f"no checkpoints under {root}")
-        return 0
-    print(format_checkpoints(infos))
+    for site, infos in listed.items():
+        where = f"site {site}: {roots[site]}" if site else str(roots[site])
+        if infos is None:
+            print(f"{where}: not visible from here (on the site's own disk?)")
+        elif not infos:
+            print(f"no checkpoints under {where}")
+        else:
+            print((f"{where}\n" if site else "") + format_checkpoints(infos))
     return 0
+
+
+def _checkpoint_dirs(run_dir: object) -> dict[str, str]:
+    """The per-site checkpoint directories a run's status file names (empty for one shared
+    directory: that one is looked for under RUN_DIR, so a copied run dir lists its own)."""
+    from pathlib import Path
+
+    status = Path(str(run_dir)) / "status.json"
+    try:
+        dirs = json.loads(status.read_text()).get("checkpoint_dirs") or {}
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return dirs if len(set(dirs.values())) > 1 else {}
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -194,7 +194,23 @@ def format_status(data: dict, state: str) -> str:
             f"  stage {st['stage']:>2}  site {st['site']:<12} layers {st['layers']}  "
             f"{', '.join(st['actors'])}"
         )
+    lines += _checkpoint_lines(data)
     return "\n".join(lines)
+
+
+def _checkpoint_lines(data: dict) -> list[str]:
+    """Where the latest checkpoint's copies are (one line per copy)."""
+    ck = data.get("checkpoint")
+    if not ck:
+        dirs = data.get("checkpoint_dirs") or {}
+        return [f"checkpoints: none yet ({', '.join(sorted(set(dirs.values())))})"] if dirs else []
+    copies = ck.get("copies") or {}
+    lines = [f"latest checkpoint: step {ck['step']}, {len(copies)} copy(ies)"]
+    for site, path in copies.items():
+        lines.append(f"  {'shared directory' if site == 'shared' else 'site ' + site:<17} {path}")
+    for site, why in (ck.get("failed") or {}).items():
+        lines.append(f"  site {site:<12} copy failed: {why}")
+    return lines
 
 
 def _fmt_s(t: float) -> str:

@@ -9,7 +9,15 @@ import math
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 __all__ = [
     "MAX_DELTA_N",
@@ -18,6 +26,7 @@ __all__ = [
     "MAX_LAYERS",
     "MAX_SITE_DEVICES",
     "RECOVERY_SNAPSHOTS_KEPT",
+    "SITE_PLACEHOLDER",
     "CheckpointSpec",
     "Choice",
     "ClusterSpec",
@@ -234,12 +243,66 @@ class ModelSpec(_Spec):
         return self
 
 
+SITE_PLACEHOLDER = "{site}"
+
+
 class CheckpointSpec(_Spec):
-    dir: str | None = Field(None, description="default: <run_dir>/checkpoints")
+    """Where checkpoints go. One directory every node shares, or — with ``{site}`` in the
+    path — one directory per site (a node-local disk on a real cluster; distinct directories
+    when one machine emulates the sites), each holding a complete copy of every checkpoint
+    when ``replicate`` is on (the default then): see :mod:`geopipe.runtime.sitecopies`."""
+
+    dir: str | None = Field(
+        None, description="default: <run_dir>/checkpoints; '{site}' makes it per site"
+    )
     every_steps: int = Field(
         0, ge=0, le=MAX_STEPS, description="0 = only at the end and at shutdown"
     )
     keep: int = Field(3, ge=1, le=1_000_000)
+    replicate: bool | None = Field(
+        None,
+        description="per-site directories: copy every shard to every other site, so each "
+        "site holds a complete checkpoint (default: on when dir has '{site}'); off: one "
+        "complete copy, in the first pipeline site's directory",
+    )
+
+    @field_validator("dir")
+    @classmethod
+    def _only_site_placeholder(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        rest = v.replace(SITE_PLACEHOLDER, "")
+        if "{" in rest or "}" in rest:
+            raise ValueError(f"the only placeholder allowed is {SITE_PLACEHOLDER} (got {v!r})")
+        if not v.replace(SITE_PLACEHOLDER, "").strip():
+            raise ValueError("must name a directory, not only the placeholder")
+        return v
+
+    @field_validator("replicate")
+    @classmethod
+    def _replication_needs_sites(cls, v: bool | None, info: ValidationInfo) -> bool | None:
+        d = info.data.get("dir")
+        if v and (d is None or SITE_PLACEHOLDER not in d):
+            raise ValueError(
+                "replication copies shards between per-site directories, but "
+                f"training.checkpoint.dir ({d or '<run_dir>/checkpoints'}) is one directory: "
+                f"put {SITE_PLACEHOLDER} in it (e.g. /local/ckpt/{SITE_PLACEHOLDER})"
+            )
+        return v
+
+    @property
+    def per_site(self) -> bool:
+        """Each site writes its own directory (``{site}`` in ``dir``)."""
+        return self.dir is not None and SITE_PLACEHOLDER in self.dir
+
+    @property
+    def replicated(self) -> bool:
+        """Every site of the plan gets a complete copy (default: with per-site dirs)."""
+        return self.per_site if self.replicate is None else self.replicate
+
+    def dir_for(self, site: str, default: str) -> str:
+        """The checkpoint directory of ``site`` (``default`` when ``dir`` is unset)."""
+        return (self.dir or default).replace(SITE_PLACEHOLDER, site)
 
 
 class TrainingSpec(_Spec):

@@ -4,10 +4,17 @@ A save snapshots every stage (training stalls only for that) and writes the shar
 background; the manifest is committed once every shard is on disk. One save at a time: a
 new one first completes the last. Whatever fails mid-save, the previous complete
 checkpoint stays the newest one.
+
+Two kinds of storage: one directory every node shares (the driver commits each checkpoint
+there), or — with ``{site}`` in ``training.checkpoint.dir`` — one directory per site, each
+holding its own complete copy committed by an actor on that site
+(:mod:`geopipe.runtime.sitecopies`). At launch :meth:`CheckpointCoordinator.check_storage`
+says which it is and warns when a "shared" directory is not visible from every site.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -28,8 +35,9 @@ from geopipe.config import ClusterSpec
 from geopipe.runtime.cluster import LaunchError
 from geopipe.runtime.health import quiet_get, ref_failed
 from geopipe.runtime.reporting import Reporter
+from geopipe.runtime.sitecopies import SiteCopies
 
-__all__ = ["CheckpointCoordinator", "ResumePoint", "model_shape"]
+__all__ = ["CheckpointCoordinator", "RestoreFrom", "ResumePoint", "model_shape"]
 
 
 def model_shape(spec: ClusterSpec) -> dict:
@@ -47,6 +55,29 @@ class ResumePoint:
     path: str
     step: int
     data_digest: str | None  # sha256 of the corpus it was trained on
+
+
+@dataclass(frozen=True)
+class Found:
+    """The newest checkpoint a recovery can restore (``site``: where its copy is read from,
+    None for the shared directory)."""
+
+    step: int
+    site: str | None
+    handle: Any  # CheckpointInfo (shared) or Restorable (per-site copies)
+
+
+@dataclass(frozen=True)
+class RestoreFrom:
+    """A checkpoint ready to load: each site's actors read ``paths[site]``."""
+
+    step: int
+    paths: dict[str, str]
+    site: str | None  # where it was found (None: the shared directory)
+
+    @property
+    def name(self) -> str:
+        return Path(next(iter(self.paths.values()))).name
 
 
 @dataclass
@@ -69,8 +100,8 @@ class CheckpointCoordinator:
         actors: Callable[[], list[list[Any]]],
         manifest: Callable[[int], dict],
         synchronous: bool = False,
+        stage_sites: Callable[[], list[str]] = list,
     ) -> None:
-        self.spec = spec
         self.root = Path(spec.training.checkpoint.dir or run_dir / "checkpoints")
         self.reporter = reporter
         self._actors = actors
@@ -78,6 +109,83 @@ class CheckpointCoordinator:
         self.synchronous = synchronous
         self._pending: _Pending | None = None
         self.skipped: list[tuple[str, str]] = []  # (checkpoint, why) skipped on resume
+        self.copies: SiteCopies | None = None
+        if spec.training.checkpoint.per_site:
+            self.copies = SiteCopies(spec, reporter, actors, stage_sites, manifest)
+        self.spec = spec
+
+    @property
+    def spec(self) -> ClusterSpec:
+        return self._spec
+
+    @spec.setter
+    def spec(self, spec: ClusterSpec) -> None:  # the planner may fill in measured links
+        self._spec = spec
+        if self.copies is not None:
+            self.copies.spec = spec
+
+    def where(self) -> str:
+        """Where the checkpoints are, for messages."""
+        if self.copies is None:
+            return str(self.root)
+        return ", ".join(f"{s}: {r}" for s, r in self.copies.roots().items())
+
+    def check_storage(self, site_actors: dict[str, Any]) -> str | None:
+        """At launch: make the site stores (per-site copies), or check that every site sees
+        the shared directory (``site_actors``: one actor per site). Returns a warning for
+        storage that a lost site would take its checkpoints with, else None."""
+        import ray
+
+        ck = self.spec.training.checkpoint
+        if self.copies is not None:
+            for site in self.copies.copy_sites():
+                try:
+                    self.copies.store(site)
+                except Exception as exc:  # any reason: say which site
+                    raise LaunchError(
+                        f"training.checkpoint.dir: site {site} cannot use "
+                        f"{self.copies.root(site)}: {str(exc).strip().splitlines()[-1]}"
+                    ) from None
+            warning = None
+            if not ck.replicated and len(set(site_actors)) > 1:
+                home = self.copies.copy_sites()[0]
+                warning = (
+                    f"training.checkpoint.replicate is off: checkpoints are kept only in site "
+                    f"{home}'s directory ({self.copies.root(home)}); losing that site loses them"
+                )
+            self._storage_event("per-site", self.copies.roots(), warning)
+            return warning
+        self.root.mkdir(parents=True, exist_ok=True)
+        marker = self.root.absolute() / f".geopipe-probe-{os.getpid()}"
+        token = f"{time.time_ns()}"
+        marker.write_text(token)
+        try:
+            seen = ray.get([a.sees_file.remote(str(marker), token) for a in site_actors.values()])
+        finally:
+            marker.unlink(missing_ok=True)
+        blind = [s for s, ok in zip(site_actors, seen, strict=True) if not ok]
+        warning = None
+        if blind:
+            warning = (
+                f"training.checkpoint.dir ({self.root.absolute()}) is not shared: site(s) "
+                f"{', '.join(blind)} do not see it and replication is off, so their shards "
+                "cannot reach a checkpoint; use shared storage, or put {site} in the path "
+                "(each site then keeps a complete, replicated copy)"
+            )
+        self._storage_event("shared", {s: str(self.root.absolute()) for s in site_actors},
+                            warning)  # fmt: skip
+        return warning
+
+    def _storage_event(self, mode: str, dirs: dict[str, str], warning: str | None) -> None:
+        self.reporter.checkpoint_dirs = dirs
+        self.reporter.event("checkpoint_storage", mode=mode, dirs=dirs, warning=warning,
+                            replicated=self.spec.training.checkpoint.replicated)  # fmt: skip
+        if warning:
+            print(f"geopipe: warning: {warning}", file=sys.stderr)
+
+    def close(self) -> None:
+        if self.copies is not None:
+            self.copies.close()
 
     def _flat(self) -> list[Any]:
         return [a for row in self._actors() for a in row]
@@ -87,6 +195,11 @@ class CheckpointCoordinator:
         """Start the save of step boundary ``step`` (finishing the previous save first)."""
         import ray
 
+        if self.copies is not None:
+            self.copies.save(step)
+            if self.synchronous:
+                self.copies.poll(wait=True)
+            return
         self.poll(wait=True)
         t0 = time.perf_counter()
         writer = CheckpointWriter(self.root, step)
@@ -102,10 +215,13 @@ class CheckpointCoordinator:
         if self.synchronous:
             self.poll(wait=True)
 
-    def poll(self, wait: bool = False) -> None:
+    def poll(self, wait: bool = False, final: bool = False) -> None:
         """Commit the save in flight if its shards are written (``wait``: until they are)."""
         import ray
 
+        if self.copies is not None:  # ``final``: the run's last save must commit
+            self.copies.poll(wait, strict=final)
+            return
         pending = self._pending
         if pending is None:
             return
@@ -123,6 +239,7 @@ class CheckpointCoordinator:
         for a in self._flat():  # the stand-in copies are no longer needed
             a.release_shard.remote(writer.step)
         deleted = prune(self.root, self.spec.training.checkpoint.keep)
+        self.reporter.checkpoint = {"step": writer.step, "copies": {"shared": str(path)}}
         self.reporter.event(
             "checkpoint",
             step=writer.step,
@@ -178,6 +295,9 @@ class CheckpointCoordinator:
         shard made it, else drop it (the previous complete checkpoint stays the newest)."""
         import ray
 
+        if self.copies is not None:
+            self.copies.settle()
+            return
         pending, self._pending = self._pending, None
         if pending is None:
             return
@@ -193,15 +313,49 @@ class CheckpointCoordinator:
             pending.writer.abort()
         self.reporter.event("checkpoint_abandoned", step=pending.writer.step)
 
+    def resume_paths(self, resume: ResumePoint, sites: list[str]) -> dict[str, str]:
+        """Where the actors of each site read ``resume`` from: with per-site copies their
+        own site's copy (pulled from a site that holds one where missing), else the path
+        the driver found."""
+        if self.copies is not None:
+            found = self.newest(prefer=sites)
+            if found is not None and found.step == resume.step:
+                return self.restore_from(found, sites).paths
+        return {s: resume.path for s in sites}
+
     # -- lookup --------------------------------------------------------------------------------
     def latest(self) -> CheckpointInfo | None:
         return latest_complete(self.root) if self.root.is_dir() else None
+
+    def newest(self, prefer: list[str]) -> Found | None:
+        """The newest checkpoint a recovery can restore: in the shared directory, or the
+        newest whose every shard survives on a live site (preferring ``prefer``'s copies)."""
+        if self.copies is None:
+            info = self.latest()
+            return None if info is None else Found(info.step, None, info)
+        point = self.copies.restorable(prefer)
+        return None if point is None else Found(point.step, point.site, point)
+
+    def restore_from(self, found: Found, sites: list[str]) -> RestoreFrom:
+        """Make ``found`` loadable by actors in ``sites``: each site's own copy (pulled from
+        a site holding one where missing), or the shared directory."""
+        if self.copies is None:
+            return RestoreFrom(found.step, {s: str(found.handle.path) for s in sites}, None)
+        return RestoreFrom(found.step, self.copies.paths_for(found.handle, sites), found.site)
 
     def find_resume(self, resume: str | bool) -> ResumePoint | None:
         """The checkpoint ``--resume`` names (True: the newest complete one of the run)."""
         if not resume:
             return None
-        if resume is True:
+        if resume is True and self.copies is not None:
+            found = self.copies.find_latest()
+            if found is None:
+                raise LaunchError(f"--resume: no complete checkpoint under {self.where()}")
+            path = found[0]
+            for p, reason in found[1]:
+                print(f"geopipe: skipping checkpoint {p}: {reason}", file=sys.stderr)
+                self.skipped.append((p.name, reason))
+        elif resume is True:
             if not self.root.is_dir():
                 raise LaunchError(f"--resume: no checkpoint directory {self.root}")
 

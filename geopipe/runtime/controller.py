@@ -136,6 +136,7 @@ class Controller:
         self.checkpoints = CheckpointCoordinator(
             self.spec, self.run_dir, self.reporter, self._rows, self._manifest,
             synchronous=opts.checkpoint_sync,
+            stage_sites=lambda: list(self.plan.stage_sites) if self.plan else [],
         )  # fmt: skip
         self.placement = self.recovery = self.calibrator = None
         self.cluster = self.plan = self.predicted = None
@@ -204,16 +205,22 @@ class Controller:
             self.spec, self.predicted, self.links_measured = probe_links(
                 self.spec, self.plan, self.placement
             )
-        if self._resume is not None:
-            flat = self.flat_actors()
-            steps = ray.get([a.load_checkpoint.remote(self._resume.path) for a in flat])
-            assert set(steps) == {self.start_step}
         metrics = Path(self.opts.metrics_out) if self.opts.metrics_out else None
         self.reporter.open(metrics or self.run_dir / "metrics.jsonl")
         self.reporter.event(
             "plan", plan=self.plan.to_dict(), predicted=self.predicted.summary(),
             links_measured=[m.to_dict() for m in self.links_measured],
         )  # fmt: skip
+        sites = self.plan.stage_sites
+        first_actor: dict[str, Any] = {}
+        for k, row in enumerate(self.actors):
+            first_actor.setdefault(sites[k], row[0])
+        self.checkpoints.check_storage(first_actor)
+        if self._resume is not None:
+            paths = self.checkpoints.resume_paths(self._resume, list(sites))
+            steps = ray.get([a.load_checkpoint.remote(paths[sites[k]])
+                             for k, row in enumerate(self.actors) for a in row])  # fmt: skip
+            assert set(steps) == {self.start_step}
         from geopipe.optimizer.templates import build_templates
 
         self.recovery = Recovery(self.spec, self.placement, self.checkpoints, self.reporter,
@@ -346,7 +353,7 @@ class Controller:
                 return Recovering(state.step, exc, [a.ping.remote() for a in self.flat_actors()])
             return Running(state.step)
         self.checkpoints.save(state.step)
-        self.checkpoints.poll(wait=True)
+        self.checkpoints.poll(wait=True, final=True)
         return Interrupted() if state.interrupted else Finished()
 
     def _relaid(self, step: int) -> None:
@@ -442,6 +449,7 @@ class Controller:
                     self._status(self.start_step)
                 self.reporter.final_status(self.state.name)
         if ray.is_initialized():
+            self.checkpoints.close()
             if self.placement is not None:
                 self.placement.kill_all()
             if self.cluster is not None and self.cluster.started_here:

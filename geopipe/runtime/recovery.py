@@ -87,12 +87,15 @@ class Recovery:
         ref_of = dict(zip(roles, refs, strict=True))
         names = {key: self.placement.name_of(a, *key) for key, a in roles.items()}
         dead = self._find_dead(roles, ref_of, exc)
+        lost_sites = self._lost_sites(dead)
         # A save in flight commits if its shards can still be written (a survivor stands in
         # for a dead writer); only now, with the frozen killed, can its calls all finish.
         self.checkpoints.settle()
         err = str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else type(exc).__name__
-        self.reporter.event("failure", step=step, dead=[names[k] for k in dead], error=err)
-        print(f"geopipe: step {step} failed ({len(dead)} actor(s) lost): recovering",
+        self.reporter.event("failure", step=step, dead=[names[k] for k in dead], error=err,
+                            lost_sites=lost_sites)  # fmt: skip
+        lost = f"; site(s) {', '.join(lost_sites)} lost entirely" if lost_sites else ""
+        print(f"geopipe: step {step} failed ({len(dead)} actor(s) lost{lost}): recovering",
               file=sys.stderr)  # fmt: skip
         survivors = {key: a for key, a in roles.items() if key not in dead}
         released = self._release(survivors, ref_of, grace_s)
@@ -105,7 +108,7 @@ class Recovery:
             raise LaunchError(
                 f"unrecoverable: {decision.reason} (survivors hold step boundaries "
                 f"{ {f'stage{k}/r{r}': sorted(v) for (k, r), v in have.items()} }); the last "
-                f"checkpoint under {self.checkpoints.root} is intact"
+                f"checkpoint under {self.checkpoints.where()} is intact"
             )
         new_plan = decision.plan
         sources = [] if ckpt is not None else [(survivors[key], key[0]) for key in survivors
@@ -114,18 +117,25 @@ class Recovery:
         moved = self.relayout(new_plan, pool, boundary, sources, ckpt)
         resume_at = ckpt.step if ckpt is not None else boundary
         seconds = time.perf_counter() - t0
+        restored = None
+        if ckpt is not None:
+            restored = {"step": ckpt.step, "site": ckpt.site, "paths": ckpt.paths}
         self.reporter.event(
             "recovered",
             step=resume_at,
             failed_step=step,
             lost_steps=step - resume_at,
+            lost_sites=lost_sites,
             source="checkpoint" if ckpt is not None else "surviving replicas",
+            restored_from=restored,
             seconds=seconds,
             replaced_stuck=[names[k] for k in released],
             moved=moved,
             plan=new_plan.to_dict(),
         )
-        how = f"checkpoint {ckpt.path.name}" if ckpt is not None else "surviving replicas"
+        how = "surviving replicas"
+        if ckpt is not None:
+            how = f"checkpoint {ckpt.name}" + (f" (site {ckpt.site}'s copy)" if ckpt.site else "")
         print(
             f"geopipe: recovered in {seconds:.1f} s from {how}: {new_plan.pipelines} pipeline(s) "
             f"× {new_plan.num_stages} stages, continuing at step {resume_at}",
@@ -156,6 +166,14 @@ class Recovery:
         for key in dead:
             self.placement.kill(roles[key])
         return dead
+
+    def _lost_sites(self, dead: list[Key]) -> list[str]:
+        """Sites of the running plan none of whose actors survive."""
+        plan, gone = self.plan, set(dead)
+        sites = dict.fromkeys(plan.stage_sites)
+        return [s for s in sites
+                if all((k, r) in gone for k in range(plan.num_stages)
+                       if plan.stage_sites[k] == s for r in range(plan.pipelines))]  # fmt: skip
 
     def _release(self, survivors: dict[Key, Any], ref_of: dict[Key, Any], grace_s: float) -> list:
         """Stop the survivors' iteration and have them leave their process groups; returns
@@ -199,7 +217,8 @@ class Recovery:
             devices[self.plan.stage_sites[k]] += 1
         if self.templates is None:
             self.templates = build_templates(self.spec, plan=self.plan)
-        info = self.checkpoints.latest()
+        alive = [s for s, n in devices.items() if n > 0]
+        found = self.checkpoints.newest(prefer=alive)
         held = frozenset(holders) if boundary is not None else frozenset()
         failure = Failure(
             plan=self.plan,
@@ -207,10 +226,12 @@ class Recovery:
             devices_alive=devices,
             params_available=held,
             adam_state_available=held,
-            checkpoint_step=info.step if info is not None else None,
+            checkpoint_step=found.step if found is not None else None,
         )
         decision = decide(failure, self.templates)
-        return decision, (info if isinstance(decision, RestoreFromCheckpoint) else None)
+        if not isinstance(decision, RestoreFromCheckpoint):
+            return decision, None
+        return decision, self.checkpoints.restore_from(found, list(decision.plan.stage_sites))
 
     # -- grow-back -----------------------------------------------------------------------------
     def grow_decision(self) -> GrowBack | Stay:
@@ -302,8 +323,10 @@ class Recovery:
         pl.rows = rows
         ray.get([a.reconfigure.remote(pl.stage_spec(k, r)) for a, k, r in keep])
         pl.wire()
-        if ckpt is not None:
-            ray.get([a.load_checkpoint.remote(str(ckpt.path)) for a in pl.flat()])
+        if ckpt is not None:  # each site's actors read their own site's copy
+            sites = new_plan.stage_sites
+            ray.get([a.load_checkpoint.remote(ckpt.paths[sites[k]])
+                     for k, row in enumerate(pl.rows) for a in row])  # fmt: skip
             moved = {"checkpoint": len(pl.flat())}
         else:
             moved = self._handoff(step, holders, old_plan)

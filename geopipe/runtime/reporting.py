@@ -65,6 +65,8 @@ class Reporter:
         self.dashboard_url: str | None = None
         self.ray_address: str | None = None
         self.recoveries: list[dict] = []
+        self.checkpoint: dict | None = None  # the latest checkpoint: step, copies per site
+        self.checkpoint_dirs: dict[str, str] = {}  # site -> its checkpoint directory
 
     def open(self, metrics_path: Path) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -111,6 +113,8 @@ class Reporter:
                 for k in range(plan.num_stages)
             ],
             "recoveries": list(self.recoveries),
+            "checkpoint": self.checkpoint,
+            "checkpoint_dirs": self.checkpoint_dirs,
             "updated": time.time(),
         }
         self._write(doc)

@@ -7,6 +7,13 @@ hold up the keeper's gathers, in which the other replicas wait for this one.
 
 Every replica gathers the same full state, so each keeps what it needs to write the shard:
 replica 0 writes, and if it dies mid-save the controller asks a survivor to write instead.
+
+With per-site checkpoint directories (``{site}`` in ``training.checkpoint.dir``) no stage
+writes a file: the shard is encoded in memory (the exact bytes of the file) and every
+site's store pulls it in chunks (:meth:`ShardWriter.chunk`) and writes, fsyncs and verifies
+its own copy (:mod:`geopipe.runtime.sitestore`). The bytes stay until the checkpoint is
+committed — one more copy of the stage's state in host RAM for that long; a spool file on
+local disk would trade it for a disk write if RAM is tight.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from geopipe.checkpoint.store import (
     load_state_for_layers,
     restore_rng,
 )
-from geopipe.checkpoint.writer import write_shard_file
+from geopipe.checkpoint.writer import shard_bytes, write_shard_file
 
 __all__ = ["ShardWriter", "load_stage"]
 
@@ -37,11 +44,12 @@ class ShardWriter:
         self._pending: Future | None = None
         # (step, write) kept until the checkpoint commits, to write in a dead writer's place
         self._fallback: tuple[int, Callable[[], ShardInfo]] | None = None
+        self._staged: dict[int, bytes] = {}  # step -> shard bytes (per-site copies)
         self.write_delay_s = 0.0  # fault injection: slows writes so a test can kill mid-save
 
     def save(
         self,
-        directory: str,
+        directory: str | None,
         step: int,
         state: Future,
         *,
@@ -54,7 +62,8 @@ class ShardWriter:
         """Write the shard of boundary ``step`` once ``state`` is gathered (in the background).
 
         ``tensors`` are extra tensors to store (codec state); ``writer`` says whether this
-        replica writes (the others only take part in the gather and keep a fallback)."""
+        replica writes (the others only take part in the gather and keep a fallback);
+        ``directory`` None: encode the shard in memory for the sites' stores to pull."""
         rng = capture_rng()
 
         def write_file() -> ShardInfo:
@@ -65,7 +74,11 @@ class ShardWriter:
             meta = {"adam_step": st["step"], "lr_step": st["lr_step"], "layers": layers}
             if self.write_delay_s:
                 time.sleep(self.write_delay_s)
-            return write_shard_file(directory, stage, out, meta, rng=rng)
+            if directory is not None:
+                return write_shard_file(directory, stage, out, meta, rng=rng)
+            blob, info = shard_bytes(stage, out, meta, rng=rng)
+            self._staged = {step: blob}  # one save at a time: an older one is done with
+            return info
 
         def write() -> ShardInfo | None:
             state.result()  # every replica takes part in the gather
@@ -87,10 +100,18 @@ class ShardWriter:
             raise RuntimeError(f"no pending shard of step {step} on this replica")
         return self._fallback[1]()
 
+    def chunk(self, step: int, offset: int, size: int) -> bytes:
+        """Bytes ``[offset, offset+size)`` of the in-memory shard of ``step``."""
+        blob = self._staged.get(step)
+        if blob is None:
+            raise RuntimeError(f"no shard of step {step} is held in memory here")
+        return blob[offset : offset + size]
+
     def release(self, step: int) -> None:
         """Checkpoint ``step`` is committed: drop what was kept for a stand-in write."""
         if self._fallback is not None and self._fallback[0] == step:
             self._fallback = None
+        self._staged.pop(step, None)
 
     def forget(self) -> None:
         """After leaving the process group: a pending gather can no longer finish."""

@@ -248,9 +248,10 @@ class StageWorker:
         return restore_boundary(self.engine, self.boundaries, step, todo, fetch)
 
     # -- checkpoints ---------------------------------------------------------------------------
-    def save_shard(self, directory: str, step: int) -> float:
+    def save_shard(self, directory: str | None, step: int) -> float:
         """Write this stage's shard of the checkpoint at boundary ``step`` in the background
-        (replica 0 writes, the others keep a fallback); returns the seconds stalled."""
+        (replica 0 writes, the others keep a fallback) into ``directory``, or into memory for
+        the sites' stores to pull (None); returns the seconds stalled."""
         t0 = time.perf_counter()
         if not self.boundaries.holds(step):
             self.boundaries.take(step, self.engine)
@@ -271,6 +272,27 @@ class StageWorker:
 
     def release_shard(self, step: int) -> None:
         self.shards.release(step)
+
+    def read_chunk(self, step: int, file: str, offset: int, size: int) -> bytes:
+        """A piece of this replica's in-memory shard of ``step`` (per-site checkpoint copies:
+        a site's store pulls it, :mod:`geopipe.runtime.sitestore`); ``file`` is unused: the
+        same call reads a file of a store's copy."""
+        return self.shards.chunk(step, offset, size)
+
+    def node_id(self) -> str:
+        """The Ray node this actor runs on (its site's store is placed beside it)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def sees_file(self, path: str, content: str) -> bool:
+        """Whether ``path`` exists here with ``content``: is the checkpoint directory the
+        driver wrote a marker into shared with this actor's node?"""
+        try:
+            with open(path, encoding="utf-8") as f:
+                return f.read() == content
+        except OSError:
+            return False
 
     def load_checkpoint(self, path: str) -> int:
         return load_stage(self.engine, path, self.k, self.layers, self.links)

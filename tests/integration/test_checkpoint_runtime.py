@@ -66,29 +66,35 @@ def test_resume_is_bit_for_bit(tmp_path):
     """2N steps straight == resuming from that run's step-N checkpoint for N more (ZeRO-1
     groups of 2, int8 WAN): the same per-step losses and the same final parameters and Adam
     state, bitwise. (Resuming from the checkpoint a stopped run wrote at its end is the same
-    code path: a checkpoint is a checkpoint.)"""
+    code path: a checkpoint is a checkpoint.) Both runs keep per-site checkpoint copies
+    (no shared directory): the resumed run reads west's copy, which crossed sites."""
     doc = doc_with_ckpt(2, 2)
     doc["links"][0]["codec"] = "int8"
     doc["plan"]["codecs"] = ["int8"]
+    doc["training"]["checkpoint"]["dir"] = str(tmp_path / "a-{site}")
     full, _, full_state, _ = launch(doc, tmp_path / "a", steps=4)
-    half = tmp_path / "a" / "checkpoints" / "step-00000002"
+    half = tmp_path / "a-west" / "step-00000002"
+    doc["training"]["checkpoint"]["dir"] = str(tmp_path / "b-{site}")
     second, _, resumed_state, ctl = launch(doc, tmp_path / "b", steps=4, resume=str(half))
     assert ctl.start_step == 2
     assert second == full[2:]  # exact equality, not approx
     # The checkpoint (assembled from each replica's ZeRO-1 partition on a background thread)
-    # holds exactly what DeepSpeed's own full-state gather returns at that point.
-    saved = load_checkpoint(tmp_path / "a" / "checkpoints" / "step-00000004")
-    for shard in saved.stages:
+    # holds exactly what DeepSpeed's own full-state gather returns at that point, in both
+    # sites' copies, which are the same bytes.
+    copies = [load_checkpoint(tmp_path / f"a-{s}" / "step-00000004") for s in ("east", "west")]
+    assert [e["sha256"] for e in copies[0].manifest["stages"]] == [
+        e["sha256"] for e in copies[1].manifest["stages"]
+    ]
+    for shard in copies[1].stages:
         for group in ("params", "exp_avg", "exp_avg_sq"):
             for name, t in shard.tensors(group + "/").items():
                 assert torch.equal(t, full_state[group][name]), (group, name)
     for group in ("params", "exp_avg", "exp_avg_sq"):
         for name, t in full_state[group].items():
             assert torch.equal(t, resumed_state[group][name]), (group, name)
-    steps = [
-        i.step for i in list_checkpoints(tmp_path / "b" / "checkpoints") if i.status == "complete"
-    ]
-    assert steps == [4]
+    for site in ("east", "west"):
+        steps = [i.step for i in list_checkpoints(tmp_path / f"b-{site}") if i.status == "complete"]
+        assert steps == [4]
 
 
 def test_resume_into_other_replica_count_keeps_optimizer_state(tmp_path):

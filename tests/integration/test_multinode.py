@@ -10,6 +10,7 @@ and when the west node is removed mid-run it recovers in place on what is left.
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -19,6 +20,7 @@ import ray
 from ray.cluster_utils import Cluster
 from test_runtime import tiny_doc
 
+from geopipe.checkpoint.store import list_checkpoints
 from geopipe.config import parse_cluster
 from geopipe.runtime.controller import Controller, LaunchOptions
 
@@ -52,15 +54,27 @@ def last_loss_per_step(run_dir: Path) -> list[float]:
     return [by_step[k] for k in sorted(by_step)]
 
 
-def test_runs_on_two_nodes_and_survives_losing_one(two_nodes, tmp_path):
+def complete_steps(root: Path) -> list[int]:
+    return [i.step for i in list_checkpoints(root) if i.status == "complete"]
+
+
+def test_runs_on_two_nodes_and_survives_losing_a_site(two_nodes, tmp_path):
+    """Reference run: one shared checkpoint directory. Lost run: a directory per site (no
+    shared file system), every checkpoint replicated to both; the west node is removed
+    and its directory deleted mid-run, and the job continues from east's copy."""
     cluster, west = two_nodes
-    doc = tiny_doc(2, 2, steps=6)
+    every = 2
+    doc = tiny_doc(2, 2, steps=7)
     doc["name"] = "multinode"
     doc["ray"] = {"address": cluster.address, "emulate_links": True, "dashboard": False}
-    doc["training"]["checkpoint"] = {"every_steps": 1, "keep": 3}
-    spec = parse_cluster(doc, "multinode")
+    doc["training"]["checkpoint"] = {"every_steps": every, "keep": 3}
+    shared = parse_cluster(doc, "multinode")
+    doc["training"]["checkpoint"]["dir"] = str(tmp_path / "ckpt-{site}")
+    per_site = parse_cluster(doc, "multinode")
+    east_dir, west_dir = tmp_path / "ckpt-east", tmp_path / "ckpt-west"
+    seen: dict = {}
 
-    def run(run_dir: Path, remove_west: bool) -> Controller:
+    def run(spec, run_dir: Path, remove_west: bool) -> Controller:
         ctl = Controller(spec, LaunchOptions(run_dir=str(run_dir), progress=False))
         try:
             ctl.launch()
@@ -71,10 +85,22 @@ def test_runs_on_two_nodes_and_survives_losing_one(two_nodes, tmp_path):
             if remove_west:
 
                 def remove() -> None:
-                    path = run_dir / "metrics.jsonl"
-                    while not path.exists() or len(last_loss_per_step(run_dir)) < 3:
+                    # Both sites hold a complete copy of step 2 before west goes away (a
+                    # site lost while the newest copy is still on its way costs one more
+                    # interval: the survivors restore their previous copy).
+                    while (
+                        every not in complete_steps(west_dir)
+                        or every not in complete_steps(east_dir)
+                        or len(last_loss_per_step(run_dir)) < 2 * every
+                    ):
                         time.sleep(0.05)
+                    seen["east"] = complete_steps(east_dir)
+                    seen["west"] = complete_steps(west_dir)
+                    seen["manifest"] = json.loads(
+                        (west_dir / "step-00000002" / "manifest.json").read_text()
+                    )
                     cluster.remove_node(west)
+                    shutil.rmtree(west_dir)  # the site's disk goes with it
 
                 threading.Thread(target=remove, daemon=True).start()
             ctl.train()
@@ -82,18 +108,36 @@ def test_runs_on_two_nodes_and_survives_losing_one(two_nodes, tmp_path):
         finally:
             ctl.close()
 
-    run(tmp_path / "ref", remove_west=False)
-    ctl = run(tmp_path / "lost", remove_west=True)
-    failure = [x for x in metrics(tmp_path / "lost") if x.get("event") == "failure"]
-    assert len(failure) == 1 and sorted(failure[0]["dead"]) == [
+    run(shared, tmp_path / "ref", remove_west=False)
+    ctl = run(per_site, tmp_path / "lost", remove_west=True)
+    # One directory, but every site's node sees it (one machine): no warning.
+    shared_storage = next(x for x in metrics(tmp_path / "ref")
+                          if x.get("event") == "checkpoint_storage")  # fmt: skip
+    assert shared_storage["mode"] == "shared" and shared_storage["warning"] is None
+    assert set(shared_storage["dirs"]) == {"east", "west"}
+    lines = metrics(tmp_path / "lost")
+    storage = next(x for x in lines if x.get("event") == "checkpoint_storage")
+    assert storage["mode"] == "per-site" and storage["warning"] is None
+    assert storage["dirs"] == {"east": str(east_dir), "west": str(west_dir)}
+    # Before the loss: each site committed a complete copy on its own, recording both.
+    assert every in seen["east"] and every in seen["west"]
+    assert set(seen["manifest"]["copies"]) == {"east", "west"}
+    failure = [x for x in lines if x.get("event") == "failure"]
+    assert len(failure) == 1 and failure[0]["lost_sites"] == ["west"]
+    assert sorted(failure[0]["dead"]) == [
         "geopipe/multinode/west/stage1/r0",
         "geopipe/multinode/west/stage1/r1",
     ]
-    rec = next(x for x in metrics(tmp_path / "lost") if x.get("event") == "recovered")
-    # Every west replica is gone, so stage 1's state survives only in the checkpoint; the
-    # job continues on the east node alone, in place (no relaunch).
-    assert rec["source"] == "checkpoint" and set(rec["plan"]["stage_sites"]) == {"east"}
+    rec = next(x for x in lines if x.get("event") == "recovered")
+    # Stage 1's state survives only in east's replicated copy of a checkpoint.
+    assert rec["source"] == "checkpoint" and rec["lost_sites"] == ["west"]
+    assert rec["restored_from"]["site"] == "east"
+    assert rec["restored_from"]["paths"]["east"].startswith(str(east_dir))
+    assert rec["restored_from"]["step"] % every == 0
+    assert 0 <= rec["lost_steps"] <= every
     assert set(ctl.plan.stage_sites) == {"east"}
+    assert not west_dir.exists()  # nothing was read from or written to west after the loss
+    assert max(complete_steps(east_dir)) == 7  # the final checkpoint, on east alone
     assert last_loss_per_step(tmp_path / "lost") == pytest.approx(
         last_loss_per_step(tmp_path / "ref"), abs=1e-4
     )

@@ -4,6 +4,7 @@ middle of an iteration, the only holder of a stage killed, too many devices lost
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import threading
 import time
@@ -149,8 +150,6 @@ def test_grows_back_when_devices_return(tmp_path):
     boundary the job grows back to the better template (here 2 pipelines again: the demo
     model is compute-bound, so the planner predicts ~40 % faster steps) with a new actor,
     and the losses still follow the uninterrupted run."""
-    import copy
-
     import yaml
 
     root = Path(__file__).resolve().parents[2]
@@ -276,33 +275,40 @@ def test_without_recovery_snapshots_a_failure_restores_the_checkpoint(tmp_path):
 
 
 def test_writer_dying_mid_save_keeps_the_checkpoint(tmp_path):
-    """Replica 0 of stage 0 writes the stage's shard; it is killed while writing the step-2
-    checkpoint. Its partner gathered the same full state for the save, so it writes the
-    shard instead and the checkpoint commits — identical, tensor for tensor, to the one an
-    undisturbed run writes — while training recovers from the survivors' snapshots."""
+    """Replica 0 of stage 0 encodes the stage's shard; it is killed while doing so for the
+    step-2 checkpoint, with per-site checkpoint directories (no shared file system). Its
+    partner gathered the same full state for the save, so it encodes the shard instead,
+    both sites' stores pull it and the checkpoint commits on each — identical, tensor for
+    tensor, to the one an undisturbed run writes into a shared directory — while training
+    recovers from the survivors' snapshots."""
     from geopipe.checkpoint.store import load_checkpoint
 
     doc = tiny_doc(2, 2, steps=5)
     doc["name"] = "standin"
     doc["training"]["checkpoint"] = {"every_steps": 2, "keep": 5}
+    ref_doc = copy.deepcopy(doc)
+    doc["training"]["checkpoint"]["dir"] = str(tmp_path / "ckpt-{site}")
     run_dir = tmp_path / "killed"
 
     def kill_writer(ctl: Controller) -> None:
         victim = ctl.actors[0][0]
         ray.get(victim.inject_fault.remote(-1, -1, write_delay_s=5.0))
-        root = run_dir / "checkpoints"
-        while not (root.is_dir() and any(root.glob(".tmp-step-00000002-*"))):
+        while not (run_dir / "metrics.jsonl").exists() or len(losses(run_dir)) < 2:
             time.sleep(0.02)
-        time.sleep(1.0)  # inside its 5 s write
+        time.sleep(1.0)  # the step-2 save started: inside its 5 s write
         ray.kill(victim, no_restart=True)
 
-    run(doc, tmp_path / "ref", steps=5)
+    run(ref_doc, tmp_path / "ref", steps=5)
     run(doc, run_dir, steps=5, kill=kill_writer)
     assert [e["stage"] for e in events(run_dir, "checkpoint_stand_in") if e["step"] == 2] == [0]
-    assert 2 in [e["step"] for e in events(run_dir, "checkpoint")]
-    got = load_checkpoint(run_dir / "checkpoints" / "step-00000002")  # verifies checksums
+    saved = next(e for e in events(run_dir, "checkpoint") if e["step"] == 2)
+    assert set(saved["copies"]) == {"east", "west"} and not saved["failed_copies"]
     want = load_checkpoint(tmp_path / "ref" / "checkpoints" / "step-00000002")
-    for prefix in ("params/", "exp_avg/", "exp_avg_sq/"):
-        a, b = got.stages[0].tensors(prefix), want.stages[0].tensors(prefix)
-        assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    for site in ("east", "west"):
+        got = load_checkpoint(tmp_path / f"ckpt-{site}" / "step-00000002")  # verifies
+        assert set(got.manifest["copies"]) == {"east", "west"}
+        for k in (0, 1):
+            for prefix in ("params/", "exp_avg/", "exp_avg_sq/"):
+                a, b = got.stages[k].tensors(prefix), want.stages[k].tensors(prefix)
+                assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
     assert last_loss_per_step(run_dir) == pytest.approx(losses(tmp_path / "ref"), abs=1e-4)

@@ -1,0 +1,359 @@
+"""Checkpoints without a shared file system: one directory per site, a copy on each.
+
+With ``{site}`` in ``training.checkpoint.dir`` every site that holds copies (all the plan's
+sites when ``replicate`` is on, the default; the first one otherwise —
+:func:`geopipe.optimizer.restore.copy_sites`) has a store actor on its own node
+(:class:`~geopipe.runtime.sitestore.SiteStore`). A save:
+
+1. each stage's replicas snapshot as before (the only stall) and replica 0 encodes the
+   shard in memory on a background thread;
+2. every store pulls every stage's shard — its own site's over the site's network, the
+   others' across the WAN, paced to :data:`LINK_SHARE` of the link — and checks each
+   against the writer's SHA-256; the pulls start as soon as every shard is encoded,
+   without waiting for the controller;
+3. each store whose pulls all succeeded commits its copy atomically on its own disk, at
+   once (the controller's next poll only collects the outcome); the manifest names every
+   site meant to hold a copy (``copies``). A copy that fails leaves that site's last good
+   copy in place; a writer that died mid-save is stood in for by a surviving replica of
+   its stage, as with a shared directory.
+
+After a failure the controller asks the live stores what they hold and restores the newest
+checkpoint all of whose shards survive on a live site
+(:func:`~geopipe.optimizer.restore.newest_restorable`); a site of the new layout without a
+copy of it first pulls one from a site that has it, then every actor loads from its own
+site's copy.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from geopipe.checkpoint.store import CheckpointError, latest_complete
+from geopipe.config import ClusterSpec
+from geopipe.optimizer.restore import Restorable, SiteCopy, copy_sites, newest_restorable
+from geopipe.runtime.health import quiet_get, ref_failed
+from geopipe.runtime.reporting import Reporter
+from geopipe.runtime.sitestore import ShardSource, SiteStore
+
+__all__ = ["LINK_SHARE", "SiteCopies"]
+
+# Share of a WAN link's bandwidth checkpoint replication may take. The activations of the
+# D pipelines are bursty (one micro-batch at a time) and the planner keeps the link below
+# saturation, so half of it, spread over the checkpoint interval, leaves them room; with
+# the demo's 200 Mbit/s link a 10 MB checkpoint replicates in under a second.
+LINK_SHARE = 0.5
+
+
+@dataclass
+class _Save:
+    """A save in flight."""
+
+    step: int
+    save_id: str
+    manifest: dict
+    sites: list[str]  # sites receiving a copy
+    writers: list[Any]  # per stage: the replica whose in-memory shard is pulled
+    infos: list[Any]  # per stage: ref to that shard's ShardInfo
+    flat_refs: list[Any]  # every replica's shard_written (the gathers must all finish)
+    fetches: dict[str, Any]  # site -> ref of its store's fetch
+    started: float
+    stall_s: float
+    failed: dict[str, str] = field(default_factory=dict)  # site -> why its copy failed
+
+
+class SiteCopies:
+    """The per-site checkpoint stores of one run, and saving/restoring through them."""
+
+    def __init__(
+        self,
+        spec: ClusterSpec,
+        reporter: Reporter,
+        actors: Callable[[], list[list[Any]]],
+        stage_sites: Callable[[], list[str]],
+        manifest: Callable[[int], dict],
+    ) -> None:
+        self.spec = spec
+        self.reporter = reporter
+        self._actors = actors
+        self._stage_sites = stage_sites
+        self._manifest = manifest
+        self._stores: dict[str, Any] = {}
+        self._made = 0
+        self._pending: _Save | None = None
+
+    # -- where ---------------------------------------------------------------------------------
+    def root(self, site: str) -> Path:
+        """The checkpoint directory of ``site`` (absolute, as the driver resolves it)."""
+        return Path(self.spec.training.checkpoint.dir_for(site, "")).absolute()
+
+    def roots(self) -> dict[str, str]:
+        return {s.name: str(self.root(s.name)) for s in self.spec.sites}
+
+    def copy_sites(self) -> list[str]:
+        return copy_sites(self._stage_sites(), self.spec.training.checkpoint.replicated)
+
+    # -- the stores ----------------------------------------------------------------------------
+    def _node_of(self, site: str) -> str | None:
+        """The node of a live actor of the current layout in ``site`` (its store goes
+        there): after a failure some of the site's actors may be dead."""
+        rows = self._actors()
+        cands = [a for k, s in enumerate(self._stage_sites()) if s == site and k < len(rows)
+                 for a in rows[k]]  # fmt: skip
+        for a in cands:
+            node = quiet_get([a.node_id.remote()], 10)[0]
+            if node is not None:
+                return node
+        return None
+
+    def store(self, site: str) -> Any:
+        """The store of ``site``, created beside the site's stage actors when missing."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        handle = self._stores.get(site)
+        if handle is not None:
+            return handle
+        node = self._node_of(site)
+        if node is None:
+            raise CheckpointError(f"no actor runs in site {site}: nowhere to place its store")
+        name = f"geopipe/{self.spec.name}/{site}/checkpoints"
+        self._made += 1
+        if self._made > len(self.spec.sites):  # a replacement: Ray may still hold the name
+            name += f"-{self._made}"
+        handle = (
+            ray.remote(max_concurrency=4)(SiteStore)
+            .options(
+                name=name, namespace=self.spec.ray.namespace, num_cpus=0,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+                runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
+            )
+            .remote(site, str(self.root(site)), self.spec.training.checkpoint.keep)
+        )  # fmt: skip
+        ray.get(handle.ping.remote())  # the directory could not be made: fail here
+        self._stores[site] = handle
+        return handle
+
+    def live_stores(self, timeout: float = 30.0) -> dict[str, Any]:
+        """The stores that answer within ``timeout``. Dead ones are forgotten (re-created on
+        next use); slow ones (a loaded machine) are only left out of this answer."""
+        import ray
+
+        refs = {s: h.ping.remote() for s, h in self._stores.items()}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout)
+        live = {}
+        for s, r in refs.items():
+            if r not in ready:
+                continue
+            if ref_failed(r):
+                del self._stores[s]
+            else:
+                live[s] = self._stores[s]
+        return live
+
+    def close(self) -> None:
+        import contextlib
+
+        import ray
+
+        for h in self._stores.values():
+            with contextlib.suppress(Exception):
+                ray.kill(h)
+        self._stores = {}
+
+    # -- saving --------------------------------------------------------------------------------
+    def save(self, step: int) -> None:
+        """Start the save of boundary ``step``: snapshot, encode, and the stores' pulls."""
+        import ray
+
+        self.poll(wait=True)
+        t0 = time.perf_counter()
+        rows, sites = self._actors(), self._stage_sites()
+        flat = [a for row in rows for a in row]
+        # A dead actor raises here, before anything else: the controller then recovers.
+        stalls = ray.get([a.save_shard.remote(None, step) for a in flat])
+        flat_refs = [a.shard_written.remote() for a in flat]
+        first = [sum(len(r) for r in rows[:k]) for k in range(len(rows))]
+        targets = self.copy_sites()
+        manifest = {**self._manifest(step), "time": time.time(),
+                    "copies": {s: str(self.root(s)) for s in targets}}  # fmt: skip
+        save = _Save(
+            step, uuid.uuid4().hex, manifest, targets, [row[0] for row in rows],
+            [flat_refs[i] for i in first], flat_refs, {}, t0, max(stalls),
+        )  # fmt: skip
+        self.live_stores(1.0)  # one that died (its node went, then came back) is re-made
+        stores = {}
+        for s in save.sites:
+            try:
+                stores[s] = self.store(s)
+            except Exception as exc:  # the site is going: its copy fails, the others go on
+                save.failed[s] = _short(exc)
+        for s, st in stores.items():
+            srcs = self._sources(save, s, sites)
+            save.fetches[s] = st.save.remote(step, save.save_id, manifest, srcs, *save.infos)
+        self._pending = save
+
+    def _sources(self, save: _Save, dst: str, sites: list[str]) -> list[ShardSource]:
+        return [
+            ShardSource(k, a, None if sites[k] == dst else self._rate(sites[k], dst))
+            for k, a in enumerate(save.writers)
+        ]
+
+    def _rate(self, src: str, dst: str) -> float | None:
+        lk = self.spec.link(src, dst)
+        return None if lk is None else LINK_SHARE * lk.bandwidth_bps / 8
+
+    def poll(self, wait: bool = False, strict: bool = False) -> None:
+        """Commit the copies of the save in flight once its pulls are done (``wait``: wait
+        for them); a writer that died is stood in for. If no copy commits: an event and a
+        warning (the previous checkpoint stays the newest; a failure behind it is the next
+        step's to find), or with ``strict`` (the run's last save) an error."""
+        import ray
+
+        save = self._pending
+        if save is None:
+            return
+        refs = save.flat_refs + list(save.fetches.values())
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=None if wait else 0)
+        if len(ready) < len(refs):
+            return
+        self._pending = None
+        failed = {s: r for s, r in save.fetches.items() if ref_failed(r)}
+        if failed:
+            self._stand_in(save, failed)
+        self._finish(save, strict)
+
+    def _stand_in(self, save: _Save, failed: dict[str, Any]) -> None:
+        """Stages whose writer died: a surviving replica encodes the shard instead, and the
+        sites whose pulls failed pull again (they keep what they already have)."""
+        import ray
+
+        rows, sites = self._actors(), self._stage_sites()
+        flat_failed = {id(a) for a, r in zip([a for row in rows for a in row], save.flat_refs,
+                                             strict=True) if ref_failed(r)}  # fmt: skip
+        for k, ref in enumerate(save.infos):
+            if not ref_failed(ref):
+                continue
+            for a in rows[k][1:] if k < len(rows) else []:
+                if id(a) in flat_failed:
+                    continue
+                info = a.write_shard_instead.remote(save.step)
+                if quiet_get([info], 60)[0] is not None:
+                    save.writers[k], save.infos[k] = a, info
+                    self.reporter.event("checkpoint_stand_in", step=save.step, stage=k)
+                    break
+        live = self.live_stores()
+        again = {s: live[s].save.remote(save.step, save.save_id, save.manifest,
+                                        self._sources(save, s, sites), *save.infos)
+                 for s in failed if s in live}  # fmt: skip
+        for s, ref in again.items():
+            save.fetches[s] = ref
+        if again:
+            ray.wait(list(again.values()), num_returns=len(again), timeout=120)
+
+    def _finish(self, save: _Save, strict: bool) -> None:
+        """Collect the sites' commits; abandon the copies that failed; report."""
+        import ray
+
+        committed: dict[str, dict] = {}
+        for s, ref in save.fetches.items():
+            store = self._stores.get(s)
+            try:
+                committed[s] = ray.get(ref, timeout=0)
+            except Exception as exc:  # any failure loses only this copy
+                save.failed[s] = _short(exc)
+                if store is not None:
+                    store.abort.remote(save.step, save.save_id)
+        for a in (a for row in self._actors() for a in row):
+            a.release_shard.remote(save.step)
+        if not committed:
+            self.reporter.event("checkpoint_failed", step=save.step, failed=save.failed)
+            why = (f"no copy of checkpoint step {save.step} could be committed: "
+                   + "; ".join(f"{s}: {why}" for s, why in save.failed.items()))  # fmt: skip
+            if strict:
+                raise CheckpointError(why)
+            print(f"geopipe: warning: {why}", file=sys.stderr)
+            return
+        first = next(iter(committed.values()))
+        copies = {s: c["path"] for s, c in committed.items()}
+        self.reporter.checkpoint = {"step": save.step, "copies": copies,
+                                    "failed": dict(save.failed)}  # fmt: skip
+        self.reporter.event(
+            "checkpoint", step=save.step, path=first["path"], copies=copies,
+            failed_copies=save.failed, stall_s=save.stall_s,
+            seconds=time.perf_counter() - save.started, bytes=first["bytes"],
+            pruned=sorted({p for c in committed.values() for p in c["pruned"]}),
+        )  # fmt: skip
+        if save.failed:
+            print(f"geopipe: checkpoint step {save.step}: copy failed on "
+                  f"{', '.join(save.failed)} ({'; '.join(save.failed.values())})",
+                  file=sys.stderr)  # fmt: skip
+
+    def settle(self) -> None:
+        """After a failure: commit what can be committed of the save in flight, abandon the
+        rest (each site's previous copy stays its newest)."""
+        import ray
+
+        save = self._pending
+        if save is None:
+            return
+        refs = save.flat_refs + list(save.fetches.values())
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=10)
+        if len(ready) == len(refs):
+            self.poll(wait=True)
+            return
+        self._pending = None
+        for s in save.fetches:
+            if s in self._stores:
+                self._stores[s].abort.remote(save.step, save.save_id)
+        self.reporter.event("checkpoint_abandoned", step=save.step)
+
+    # -- restoring -----------------------------------------------------------------------------
+    def holdings(self) -> dict[str, list[SiteCopy]]:
+        """What every live store holds (complete, verified copies)."""
+        live = self.live_stores()
+        got = quiet_get([h.holdings.remote() for h in live.values()], 60)
+        return {s: h for s, h in zip(live, got, strict=True) if h is not None}
+
+    def restorable(self, prefer: list[str]) -> Restorable | None:
+        """The newest checkpoint whose every shard survives on a live site."""
+        held = self.holdings()
+        return newest_restorable(held, held, prefer=prefer)
+
+    def paths_for(self, point: Restorable, sites: list[str]) -> dict[str, str]:
+        """Each of ``sites`` gets a complete copy of ``point`` (pulled from ``point.site``
+        where missing); returns each one's directory."""
+        import ray
+
+        out = {}
+        for s in dict.fromkeys(sites):
+            store = self.store(s)
+            if s in point.complete_at:
+                out[s] = ray.get(store.path_of.remote(point.step))
+            else:
+                source = self._stores[point.site]
+                out[s] = ray.get(store.copy_from.remote(point.step, source))
+                self.reporter.event("checkpoint_copied", step=point.step, to=s, source=point.site)
+        return out
+
+    def find_latest(self) -> tuple[Path, list[tuple[Path, str]]] | None:
+        """The newest complete checkpoint in any site directory the driver sees (for
+        ``--resume``), and the newer unusable ones skipped."""
+        best, skipped = None, []
+        for root in dict.fromkeys(self.roots().values()):
+            if not Path(root).is_dir():
+                continue
+            info = latest_complete(root, on_skip=lambda p, r: skipped.append((p, r)))
+            if info is not None and (best is None or info.step > best.step):
+                best = info
+        return None if best is None else (best.path, skipped)
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[-1][:200] if text else type(exc).__name__

@@ -1,0 +1,260 @@
+"""A site's checkpoint store: the actor that keeps checkpoint copies on that site's disk.
+
+With ``{site}`` in ``training.checkpoint.dir`` (see :mod:`geopipe.optimizer.restore`) no
+directory is shared between sites, and the driver may not see any of them. Each site that
+holds copies gets one :class:`SiteStore` actor, placed on a node of the site (beside its
+stage actors), named ``geopipe/<run>/<site>/checkpoints``. It pulls each stage's shard —
+from the stage replica that encoded it in memory, or from another site's store — writes,
+fsyncs and checks it against the writer's SHA-256, and commits the copy atomically with the
+same :class:`~geopipe.checkpoint.writer.CheckpointWriter` the shared directory uses: a copy
+is a complete, self-verifying checkpoint directory, and one that fails (a source died, a
+checksum is wrong, the save was abandoned) never touches the site's last good one.
+
+Transport: Ray's object store, chunk by chunk (the puller asks the holder for 4 MiB pieces,
+two in flight). Checkpoint replication is background traffic, so Ray's transfer cost over a
+long link (a few round trips per object) matters little; the cross-site pulls are paced to
+a share of the WAN link's bandwidth so the activations keep the rest
+(:data:`geopipe.runtime.sitecopies.LINK_SHARE`). The direct TCP data plane would save those
+round trips, at the price of a second kind of traffic on the training connections.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from geopipe.checkpoint.store import (
+    _RESERVED,
+    MANIFEST,
+    CheckpointError,
+    ShardInfo,
+    list_checkpoints,
+    load_checkpoint,
+    prune,
+    step_dirname,
+)
+from geopipe.checkpoint.writer import CheckpointWriter
+from geopipe.optimizer.restore import SiteCopy
+
+__all__ = ["CHUNK_BYTES", "ShardSource", "SiteStore"]
+
+CHUNK_BYTES = 4 << 20  # one pull request
+_IN_FLIGHT = 2  # chunks requested ahead, so a long round trip does not idle the link
+_FILE_RE = re.compile(r"^(stage-\d+\.safetensors|manifest\.json)$")
+
+
+@dataclass(frozen=True)
+class ShardSource:
+    """Where a store pulls a shard from: any actor with ``read_chunk(step, file, offset,
+    size)`` (a stage replica holding it in memory, or another site's store)."""
+
+    stage: int
+    actor: Any
+    rate_bps: float | None  # bytes/s to pace at when crossing sites; None: no pacing
+
+
+class SiteStore:
+    """The actor body (wrapped with ``ray.remote`` by :mod:`geopipe.runtime.sitecopies`)."""
+
+    def __init__(self, site: str, root: str, keep: int) -> None:
+        # Not at a lower CPU priority (os.nice): tried, it barely moved the replication
+        # stall, and under heavy load a niced store did not answer a recovery's questions
+        # for seconds.
+        self.site = site
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)  # fails here, at launch, if it cannot
+        self.keep = keep
+        self._lock = threading.Lock()
+        self._writers: dict[int, tuple[str, CheckpointWriter]] = {}  # step -> (save id, w)
+        self._cancelled: set[str] = set()
+        self._verified: dict[tuple[int, float], SiteCopy] = {}  # (step, manifest mtime)
+        self.get: Any = None  # ray.get unless a test plugs in another (the seam for fakes)
+
+    def ping(self) -> str:
+        return self.site
+
+    # -- saving a copy -------------------------------------------------------------------------
+    def _writer(self, step: int, save_id: str) -> CheckpointWriter:
+        with self._lock:
+            if save_id in self._cancelled:
+                raise CheckpointError(f"the save of step {step} was abandoned")
+            held = self._writers.get(step)
+            if held is not None and held[0] == save_id:
+                return held[1]
+            if held is not None:
+                held[1].abort()
+            w = CheckpointWriter(self.root, step)
+            self._writers[step] = (save_id, w)
+            return w
+
+    def fetch(
+        self, step: int, save_id: str, sources: list[ShardSource], *infos: ShardInfo
+    ) -> list[int]:
+        """Pull the shards of checkpoint ``step`` into this site's copy in progress;
+        ``infos[i]`` (resolved by Ray before this runs) is ``sources[i]``'s file, size and
+        checksum. Returns the stages the copy holds so far."""
+        writer = self._writer(step, save_id)
+        for src, info in zip(sources, infos, strict=True):
+            if info.stage not in writer.stages_written:
+                self._pull(step, save_id, writer.tmp_dir, src, info)
+                writer.add_shard(info)
+        return sorted(writer.stages_written)
+
+    def save(
+        self,
+        step: int,
+        save_id: str,
+        manifest: dict,
+        sources: list[ShardSource],
+        *infos: ShardInfo,
+    ) -> dict:
+        """:meth:`fetch` every stage's shard, then :meth:`commit` — all on this site, so no
+        round trip to the driver stands between the last shard and the copy's commit."""
+        self.fetch(step, save_id, sources, *infos)
+        return self.commit(step, save_id, manifest, len(sources))
+
+    def commit(self, step: int, save_id: str, manifest: dict, num_stages: int) -> dict:
+        """Seal this site's copy of ``step`` (manifest last, fsync, rename), then prune."""
+        with self._lock:
+            held = self._writers.pop(step, None)
+        if held is None or held[0] != save_id:
+            raise CheckpointError(f"no copy of step {step} is being written on {self.site}")
+        try:
+            path = held[1].commit(manifest, num_stages=num_stages)
+        except BaseException:
+            held[1].abort()  # this copy failed; the site's last good one is untouched
+            raise
+        self._remember(path, step, num_stages)
+        size = sum(f.stat().st_size for f in path.iterdir())
+        pruned = prune(self.root, self.keep)
+        return {"path": str(path), "bytes": size, "pruned": [p.name for p in pruned]}
+
+    def abort(self, step: int, save_id: str) -> None:
+        """Give up this save's copy of ``step`` (a pull still running fails at its next
+        chunk); the site's previous copies are untouched."""
+        with self._lock:
+            self._cancelled.add(save_id)
+            held = self._writers.get(step)
+            if held is not None and held[0] == save_id:
+                del self._writers[step]
+                held[1].abort()
+
+    def _pull(
+        self, step: int, save_id: str, tmp_dir: Path, src: ShardSource, info: ShardInfo
+    ) -> None:
+        """Copy ``info.file`` from ``src`` chunk by chunk, paced, then fsync and verify."""
+        get = self.get or _ray_get
+        path = tmp_dir / info.file
+        digest = hashlib.sha256()
+        t0 = time.perf_counter()
+        offsets = deque(range(0, info.bytes, CHUNK_BYTES))
+        inflight: deque = deque()
+        done = 0
+        try:
+            with open(path, "wb") as f:
+                while offsets or inflight:
+                    while offsets and len(inflight) < _IN_FLIGHT:
+                        off = offsets.popleft()
+                        n = min(CHUNK_BYTES, info.bytes - off)
+                        inflight.append((n, src.actor.read_chunk.remote(step, info.file, off, n)))
+                    n, ref = inflight.popleft()
+                    data = get(ref, timeout=120)
+                    if save_id in self._cancelled:
+                        raise CheckpointError(f"the save of step {step} was abandoned")
+                    if len(data) != n:
+                        raise CheckpointError(f"{info.file}: got {len(data)} bytes, asked {n}")
+                    f.write(data)
+                    digest.update(data)
+                    done += n
+                    if src.rate_bps:  # pace: never ahead of rate_bps since the start
+                        ahead = t0 + done / src.rate_bps - time.perf_counter()
+                        if ahead > 0:
+                            time.sleep(ahead)
+                f.flush()
+                os.fsync(f.fileno())
+        except Exception:
+            path.unlink(missing_ok=True)
+            raise
+        if digest.hexdigest() != info.sha256:
+            path.unlink(missing_ok=True)
+            raise CheckpointError(
+                f"{info.file} of step {step} arrived on {self.site} with sha256 "
+                f"{digest.hexdigest()[:16]}…, the writer's is {info.sha256[:16]}…"
+            )
+
+    # -- copies already on this site -----------------------------------------------------------
+    def _remember(self, path: Path, step: int, num_stages: int) -> None:
+        mtime = (path / MANIFEST).stat().st_mtime
+        self._verified[(step, mtime)] = SiteCopy(step, num_stages, frozenset(range(num_stages)))
+
+    def holdings(self) -> list[SiteCopy]:
+        """The complete copies on this site's disk whose checksums verify (each copy is
+        hashed once per store: the ones this store committed were checked as they came)."""
+        out = []
+        for info in list_checkpoints(self.root):
+            if info.status != "complete":
+                continue
+            try:
+                key = (info.step, (info.path / MANIFEST).stat().st_mtime)
+            except OSError:  # pruned meanwhile
+                continue
+            if key not in self._verified:
+                try:
+                    ckpt = load_checkpoint(info.path, verify=True)
+                except CheckpointError:
+                    continue
+                self._remember(info.path, info.step, len(ckpt.stages))
+            out.append(self._verified[key])
+        return out
+
+    def path_of(self, step: int) -> str:
+        return str(self.root / step_dirname(step))
+
+    def manifest(self, step: int) -> dict:
+        return json.loads((self.root / step_dirname(step) / MANIFEST).read_text())
+
+    def read_chunk(self, step: int, file: str, offset: int, size: int) -> bytes:
+        """A piece of a file of this site's committed copy of ``step`` (another site's store
+        assembling its own copy pulls it)."""
+        if not _FILE_RE.match(file):
+            raise CheckpointError(f"not a checkpoint file: {file!r}")
+        with open(self.root / step_dirname(step) / file, "rb") as f:
+            f.seek(offset)
+            return f.read(size)
+
+    def copy_from(self, step: int, source: Any) -> str:
+        """Make this site hold a complete copy of ``step`` by pulling every file of
+        ``source``'s (another store's) copy; returns its path. Used before a restore when
+        this site's own copy of the chosen checkpoint is missing."""
+        have = self.root / step_dirname(step)
+        if any(c.step == step for c in self.holdings()):
+            return str(have)
+        doc = (self.get or _ray_get)(source.manifest.remote(step), timeout=60)
+        save_id = f"copy-{step}-{time.time_ns()}"
+        writer = self._writer(step, save_id)
+        try:
+            for e in doc["stages"]:
+                info = ShardInfo(e["stage"], e["file"], e["sha256"], e["bytes"],
+                                 e.get("tensors", 0), 0.0)  # fmt: skip
+                self._pull(step, save_id, writer.tmp_dir, ShardSource(e["stage"], source, None),
+                           info)  # fmt: skip
+                writer.add_shard(info)
+            manifest = {k: v for k, v in doc.items() if k not in _RESERVED}
+            return self.commit(step, save_id, manifest, int(doc["num_stages"]))["path"]
+        except BaseException:
+            self.abort(step, save_id)
+            raise
+
+
+def _ray_get(ref: Any, timeout: float) -> Any:
+    import ray
+
+    return ray.get(ref, timeout=timeout)
