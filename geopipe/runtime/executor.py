@@ -25,7 +25,7 @@ from geopipe.runtime.links import StageLinks
 
 __all__ = ["BREAKDOWN", "Fault", "IterationResult", "execute"]
 
-_F, _B, _SF, _RF, _SB, _RB = (int(k) for k in Kind)
+_F, _B, _SF, _RF, _SB, _RB, _I, _W = (int(k) for k in Kind)
 
 
 @dataclass
@@ -89,6 +89,8 @@ def execute(
 ) -> IterationResult:
     """Run ``program`` (``(kind, micro-batch)`` pairs) for optimizer step ``step``;
     ``shape`` is that of an activation (micro-batch, sequence, embedding)."""
+    if any(c in (_I, _W) for c, _ in program):
+        raise NotImplementedError("the stage executor does not run split backwards (I/W) yet")
     t_start = time.monotonic()
     links.expect(
         [("F", step, mb) for c, mb in program if c == _RF],
