@@ -19,6 +19,7 @@ from geopipe.cli.commands import (
     cmd_status,
 )
 from geopipe.config import ConfigError
+from geopipe.pipeline.schedule import SCHEDULES
 
 __all__ = ["build_parser", "main"]
 
@@ -43,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sm = sub.add_parser("simulate", help="evaluate one fixed configuration")
     sm.add_argument("cluster")
-    sm.add_argument("--schedule", choices=("gpipe", "1f1b", "lookahead"), default="lookahead")
+    sm.add_argument("--schedule", choices=SCHEDULES, default="lookahead")
     sm.add_argument("--micro-batch-size", type=int, required=True)
     sm.add_argument("--seq-len", type=int, required=True)
     sm.add_argument("--delta-n", default="0", help="ΔN, or one per WAN boundary: 4,2")
@@ -56,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     la = sub.add_parser("launch", help="train on the cluster the YAML describes")
     la.add_argument("cluster")
     la.add_argument("--steps", type=int, default=None, help="total optimizer steps of the run")
-    la.add_argument("--schedule", choices=("gpipe", "1f1b", "lookahead"), default=None)
+    la.add_argument("--schedule", choices=SCHEDULES, default=None)
     la.add_argument("--run-dir", default=None, help="where checkpoints, metrics, traces go")
     la.add_argument("--metrics-out", default=None, metavar="FILE.jsonl")
     la.add_argument("--trace", default=None, metavar="FILE", help="measured Chrome trace")

@@ -14,8 +14,9 @@ from functools import lru_cache
 
 from geopipe.config import ClusterSpec, choice_values
 from geopipe.model.sizes import elem_bytes, layer_forward_flops, layer_param_counts
-from geopipe.optimizer.costs import boundary_message_elems
+from geopipe.optimizer.costs import boundary_message_elems, split_backward
 from geopipe.optimizer.memory import (
+    W_HELD_FRACTION,
     MemoryBreakdown,
     device_limits,
     plan_memory,
@@ -24,11 +25,16 @@ from geopipe.optimizer.memory import (
 )
 from geopipe.optimizer.shapes import build_plan, candidate_shapes
 from geopipe.optimizer.simulator import PipelineCosts, SimResult, lower_bound, simulate
-from geopipe.pipeline.schedule import Schedule, make_schedule
+from geopipe.pipeline.schedule import (
+    LOOKAHEAD_FAMILIES,
+    SPLIT_FAMILIES,
+    Schedule,
+    make_schedule,
+)
 from geopipe.plan import Plan, Shape
 from geopipe.transport.wire import codec_throughput_bytes_per_s, wire_bytes
 
-__all__ = ["Candidate", "Evaluation", "Evaluator", "SearchSpace"]
+__all__ = ["Candidate", "Evaluation", "Evaluator", "SearchSpace", "plan_schedule"]
 
 INFEASIBLE = 1e3  # fitness floor for infeasible candidates (feasible ones are s/token ≪ 1)
 # A link busier than this (mean of both directions) leaves no headroom for retransmissions.
@@ -146,8 +152,17 @@ class SearchSpace:
 
 
 @lru_cache(maxsize=8192)
-def _schedule(name: str, p: int, m: int, delta_n: tuple[int, ...]) -> Schedule:
-    return make_schedule(name, p, m, delta_n)
+def _schedule(
+    name: str, p: int, m: int, delta_n: tuple[int, ...], caps: tuple[int, ...] = ()
+) -> Schedule:
+    return make_schedule(name, p, m, delta_n, caps or None)
+
+
+def plan_schedule(plan: Plan) -> Schedule:
+    """The action lists ``plan`` runs (what the stage actors build from it too)."""
+    return _schedule(
+        plan.schedule, plan.num_stages, plan.num_microbatches, plan.delta_n, plan.inflight_caps
+    )
 
 
 class Evaluator:
@@ -188,7 +203,7 @@ class Evaluator:
                 if v <= m.max_seq_len
             ),
             delta_ns=tuple(choice_values(pl.delta_n, default=[0], powers_of_two=False))
-            if sched == "lookahead"
+            if sched in LOOKAHEAD_FAMILIES
             else (0,),
             codecs=codecs,
             wan_boundaries=wan,
@@ -208,7 +223,7 @@ class Evaluator:
         dn = [0] * (p - 1)
         codecs = ["none"] * (p - 1)
         for i, j in enumerate(shape.wan_boundaries):
-            dn[j] = c.delta_n[i] if c.schedule == "lookahead" else 0
+            dn[j] = c.delta_n[i] if c.schedule in LOOKAHEAD_FAMILIES else 0
             codecs[j] = c.codecs[i]
         return build_plan(
             self.spec,
@@ -230,12 +245,15 @@ class Evaluator:
         counts = layer_param_counts(model)
         prec = spec.training.precision
         e = elem_bytes(prec)
-        fwd, bwd, step = [], [], []
+        fwd, bwd, step, inp, wgt = [], [], [], [], []
         for k, (a, z) in enumerate(plan.partition):
             site = spec.site(plan.stage_sites[k])
             f = sum(flops[a:z]) * b * s / site.flops_per_s
             fwd.append(f)
             bwd.append(site.backward_forward_ratio * f)
+            i, w = split_backward(bwd[-1], first=k == 0)
+            inp.append(i)
+            wgt.append(w)
             params = sum(counts[a:z])
             t = params / d * _ADAM_BYTES_PER_PARAM / (site.device_mem_bw_gb_per_s * 1e9)
             if d > 1:  # ZeRO-1: reduce-scatter gradients, all-gather updated weights
@@ -269,7 +287,7 @@ class Evaluator:
                 lat.append(lk.latency_s)
         return PipelineCosts(
             tuple(fwd), tuple(bwd), tuple(step), tuple(ser_f), tuple(lat_f), tuple(ser_b),
-            tuple(lat_b),
+            tuple(lat_b), tuple(inp), tuple(wgt),
         )  # fmt: skip
 
     # -- evaluation ----------------------------------------------------------------------------
@@ -314,8 +332,8 @@ class Evaluator:
                 c, None, False, "global batch not divisible by pipelines × micro-batch"
             )
         spec = self.spec
-        sched = _schedule(plan.schedule, plan.num_stages, plan.num_microbatches, plan.delta_n)
-        mem = plan_memory(spec, plan, sched.max_in_flight)
+        sched = plan_schedule(plan)
+        mem = plan_memory(spec, plan, sched.peak_held(W_HELD_FRACTION))
         limits = device_limits(spec, plan.stage_sites)
         over = stages_over(mem, limits)
         host, host_limits = self._host_memory(plan)
@@ -360,7 +378,7 @@ class Evaluator:
                 return base  # the penalty depends on memory only: no need to simulate
         costs = self.costs(plan)
         if prune_above is not None and not record:
-            lb = lower_bound(costs, plan.num_microbatches)
+            lb = lower_bound(costs, plan.num_microbatches, plan.schedule in SPLIT_FAMILIES)
             if lb / base.tokens_per_iteration > prune_above * (1 + 1e-6):
                 base.iteration_time_s = lb
                 base.pruned = base.skipped_simulation = True

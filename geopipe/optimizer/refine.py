@@ -10,10 +10,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 from geopipe.config import ClusterSpec
-from geopipe.optimizer.evaluate import Evaluator
-from geopipe.optimizer.memory import device_limits, plan_memory, stages_over
+from geopipe.optimizer.costs import split_backward
+from geopipe.optimizer.evaluate import Evaluator, plan_schedule
+from geopipe.optimizer.memory import W_HELD_FRACTION, device_limits, plan_memory, stages_over
 from geopipe.optimizer.simulator import PipelineCosts, simulate
-from geopipe.pipeline.schedule import make_schedule
+from geopipe.pipeline.schedule import LOOKAHEAD_FAMILIES
 from geopipe.plan import Plan
 
 __all__ = ["measured_costs", "pessimistic", "predict", "refine_delta_n"]
@@ -25,14 +26,25 @@ def measured_costs(
     fwd_s: list[float],
     bwd_s: list[float],
     step_s: list[float] | None = None,
+    split_s: tuple[list[float], list[float]] | None = None,
 ) -> PipelineCosts:
-    """The plan's costs with compute (and optionally step) times replaced by measurements."""
+    """The plan's costs with compute (and optionally step) times replaced by measurements.
+
+    ``split_s``: measured ``(I, W)`` per stage for split schedules; without it a measured
+    backward is split as the nominal cost model splits it."""
     base = Evaluator(spec, schedule=plan.schedule).costs(plan)
+    if split_s is not None:
+        inp, wgt = tuple(split_s[0]), tuple(split_s[1])
+    else:
+        parts = [split_backward(b, first=k == 0) for k, b in enumerate(bwd_s)]
+        inp, wgt = tuple(i for i, _ in parts), tuple(w for _, w in parts)
     return replace(
         base,
         fwd_s=tuple(fwd_s),
         bwd_s=tuple(bwd_s),
         step_s=tuple(step_s) if step_s is not None else base.step_s,
+        inp_s=inp,
+        wgt_s=wgt,
     )
 
 
@@ -42,19 +54,20 @@ def pessimistic(costs: PipelineCosts, compute: float = 0.6, latency: float = 1.2
         costs,
         fwd_s=tuple(x * compute for x in costs.fwd_s),
         bwd_s=tuple(x * compute for x in costs.bwd_s),
+        inp_s=tuple(x * compute for x in costs.inp_s),
+        wgt_s=tuple(x * compute for x in costs.wgt_s),
         lat_f=tuple(x * latency for x in costs.lat_f),
         lat_b=tuple(x * latency for x in costs.lat_b),
     )
 
 
 def predict(plan: Plan, costs: PipelineCosts) -> float:
-    sched = make_schedule(plan.schedule, plan.num_stages, plan.num_microbatches, plan.delta_n)
-    return simulate(sched, costs).iteration_time_s
+    return simulate(plan_schedule(plan), costs).iteration_time_s
 
 
 def _fits(spec: ClusterSpec, plan: Plan) -> bool:
-    sched = make_schedule(plan.schedule, plan.num_stages, plan.num_microbatches, plan.delta_n)
-    mem = plan_memory(spec, plan, sched.max_in_flight)
+    sched = plan_schedule(plan)
+    mem = plan_memory(spec, plan, sched.peak_held(W_HELD_FRACTION))
     return not stages_over(mem, device_limits(spec, plan.stage_sites))
 
 
@@ -62,7 +75,7 @@ def refine_delta_n(
     spec: ClusterSpec, plan: Plan, costs: PipelineCosts, candidates: list[int]
 ) -> tuple[Plan, float]:
     """Coordinate descent over ΔN per WAN boundary: fastest, then smallest, that fits."""
-    if plan.schedule != "lookahead" or not plan.wan_boundaries:
+    if plan.schedule not in LOOKAHEAD_FAMILIES or not plan.wan_boundaries:
         return plan, predict(plan, costs)
     best, best_t = plan, predict(plan, costs)
     changed = True

@@ -69,7 +69,9 @@ __all__ = [
     "FUSED_MASK",
     "FUSED_SHIFT",
     "INPUT_BACKWARD",
+    "LOOKAHEAD_FAMILIES",
     "SCHEDULES",
+    "SPLIT_FAMILIES",
     "Action",
     "Kind",
     "Program",
@@ -162,3 +164,6 @@ def make_schedule(
 
 
 SCHEDULES = ("gpipe", "1f1b", "lookahead", "zb-h1", "lookahead-zb")
+# Families with a ΔN per boundary (the planner searches it), and with split backwards.
+LOOKAHEAD_FAMILIES = ("lookahead", "lookahead-zb")
+SPLIT_FAMILIES = ("zb-h1", "lookahead-zb")

@@ -22,6 +22,7 @@ from geopipe.config import ClusterSpec, choice_values
 from geopipe.model.sizes import layer_forward_flops, num_layers
 from geopipe.optimizer.refine import measured_costs, pessimistic, predict, refine_delta_n
 from geopipe.optimizer.simulator import PipelineCosts
+from geopipe.pipeline.schedule import LOOKAHEAD_FAMILIES
 from geopipe.plan import Plan
 from geopipe.runtime.executor import IterationResult
 
@@ -195,7 +196,7 @@ class Calibrator:
         costs = measured_costs(self.spec, plan, fwd, bwd, step_t)
         costs = with_transport_overhead(costs, results, plan)
         cands = choice_values(self.spec.plan.delta_n, default=[0], powers_of_two=False)
-        if self.fixed_plan or plan.schedule != "lookahead":
+        if self.fixed_plan or plan.schedule not in LOOKAHEAD_FAMILIES:
             cands = sorted({plan.delta_n[j] for j in plan.wan_boundaries} or {0})
         new = plan
         if choose_delta_n:
