@@ -29,6 +29,7 @@ from geopipe.runtime.executor import IterationResult
 __all__ = [
     "Calibration",
     "Calibrator",
+    "measured_split_times",
     "measured_stage_times",
     "profile_machine",
     "should_profile",
@@ -101,29 +102,54 @@ def measured_stage_times(
 ) -> tuple[list[float], list[float], list[float]]:
     """Mean forward and backward seconds per stage from recorded events, and the extra time
     of each stage's last backward (it runs the ZeRO-1 reduction and the optimizer step).
+    With a split backward the backward is ``I`` + ``W`` and the last ``W`` carries the step.
 
     Means, not medians: the simulator adds the times up, so occasional slow operations
     (a GC pause, a busy core) belong in the figure.
     """
-    fwd: list[list[float]] = [[] for _ in range(num_stages)]
-    bwd: list[list[float]] = [[] for _ in range(num_stages)]
+    fwd, full, inp, wgt, extra = _samples(results, num_stages)
+    bwd = [
+        statistics.mean(inp[k]) + statistics.mean(wgt[k] or [0.0])
+        if inp[k]
+        else statistics.mean(full[k])
+        for k in range(num_stages)
+    ]
+    return (
+        [statistics.mean(x) for x in fwd],
+        bwd,
+        [statistics.mean(x) if x else 0.0 for x in extra],
+    )
+
+
+def measured_split_times(
+    results: list[IterationResult], num_stages: int
+) -> tuple[list[float], list[float]] | None:
+    """Mean ``I`` and ``W`` seconds per stage (each step's last ``W``, which carries the
+    optimizer step, left out), or None when the schedule did not split the backward."""
+    _, _, inp, wgt, _ = _samples(results, num_stages)
+    if not any(inp):
+        return None
+    return (
+        [statistics.mean(x) if x else 0.0 for x in inp],
+        [statistics.mean(x) if x else 0.0 for x in wgt],
+    )
+
+
+def _samples(results: list[IterationResult], num_stages: int) -> tuple[list[list[float]], ...]:
+    """Per stage: F, B, I and W durations (B and W without each step's last one), and how much
+    longer each step's last B or W took than the others (the optimizer step)."""
+    out: dict[str, list[list[float]]] = {k: [[] for _ in range(num_stages)] for k in "FBIW"}
     extra: list[list[float]] = [[] for _ in range(num_stages)]
     for r in results:
         k = r.stage
-        f = [t1 - t0 for kind, _, t0, t1 in r.events if kind == "F"]
-        b = [t1 - t0 for kind, _, t0, t1 in r.events if kind == "B"]
-        fwd[k] += f
-        if len(b) > 1:
-            body = statistics.mean(b[:-1])
-            bwd[k] += b[:-1]
-            extra[k].append(max(0.0, b[-1] - body))
-        else:
-            bwd[k] += b
-    return (
-        [statistics.mean(x) for x in fwd],
-        [statistics.mean(x) for x in bwd],
-        [statistics.mean(x) if x else 0.0 for x in extra],
-    )
+        for kind, acc in out.items():
+            d = [t1 - t0 for kk, _, t0, t1 in r.events if kk == kind]
+            if kind in "BW" and len(d) > 1:
+                acc[k] += d[:-1]
+                extra[k].append(max(0.0, d[-1] - statistics.mean(d[:-1])))
+            else:
+                acc[k] += d
+    return out["F"], out["B"], out["I"], out["W"], extra
 
 
 def with_transport_overhead(
@@ -193,7 +219,8 @@ class Calibrator:
         self, plan: Plan, results: list[IterationResult], choose_delta_n: bool
     ) -> Calibration:
         fwd, bwd, step_t = measured_stage_times(results, plan.num_stages)
-        costs = measured_costs(self.spec, plan, fwd, bwd, step_t)
+        split = measured_split_times(results, plan.num_stages)
+        costs = measured_costs(self.spec, plan, fwd, bwd, step_t, split)
         costs = with_transport_overhead(costs, results, plan)
         cands = choice_values(self.spec.plan.delta_n, default=[0], powers_of_two=False)
         if self.fixed_plan or plan.schedule not in LOOKAHEAD_FAMILIES:
