@@ -59,9 +59,8 @@ from geopipe.checkpoint.format import ADAM_MOMENTS, ADAM_STATE_GROUPS, PARAMS_GR
 from geopipe.model.gpt import GPTConfig, GPTStage, lm_loss
 from geopipe.runtime.backward import (
     ActivationMeter,
+    WeightGradStore,
     drop_output_hooks,
-    input_backward,
-    weight_gradients,
     weight_surrogate,
 )
 from geopipe.runtime.distgroups import StageMPU, destroy_process_group, init_process_group
@@ -287,8 +286,8 @@ class StageEngine:
         self._step_base = 0
         self._inputs: dict[int, Tensor] = {}
         self._outputs: dict[int, Tensor] = {}
-        self.params = [p for p in self.module.parameters() if p.requires_grad]
-        self.meter = ActivationMeter(self.params)
+        self.store = WeightGradStore(self.module)
+        self.meter = ActivationMeter(self.store.params)
         self._weight_pending: dict[int, tuple[Any, ...]] = {}  # I done, W owed
 
     @property
@@ -307,7 +306,7 @@ class StageEngine:
         x = x.to(self.device)
         if not self.module.has_embed:
             x = x.detach().requires_grad_(True)
-        with self.meter.forward(mb):
+        with self.meter.forward(mb), self.store.forward(mb):
             out = self.engine(x)
         self._inputs[mb], self._outputs[mb] = x, out
         return out.detach()
@@ -328,7 +327,7 @@ class StageEngine:
         loss = lm_loss(self._pop_output(mb), targets.to(self.device))
         self.engine.backward(loss)
         self._step()
-        self.meter.release(mb)
+        self._done(mb)
         return loss.item()
 
     def backward(self, mb: int, grad_out: Tensor) -> None:
@@ -343,7 +342,11 @@ class StageEngine:
         surrogate = (out * grad_out.to(device=out.device, dtype=out.dtype)).sum()
         self.engine.backward(surrogate, scale_wrt_gas=False)
         self._step()
+        self._done(mb)
+
+    def _done(self, mb: int) -> None:
         self.meter.release(mb)
+        self.store.drop(mb)
 
     def backward_input(
         self, mb: int, grad_out: Tensor | None = None, targets: Tensor | None = None
@@ -365,10 +368,11 @@ class StageEngine:
             self._weight_pending[mb] = ("full", *full)
         else:
             drop_output_hooks(out)
-            groups = input_backward(root, grad, self._inputs[mb], self.params)
-            kept = [t for g in groups for ts in g.get("grads") or () for t in ts or ()]
-            self.meter.keep(mb, [t for t in kept if t is not None])
-            self._weight_pending[mb] = ("split", groups)
+            x = self._inputs[mb]
+            x.grad = self.store.input_backward(mb, root, grad, x)
+            self.meter.release(mb)  # the graph is gone; what W needs stays in the store
+            self.meter.keep(mb, self.store.kept(mb))
+            self._weight_pending[mb] = ("split",)
         return None if targets is None else loss.item()
 
     def backward_weight(self, mb: int) -> None:
@@ -381,10 +385,10 @@ class StageEngine:
             root, scale = state
             self.engine.backward(root, scale_wrt_gas=scale)
         else:
-            dws = weight_gradients(self.params, state[0])
-            self.engine.backward(weight_surrogate(self.params, dws), scale_wrt_gas=False)
+            grads = self.store.weight_gradients(mb)
+            self.engine.backward(weight_surrogate(self.store.params, grads), scale_wrt_gas=False)
         self._step()
-        self.meter.release(mb)
+        self._done(mb)
 
     def _step(self) -> None:
         # DeepSpeed's step: a no-op but for the micro-batch that ends gradient accumulation,
@@ -496,6 +500,8 @@ class StageEngine:
         self.engine.destroy()
         for p in self.module.parameters():
             p.grad = None
+        for mb in {*self._weight_pending, *self._outputs}:
+            self._done(mb)
         self._inputs.clear()
         self._outputs.clear()
         self._weight_pending.clear()
