@@ -235,6 +235,7 @@ class Calibrator:
             "forward_s": fwd,
             "backward_s": bwd,
             "step_s": step_t,
+            **({"input_s": split[0], "weight_s": split[1]} if split else {}),
             "link_latency_s": {"forward": list(costs.lat_f), "backward": list(costs.lat_b)},
             "delta_n": list(new.delta_n),
             "previous_delta_n": list(plan.delta_n),
