@@ -137,12 +137,30 @@ class WeightGradStore:
         self._other_grads.pop(mb, None)
 
 
+class _InjectGrads(torch.autograd.Function):
+    """A zero scalar whose backward hands each parameter a given gradient (times the
+    incoming one, which is 1 unless a loss scaler multiplied it)."""
+
+    @staticmethod
+    def forward(ctx: Any, grads: tuple[Tensor | None, ...], *params: Tensor) -> Tensor:
+        ctx.grads = grads
+        return params[0].new_zeros(())
+
+    @staticmethod
+    def backward(ctx: Any, out: Tensor) -> tuple[Tensor | None, ...]:
+        grads, ctx.grads = ctx.grads, ()
+        if out.item() != 1.0:
+            grads = tuple(None if g is None else g * out for g in grads)
+        return (None, *grads)
+
+
 def weight_surrogate(params: list[nn.Parameter], grads: list[Tensor | None]) -> Tensor:
-    """A scalar whose gradient w.r.t. each parameter is its ``g``: ``Σ (p·g).sum()``."""
-    terms = [(p * g).sum() for p, g in zip(params, grads, strict=True) if g is not None]
-    if not terms:
+    """A scalar whose gradient w.r.t. each parameter is exactly its ``g`` (behaves like
+    ``Σ (p·g).sum()`` without computing the products); parameters with no ``g`` get none."""
+    used = [(p, g) for p, g in zip(params, grads, strict=True) if g is not None]
+    if not used:
         raise RuntimeError("the weight-gradient pass reached no parameter")
-    return torch.stack(terms).sum()
+    return _InjectGrads.apply(tuple(g for _, g in used), *(p for p, _ in used))
 
 
 def _storage_bytes(tensors: Iterator[Tensor], skip: set[int]) -> dict[int, int]:
