@@ -8,13 +8,14 @@ n_embd 128 and sequence 128 attention dominates and ``W`` is only ~30 % of the b
 
 In one process (one embedded Ray), for ΔN = 0..``--max-delta-n`` each of ``lookahead`` and
 ``lookahead-zb`` trains a few steps with ΔN fixed, the settings interleaved and the whole
-sweep repeated ``--repeats`` times (timings on a shared 2-core machine drift). Per setting:
-measured iteration time (median over repeats of each run's median after the three
-calibration steps), the runtime's own calibrated prediction, and the upstream stage's peak
+sweep repeated ``--repeats`` times: other jobs on this shared 2-core machine slow runs down
+at random, so each setting keeps its quietest run (least median step time after the three
+calibration steps; all repeats are printed). Per setting: that run's measured iteration
+time and the runtime's own calibrated prediction for it, and the upstream stage's peak
 activation memory as the activation meter measured it (bytes autograd held) and as the
 planner's memory model predicts it. "Predicted" below means the simulator on one set of
-costs — the medians of every run's calibrated stage times (F, B, I, W, step) — so that the
-rule compares schedules, not the noise of separate calibrations.
+costs — the medians of the kept runs' calibrated stage times (F, B, I, W, step, link) — so
+that the rule compares schedules, not the noise of separate calibrations.
 
 * ``memory_saving_at_equal_time``: T* = the best look-ahead time; among the settings within
   2 % of T*, 1 − (least upstream activation memory of lookahead-zb) / (least of lookahead).
@@ -22,7 +23,7 @@ rule compares schedules, not the noise of separate calibrations.
   activations (ΔN ≤ cap − 2 on two stages), the fastest lookahead over the fastest
   lookahead-zb that fits.
 * ``max_prediction_error``: |calibrated prediction / measured − 1| over the lookahead-zb
-  settings (medians over repeats).
+  settings (each setting's quietest run).
 
 Run: ``.venv/bin/python benchmarks/wsplit.py [--latency-ms L] [--repeats R] ...``
 """
@@ -170,17 +171,17 @@ def main() -> None:
     args = _args()
     load0 = os.getloadavg()[0]
     runs = sweep(args)
-    costs = shared_costs([r for rs in runs.values() for r in rs])
+    quietest = {key: min(rs, key=lambda r: r["iteration_time_s"]) for key, rs in runs.items()}
+    costs = shared_costs(list(quietest.values()))
     settings: dict[str, list[dict]] = {name: [] for name in SCHEDULES}
     for (name, dn), rs in sorted(runs.items(), key=lambda kv: kv[0][1]):
         sched = plan_schedule(rs[0]["plan"])
+        quiet = quietest[(name, dn)]
         settings[name].append({
             "delta_n": dn,
             "in_flight": rs[0]["in_flight"],
-            "iteration_time_s": statistics.median(r["iteration_time_s"] for r in rs),
-            "calibrated_prediction_s": statistics.median(
-                r["calibrated_prediction_s"] for r in rs
-            ),
+            "iteration_time_s": quiet["iteration_time_s"],
+            "calibrated_prediction_s": quiet["calibrated_prediction_s"],
             "predicted_iteration_time_s": simulate(sched, costs).iteration_time_s,
             "measured_activation_bytes": max(r["measured_activation_bytes"] for r in rs),
             "predicted_activation_bytes": rs[0]["predicted_activation_bytes"],
