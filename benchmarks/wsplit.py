@@ -35,6 +35,7 @@ import json
 import os
 import statistics
 import tempfile
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -131,7 +132,19 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--max-delta-n", type=int, default=3)
     ap.add_argument("--cap", type=int, default=2, help="upstream in-flight cap (micro-batches)")
+    ap.add_argument(
+        "--max-load", type=float, default=0.0,
+        help="before each run, wait (up to 10 min) for the 1-minute load average to fall "
+        "below this (0: do not wait)",
+    )  # fmt: skip
     return ap.parse_args()
+
+
+def _wait_for_quiet(max_load: float, timeout_s: float = 600.0) -> None:
+    """Other jobs share this machine: start a run only once the load has settled."""
+    deadline = time.monotonic() + timeout_s
+    while max_load and os.getloadavg()[0] >= max_load and time.monotonic() < deadline:
+        time.sleep(10)
 
 
 def sweep(args: argparse.Namespace) -> dict[tuple[str, int], list[dict]]:
@@ -150,6 +163,7 @@ def sweep(args: argparse.Namespace) -> dict[tuple[str, int], list[dict]]:
                     )  # fmt: skip
                     doc["plan"].update(delta_n=dn, seq_len=args.seq_len)
                     doc["model"].update(n_embd=args.n_embd, max_seq_len=args.seq_len)
+                    _wait_for_quiet(args.max_load)
                     r = measure(spec_of(doc), name, args.steps, tmp / f"{name}-{dn}-{rep}")
                     runs.setdefault((name, dn), []).append(r)
                     print(
