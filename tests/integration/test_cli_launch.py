@@ -60,6 +60,25 @@ def geopipe(*args: str, **kw) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
+def launch_until_first_step(run_dir: Path, stdout: int) -> subprocess.Popen:
+    """A long demo launch in the background, returned once its first step is in the
+    metrics (the launcher still running)."""
+    metrics = run_dir / "metrics.jsonl"
+    env = {**os.environ, "RAY_AUTH_MODE": "token"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "geopipe.cli", "launch", "clusters/local-2dc.yaml",
+         "--steps", "200", "--run-dir", str(run_dir), "--no-progress"],
+        cwd=ROOT, env=env, stdout=stdout, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and any('"step"' in x for x in metrics.read_text().splitlines()):
+            break
+        time.sleep(0.5)
+    assert proc.poll() is None, proc.stderr.read()[-3000:]
+    return proc
+
+
 def test_launch_default_cluster_trains_and_cleans_up(tmp_path):
     assert wait_no_ray() == [], "another Ray is running; this test needs the machine"
     metrics = tmp_path / "metrics.jsonl"
@@ -84,19 +103,7 @@ def test_launch_default_cluster_trains_and_cleans_up(tmp_path):
 
 def test_ctrl_c_stops_actors_and_ray(tmp_path):
     assert wait_no_ray() == []
-    metrics = tmp_path / "metrics.jsonl"
-    env = {**os.environ, "RAY_AUTH_MODE": "token"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "geopipe.cli", "launch", "clusters/local-2dc.yaml",
-         "--steps", "200", "--run-dir", str(tmp_path), "--no-progress"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:
-        if metrics.exists() and any('"step"' in x for x in metrics.read_text().splitlines()):
-            break
-        time.sleep(0.5)
-    assert proc.poll() is None, proc.stderr.read()[-3000:]
+    proc = launch_until_first_step(tmp_path, stdout=subprocess.PIPE)
     proc.send_signal(signal.SIGINT)
     _out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-3000:]
@@ -115,24 +122,8 @@ def test_kill_9_of_the_launcher_leaves_nothing_behind(tmp_path):
     """A launcher killed outright (a crashed login node, the OOM killer) runs no cleanup
     code; its embedded Ray still goes with it (geopipe.runtime.reaper): no Ray process
     survives, and the dashboard port is free for the next launch."""
-    import socket
-
-    import yaml
-
     assert wait_no_ray() == []
-    metrics = tmp_path / "metrics.jsonl"
-    env = {**os.environ, "RAY_AUTH_MODE": "token"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "geopipe.cli", "launch", "clusters/local-2dc.yaml",
-         "--steps", "200", "--run-dir", str(tmp_path), "--no-progress"],
-        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:
-        if metrics.exists() and any('"step"' in x for x in metrics.read_text().splitlines()):
-            break
-        time.sleep(0.5)
-    assert proc.poll() is None, proc.stderr.read()[-3000:]
+    proc = launch_until_first_step(tmp_path, stdout=subprocess.DEVNULL)
     assert ray_processes(), "the launch runs an embedded Ray"
     proc.kill()
     proc.wait(timeout=30)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import ray
 import torch
+from _procs import process_alive
 from _state import alive_actor_names
 from test_runtime import reference, tiny_doc
 
@@ -210,25 +211,13 @@ def test_frozen_actor_is_caught_by_heartbeat_and_replaced(tmp_path):
         assert last_loss_per_step(tmp_path / "frozen") == pytest.approx(ref, abs=1e-4)
         assert state["step"] == 6
         deadline = time.time() + 15
-        while time.time() < deadline and _exists(frozen[0]):
+        while time.time() < deadline and process_alive(frozen[0]):
             time.sleep(0.2)
-        assert not _exists(frozen[0]), "the frozen stage process outlived the recovery"
+        assert not process_alive(frozen[0]), "the frozen stage process outlived the recovery"
     finally:
         for pid in frozen:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-
-
-def _exists(pid: int) -> bool:
-    import os
-
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie (killed, not yet reaped by its raylet) is gone for our purposes.
-    stat = Path(f"/proc/{pid}/stat")
-    return not (stat.exists() and stat.read_text().split(") ")[-1].startswith("Z"))
 
 
 def test_survivor_stuck_in_a_collective_is_replaced(tmp_path):

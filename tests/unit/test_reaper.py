@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+from _procs import process_alive
+
 ROOT = Path(__file__).resolve().parents[2]
 
 _LAUNCHER = """
@@ -25,15 +27,6 @@ time.sleep(120)
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    stat = Path(f"/proc/{pid}/stat")
-    return not (stat.exists() and stat.read_text().split(") ")[-1].startswith("Z"))
-
-
 def test_kill_9_of_the_launcher_takes_its_ray_processes_along():
     proc = subprocess.Popen(
         [sys.executable, "-c", _LAUNCHER], cwd=ROOT, stdout=subprocess.PIPE, text=True
@@ -44,11 +37,11 @@ def test_kill_9_of_the_launcher_takes_its_ray_processes_along():
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
         deadline = time.time() + 15
-        while time.time() < deadline and _alive(ray_like):
+        while time.time() < deadline and process_alive(ray_like):
             time.sleep(0.1)
-        assert not _alive(ray_like)
-        assert _alive(other)  # not Ray's: not the reaper's business
+        assert not process_alive(ray_like)
+        assert process_alive(other)  # not Ray's: not the reaper's business
     finally:
         for pid in (ray_like, other):
-            if _alive(pid):
+            if process_alive(pid):
                 os.kill(pid, signal.SIGKILL)
