@@ -54,6 +54,9 @@ class Plan:
     schedule: str
     delta_n: tuple[int, ...]  # one per boundary (0 inside a site)
     codecs: tuple[str, ...]  # one per boundary ("none" inside a site)
+    # lookahead-zb only: per stage, the micro-batches in flight (forward run, weight gradient
+    # not yet) its device holds, which bounds how far W is deferred; () = no memory bound.
+    inflight_caps: tuple[int, ...] = ()
 
     @property
     def shape(self) -> Shape:
@@ -85,6 +88,7 @@ class Plan:
             schedule=str(d["schedule"]),
             delta_n=tuple(int(x) for x in d["delta_n"]),
             codecs=tuple(d["codecs"]),
+            inflight_caps=tuple(int(x) for x in d.get("inflight_caps", ())),
         )
 
     def to_json(self) -> str:

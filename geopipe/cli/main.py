@@ -23,6 +23,7 @@ from geopipe.cli.commands import (
 )
 from geopipe.config import MAX_DELTA_N, MAX_STEPS, ConfigError
 from geopipe.optimizer.errors import PlanningError
+from geopipe.pipeline.schedule import SCHEDULES
 from geopipe.transport.wire import CODECS
 
 __all__ = ["EXIT_INTERNAL", "REPORT_TO", "build_parser", "main"]
@@ -75,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sm = sub.add_parser("simulate", help="evaluate one fixed configuration")
     sm.add_argument("cluster")
-    sm.add_argument("--schedule", choices=("gpipe", "1f1b", "lookahead"), default="lookahead")
+    sm.add_argument("--schedule", choices=SCHEDULES, default="lookahead")
     sm.add_argument("--micro-batch-size", type=_POSITIVE, required=True)
     sm.add_argument("--seq-len", type=_POSITIVE, required=True)
     sm.add_argument(
@@ -93,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--steps", type=_int_in(1, MAX_STEPS), default=None,
         help="total optimizer steps of the run",
     )  # fmt: skip
-    la.add_argument("--schedule", choices=("gpipe", "1f1b", "lookahead"), default=None)
+    la.add_argument("--schedule", choices=SCHEDULES, default=None)
     la.add_argument("--run-dir", default=None, help="where checkpoints, metrics, traces go")
     la.add_argument("--metrics-out", default=None, metavar="FILE.jsonl")
     la.add_argument("--trace", default=None, metavar="FILE", help="measured Chrome trace")

@@ -360,7 +360,7 @@ class GASpec(_Spec):
 
 
 class PlanSpec(_Spec):
-    schedule: Literal["gpipe", "1f1b", "lookahead"] = "lookahead"
+    schedule: Literal["gpipe", "1f1b", "lookahead", "zb-h1", "lookahead-zb"] = "lookahead"
     calibrate: bool | None = Field(
         None, description="time the model on this machine before planning (default: local)"
     )

@@ -14,7 +14,7 @@ from typing import Protocol
 
 from geopipe.model.sizes import elem_bytes, num_layers
 
-__all__ = ["activation_bytes", "boundary_message_elems"]
+__all__ = ["INPUT_GRAD_SHARE", "activation_bytes", "boundary_message_elems", "split_backward"]
 
 
 class _Model(Protocol):
@@ -44,3 +44,20 @@ def activation_bytes(
     if layer == num_layers(m.n_layer) - 1:
         return float(bsh * e + 2 * micro_batch * seq_len * m.vocab_size * e)
     return float(16 * bsh * e)
+
+
+# The input-gradient pass's share of a stage's backward when it is split (I + W = B). Qi et
+# al. (ZB, ICLR 2024) find I ≈ W ≈ F for transformer layers: every matmul's backward is one
+# matmul for the input gradient and one for the weight gradient.
+INPUT_GRAD_SHARE = 0.5
+
+
+def split_backward(
+    bwd_s: float, first: bool, share: float = INPUT_GRAD_SHARE
+) -> tuple[float, float]:
+    """``(I, W)`` seconds of a stage whose full backward takes ``bwd_s``. The first stage has
+    no upstream to send a gradient to, so its ``I`` does nothing and ``W`` is the whole
+    backward (what the runtime does, as ``torch.distributed.pipelining`` does)."""
+    if first:
+        return 0.0, bwd_s
+    return share * bwd_s, (1.0 - share) * bwd_s

@@ -11,14 +11,16 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import numpy as np
 
 from geopipe.config import ClusterSpec, choice_values
 from geopipe.model.sizes import elem_bytes, layer_forward_flops, layer_param_counts
-from geopipe.optimizer.costs import boundary_message_elems
+from geopipe.optimizer.costs import boundary_message_elems, split_backward
 from geopipe.optimizer.errors import PlanningError
 from geopipe.optimizer.memory import (
+    W_HELD_FRACTION,
     MemoryBreakdown,
     device_limits,
     plan_memory,
@@ -26,12 +28,32 @@ from geopipe.optimizer.memory import (
     stages_over,
 )
 from geopipe.optimizer.shapes import build_plan, candidate_shapes
-from geopipe.optimizer.simulator import PipelineCosts, SimResult, in_flight_bound, lower_bound
+from geopipe.optimizer.simulator import (
+    PipelineCosts,
+    SimResult,
+    in_flight_bound,
+    lower_bound,
+    simulate,
+)
 from geopipe.optimizer.steady import IN_ORDER, peak_in_flight, predict
+from geopipe.pipeline.schedule import (
+    LOOKAHEAD_FAMILIES,
+    SPLIT_FAMILIES,
+    Schedule,
+    make_schedule,
+)
 from geopipe.plan import Plan, Shape
 from geopipe.transport.wire import MAX_TOPK_NUMEL, codec_throughput_bytes_per_s, wire_bytes
 
-__all__ = ["TIE_TOLERANCE", "Candidate", "Evaluation", "Evaluator", "SearchSpace", "choose"]
+__all__ = [
+    "TIE_TOLERANCE",
+    "Candidate",
+    "Evaluation",
+    "Evaluator",
+    "SearchSpace",
+    "choose",
+    "plan_schedule",
+]
 
 INFEASIBLE = 1e3  # fitness floor for infeasible candidates (feasible ones are s/token ≪ 1)
 # [Note: lean ties] Plans within this fraction of the fastest one's time are equally fast: the
@@ -179,6 +201,20 @@ class SearchSpace:
         return db * len(self.seq_lens) * len(self.delta_ns) ** w * len(self.codecs) ** w
 
 
+@lru_cache(maxsize=8192)
+def _schedule(
+    name: str, p: int, m: int, delta_n: tuple[int, ...], caps: tuple[int, ...] = ()
+) -> Schedule:
+    return make_schedule(name, p, m, delta_n, caps or None)
+
+
+def plan_schedule(plan: Plan) -> Schedule:
+    """The action lists ``plan`` runs (what the stage actors build from it too)."""
+    return _schedule(
+        plan.schedule, plan.num_stages, plan.num_microbatches, plan.delta_n, plan.inflight_caps
+    )
+
+
 class Evaluator:
     """Scores candidates for one cluster spec (pure: no Ray, no DeepSpeed)."""
 
@@ -217,7 +253,7 @@ class Evaluator:
                 if v <= m.max_seq_len
             ),
             delta_ns=tuple(choice_values(pl.delta_n, default=[0], powers_of_two=False))
-            if sched == "lookahead"
+            if sched in LOOKAHEAD_FAMILIES
             else (0,),
             codecs=codecs,
             wan_boundaries=wan,
@@ -237,7 +273,7 @@ class Evaluator:
         dn = [0] * (p - 1)
         codecs = ["none"] * (p - 1)
         for i, j in enumerate(shape.wan_boundaries):
-            dn[j] = c.delta_n[i] if c.schedule == "lookahead" else 0
+            dn[j] = c.delta_n[i] if c.schedule in LOOKAHEAD_FAMILIES else 0
             codecs[j] = c.codecs[i]
         return build_plan(
             self.spec,
@@ -269,12 +305,15 @@ class Evaluator:
         counts = layer_param_counts(model)
         prec = spec.training.precision
         e = elem_bytes(prec)
-        fwd, bwd, step = [], [], []
+        fwd, bwd, step, inp, wgt = [], [], [], [], []
         for k, (a, z) in enumerate(plan.partition):
             site = spec.site(plan.stage_sites[k])
             f = sum(flops[a:z]) * b * s / site.flops_per_s
             fwd.append(f)
             bwd.append(site.backward_forward_ratio * f)
+            i, w = split_backward(bwd[-1], first=k == 0)
+            inp.append(i)
+            wgt.append(w)
             params = sum(counts[a:z])
             t = params / d * _ADAM_BYTES_PER_PARAM / (site.device_mem_bw_gb_per_s * 1e9)
             if d > 1:  # ZeRO-1: reduce-scatter gradients, all-gather updated weights
@@ -310,7 +349,7 @@ class Evaluator:
                 lat.append(lk.latency_s)
         return PipelineCosts(
             tuple(fwd), tuple(bwd), tuple(step), tuple(ser_f), tuple(lat_f), tuple(ser_b),
-            tuple(lat_b),
+            tuple(lat_b), tuple(inp), tuple(wgt),
         )  # fmt: skip
 
     # -- evaluation ----------------------------------------------------------------------------
@@ -360,7 +399,14 @@ class Evaluator:
             return Evaluation(c, None, False, why)
         elems = boundary_message_elems(spec.model, plan.micro_batch_size, plan.seq_len)
         args = (plan.schedule, plan.num_stages, plan.num_microbatches, plan.delta_n)
-        mem = plan_memory(spec, plan, peak_in_flight(*args))
+        # Split backwards: the plan's own lists (their caps come from device memory) are
+        # replayed in full; the steady-state shortcut covers the other families.
+        split = plan.schedule in SPLIT_FAMILIES
+        if split:
+            in_flight: tuple[float, ...] = plan_schedule(plan).peak_held(W_HELD_FRACTION)
+        else:
+            in_flight = peak_in_flight(*args)
+        mem = plan_memory(spec, plan, in_flight)
         limits = device_limits(spec, plan.stage_sites)
         over = stages_over(mem, limits)
         host, host_limits = self.host_memory(plan)
@@ -404,7 +450,7 @@ class Evaluator:
                 return base  # the penalty depends on memory only: no need to simulate
         costs = self.costs(plan)
         if prune_above is not None and not record:
-            lb = lower_bound(costs, plan.num_microbatches)
+            lb = lower_bound(costs, plan.num_microbatches, split)
             if plan.schedule in IN_ORDER:  # too little ΔN shows here (simulator docs)
                 peaks = np.array([peak_in_flight(*args)])
                 lb = max(lb, float(in_flight_bound(costs, plan.num_microbatches, peaks)[0]))
@@ -414,7 +460,10 @@ class Evaluator:
                 base.pruned = base.skipped_simulation = True
                 base.reason = "pruned: its lower bound is slower than the best plan found"
                 return base
-        sim = predict(*args, costs, record=record)
+        if split:
+            sim = simulate(plan_schedule(plan), costs, record=record)
+        else:
+            sim = predict(*args, costs, record=record)
         base.iteration_time_s = sim.iteration_time_s
         base.bubble_ratio = sim.bubble_ratio
         base.link_utilization = [

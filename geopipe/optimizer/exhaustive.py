@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -30,11 +30,13 @@ from geopipe.optimizer.evaluate import (
     Evaluation,
     Evaluator,
     choose,
+    plan_schedule,
 )
 from geopipe.optimizer.genetic import SearchResult
-from geopipe.optimizer.memory import device_limits, plan_memory
+from geopipe.optimizer.memory import W_HELD_FRACTION, device_limits, plan_memory
 from geopipe.optimizer.simulator import in_flight_bound, lower_bound
 from geopipe.optimizer.steady import IN_ORDER, peak_in_flight_batch
+from geopipe.pipeline.schedule import LOOKAHEAD_FAMILIES, SPLIT_FAMILIES
 
 __all__ = ["MAX_EXHAUSTIVE", "exhaustive_search"]
 
@@ -109,13 +111,24 @@ def _score_base(ev: Evaluator, c0: Candidate, grid: np.ndarray, index: int) -> _
     host_ok = all(host[s] <= lim for s, lim in host_limits.items())
     host_ratio = max((host[s] / lim for s, lim in host_limits.items()), default=0.0)
     full = np.zeros((len(grid), max(p - 1, 0)), dtype=np.int64)
-    if plan.schedule == "lookahead":
+    if plan.schedule in LOOKAHEAD_FAMILIES:
         full[:, list(plan.wan_boundaries)] = grid
-    in_flight = peak_in_flight_batch(plan.schedule, p, m, full)
+    split = plan.schedule in SPLIT_FAMILIES
+    if split:  # memory-capped lists: each ΔN row's own schedule, what a deferred W holds
+        in_flight = np.array(
+            [
+                plan_schedule(replace(plan, delta_n=tuple(int(x) for x in row))).peak_held(
+                    W_HELD_FRACTION
+                )
+                for row in full
+            ]
+        )
+    else:
+        in_flight = peak_in_flight_batch(plan.schedule, p, m, full)
     ratio = (static + act * in_flight) / limits
     over = ratio.max(axis=1) if p else np.zeros(len(grid))
     tokens = ev.spec.training.global_batch_size * plan.seq_len
-    bound = np.full(len(grid), lower_bound(costs, m))
+    bound = np.full(len(grid), lower_bound(costs, m, split))
     if plan.schedule in IN_ORDER:
         bound = np.maximum(bound, in_flight_bound(costs, m, in_flight))
     return _Scored(

@@ -32,6 +32,7 @@ from geopipe.optimizer.evaluate import TIE_TOLERANCE, Candidate, Evaluation, Eva
 from geopipe.optimizer.memory import stages_over
 from geopipe.optimizer.shapes import build_plan
 from geopipe.optimizer.simulator import PipelineCosts, lower_bound
+from geopipe.pipeline.schedule import LOOKAHEAD_FAMILIES
 from geopipe.plan import Plan
 
 __all__ = [
@@ -197,7 +198,7 @@ class LayoutPredictor:
         (ascending), and the running plan's ΔN on its site pairs (None without a plan)."""
         p = len(stage_sites)
         zeros = (0,) * (p - 1)
-        if self.schedule != "lookahead":
+        if self.schedule not in LOOKAHEAD_FAMILIES:
             return [zeros], None
         plan = self.plan(stage_sites, pipelines, 1, zeros)
         costs = self._ev.costs(plan)

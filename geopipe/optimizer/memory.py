@@ -9,7 +9,10 @@
 * activations: what each layer keeps for backward per micro-batch
   (:func:`geopipe.optimizer.costs.activation_bytes`), times the peak number of micro-batches
   in flight on that stage (which the schedule fixes: ``m`` for GPipe, ``p-k`` for 1F1B, ΔN
-  more for look-ahead), plus one received input buffer per in-flight micro-batch.
+  more for look-ahead), plus one received input buffer per in-flight micro-batch. With a
+  split backward a micro-batch stays in flight until its ``W``, holding
+  :data:`W_HELD_FRACTION` of its activations after its ``I``
+  (:meth:`~geopipe.pipeline.schedule.Schedule.peak_held`).
 
 A plan fits when no stage's peak exceeds its device (:func:`stages_over`, the one rule the
 evaluator, ΔN refinement and the templates apply).
@@ -26,8 +29,10 @@ from geopipe.optimizer.costs import activation_bytes
 from geopipe.plan import Plan
 
 __all__ = [
+    "W_HELD_FRACTION",
     "MemoryBreakdown",
     "device_limits",
+    "inflight_caps",
     "plan_memory",
     "snapshot_bytes",
     "stage_memory",
@@ -35,6 +40,13 @@ __all__ = [
 ]
 
 GiB = float(1 << 30)
+
+# What a micro-batch past its input-gradient pass (I) still holds until its W, as a share
+# of its activations. 1.0 because the runtime keeps the micro-batch's autograd graph whole
+# until W (``torch.distributed.pipelining``'s stage_backward_input retains it). A runtime
+# that freed the I-only tensors (softmax, GELU inputs, q/k/v) would hold about the matmul
+# and norm inputs, ~0.55 of a block's; Qi et al. count ~0.94 with the gradients W needs.
+W_HELD_FRACTION = 1.0
 
 
 @dataclass(frozen=True)
@@ -56,15 +68,14 @@ def stage_memory(
     replicas: int,
     micro_batch: int,
     seq_len: int,
-    in_flight: int,
+    in_flight: float,
 ) -> MemoryBreakdown:
-    """Peak bytes on one device holding layers ``[a, b)`` as one of ``replicas`` replicas."""
+    """Peak bytes on one device holding layers ``[a, b)`` as one of ``replicas`` replicas
+    with ``in_flight`` micro-batches' worth of activations held."""
     a, b = layers
     params = sum(layer_param_counts(model)[a:b])
     e = elem_bytes(precision)
-    per_mb = sum(activation_bytes(model, i, micro_batch, seq_len, precision) for i in range(a, b))
-    if a > 0:  # the received activation this stage must keep for its backward
-        per_mb += micro_batch * seq_len * model.n_embd * e
+    per_mb = _activations_per_micro_batch(model, precision, layers, micro_batch, seq_len)
     return MemoryBreakdown(
         weights=float(params * e),
         gradients=float(params * e),
@@ -73,7 +84,35 @@ def stage_memory(
     )
 
 
-def plan_memory(spec: ClusterSpec, plan: Plan, in_flight: Sequence[int]) -> list[MemoryBreakdown]:
+def _activations_per_micro_batch(
+    model, precision: str, layers: tuple[int, int], micro_batch: int, seq_len: int
+) -> float:
+    a, b = layers
+    per_mb = sum(activation_bytes(model, i, micro_batch, seq_len, precision) for i in range(a, b))
+    if a > 0:  # the received activation this stage must keep for its backward
+        per_mb += micro_batch * seq_len * model.n_embd * elem_bytes(precision)
+    return per_mb
+
+
+def inflight_caps(spec: ClusterSpec, plan: Plan) -> list[int]:
+    """Per stage, the most micro-batches whose activations fit beside the stage's weights,
+    gradients and Adam shard on its device (0 when not even one does): the bound a
+    ``lookahead-zb`` stage defers its weight gradients within."""
+    out = []
+    for k, limit in enumerate(device_limits(spec, plan.stage_sites)):
+        static = stage_memory(
+            spec.model, spec.training.precision, plan.partition[k], plan.pipelines,
+            plan.micro_batch_size, plan.seq_len, 0,
+        ).total  # fmt: skip
+        per_mb = _activations_per_micro_batch(
+            spec.model, spec.training.precision, plan.partition[k], plan.micro_batch_size,
+            plan.seq_len,
+        )  # fmt: skip
+        out.append(max(0, int((limit - static) // per_mb)) if per_mb > 0 else plan.num_microbatches)
+    return out
+
+
+def plan_memory(spec: ClusterSpec, plan: Plan, in_flight: Sequence[float]) -> list[MemoryBreakdown]:
     """Every stage's peak under ``plan`` with ``in_flight[k]`` micro-batches in flight."""
     return [
         stage_memory(

@@ -52,11 +52,16 @@ class PlanReport:
 
 
 def _baselines(spec: ClusterSpec, cand: Candidate, record: bool) -> dict[str, Evaluation]:
+    """1F1B and GPipe at the plan's settings; for a ``lookahead-zb`` plan also plain
+    look-ahead at the same ΔN (what the split backward buys) and ZB-H1 (no look-ahead)."""
+    names = ["1f1b", "gpipe"]
+    if cand.schedule == "lookahead-zb":
+        names += ["lookahead", "zb-h1"]
     out = {}
-    for name in ("1f1b", "gpipe"):
+    for name in names:
         ev = Evaluator(spec, schedule=name)
-        c = replace(cand, schedule=name, delta_n=tuple(0 for _ in cand.delta_n))
-        out[name] = ev.evaluate(c, record=record)
+        dn = cand.delta_n if name == "lookahead" else tuple(0 for _ in cand.delta_n)
+        out[name] = ev.evaluate(replace(cand, schedule=name, delta_n=dn), record=record)
     return out
 
 

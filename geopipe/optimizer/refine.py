@@ -11,9 +11,11 @@ from dataclasses import replace
 
 from geopipe.config import ClusterSpec
 from geopipe.optimizer import steady
-from geopipe.optimizer.evaluate import TIE_TOLERANCE, Evaluator
-from geopipe.optimizer.memory import device_limits, plan_memory, stages_over
-from geopipe.optimizer.simulator import PipelineCosts
+from geopipe.optimizer.costs import split_backward
+from geopipe.optimizer.evaluate import TIE_TOLERANCE, Evaluator, plan_schedule
+from geopipe.optimizer.memory import W_HELD_FRACTION, device_limits, plan_memory, stages_over
+from geopipe.optimizer.simulator import PipelineCosts, simulate
+from geopipe.pipeline.schedule import LOOKAHEAD_FAMILIES, SPLIT_FAMILIES
 from geopipe.plan import Plan
 
 __all__ = ["measured_costs", "pessimistic", "predict", "refine_delta_n"]
@@ -25,14 +27,25 @@ def measured_costs(
     fwd_s: list[float],
     bwd_s: list[float],
     step_s: list[float] | None = None,
+    split_s: tuple[list[float], list[float]] | None = None,
 ) -> PipelineCosts:
-    """The plan's costs with compute (and optionally step) times replaced by measurements."""
+    """The plan's costs with compute (and optionally step) times replaced by measurements.
+
+    ``split_s``: measured ``(I, W)`` per stage for split schedules; without it a measured
+    backward is split as the nominal cost model splits it."""
     base = Evaluator(spec, schedule=plan.schedule).costs(plan)
+    if split_s is not None:
+        inp, wgt = tuple(split_s[0]), tuple(split_s[1])
+    else:
+        parts = [split_backward(b, first=k == 0) for k, b in enumerate(bwd_s)]
+        inp, wgt = tuple(i for i, _ in parts), tuple(w for _, w in parts)
     return replace(
         base,
         fwd_s=tuple(fwd_s),
         bwd_s=tuple(bwd_s),
         step_s=tuple(step_s) if step_s is not None else base.step_s,
+        inp_s=inp,
+        wgt_s=wgt,
     )
 
 
@@ -42,12 +55,16 @@ def pessimistic(costs: PipelineCosts, compute: float = 0.6, latency: float = 1.2
         costs,
         fwd_s=tuple(x * compute for x in costs.fwd_s),
         bwd_s=tuple(x * compute for x in costs.bwd_s),
+        inp_s=tuple(x * compute for x in costs.inp_s),
+        wgt_s=tuple(x * compute for x in costs.wgt_s),
         lat_f=tuple(x * latency for x in costs.lat_f),
         lat_b=tuple(x * latency for x in costs.lat_b),
     )
 
 
 def predict(plan: Plan, costs: PipelineCosts) -> float:
+    if plan.schedule in SPLIT_FAMILIES:  # the plan's own lists (caps), replayed in full
+        return simulate(plan_schedule(plan), costs).iteration_time_s
     args = (plan.schedule, plan.num_stages, plan.num_microbatches, plan.delta_n)
     return steady.predict(*args, costs).iteration_time_s
 
@@ -55,8 +72,12 @@ def predict(plan: Plan, costs: PipelineCosts) -> float:
 def _memory(spec: ClusterSpec, plan: Plan) -> float | None:
     """Total peak bytes over the stages (ΔN changes only the activations), None if it does
     not fit."""
-    args = (plan.schedule, plan.num_stages, plan.num_microbatches, plan.delta_n)
-    mem = plan_memory(spec, plan, steady.peak_in_flight(*args))
+    if plan.schedule in SPLIT_FAMILIES:
+        in_flight: tuple[float, ...] = plan_schedule(plan).peak_held(W_HELD_FRACTION)
+    else:
+        args = (plan.schedule, plan.num_stages, plan.num_microbatches, plan.delta_n)
+        in_flight = steady.peak_in_flight(*args)
+    mem = plan_memory(spec, plan, in_flight)
     if stages_over(mem, device_limits(spec, plan.stage_sites)):
         return None
     return sum(mb.total for mb in mem)
@@ -67,7 +88,7 @@ def refine_delta_n(
 ) -> tuple[Plan, float]:
     """ΔN per WAN boundary for ``costs``: coordinate descent to the fastest that fits, then
     ([Note: lean ties]) the least memory whose time stays within the tie tolerance of it."""
-    if plan.schedule != "lookahead" or not plan.wan_boundaries:
+    if plan.schedule not in LOOKAHEAD_FAMILIES or not plan.wan_boundaries:
         return plan, predict(plan, costs)
     values = sorted({min(v, plan.num_microbatches) for v in candidates})
     best, best_t = plan, predict(plan, costs)

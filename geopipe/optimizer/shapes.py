@@ -9,10 +9,12 @@ layer partition balances the stages' compute for their sites' device speeds.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from functools import lru_cache
 
 from geopipe.config import ClusterSpec
 from geopipe.model.sizes import layer_forward_flops, num_layers
+from geopipe.optimizer.memory import inflight_caps
 from geopipe.pipeline.partition import balanced_partition, order_sites
 from geopipe.plan import Plan, Shape
 from geopipe.transport.wire import transfer_time
@@ -103,8 +105,9 @@ def build_plan(
     codecs: Sequence[str],
 ) -> Plan:
     """The plan of ``pipelines`` copies of one layout, its partition balanced for the sites
-    (``delta_n`` and ``codecs``: one per stage boundary, 0 and "none" inside a site)."""
-    return Plan(
+    (``delta_n`` and ``codecs``: one per stage boundary, 0 and "none" inside a site). A
+    ``lookahead-zb`` plan carries each stage's in-flight cap from its device memory."""
+    plan = Plan(
         pipelines=pipelines,
         stage_sites=tuple(stage_sites),
         partition=partition_for(spec, stage_sites, seq_len),
@@ -115,3 +118,6 @@ def build_plan(
         delta_n=tuple(delta_n),
         codecs=tuple(codecs),
     )
+    if schedule == "lookahead-zb":
+        plan = replace(plan, inflight_caps=tuple(inflight_caps(spec, plan)))
+    return plan

@@ -27,7 +27,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from geopipe.pipeline.schedule import Kind, Schedule, ScheduleError
+from geopipe.pipeline.schedule import (
+    FUSED_B,
+    FUSED_F,
+    FUSED_I,
+    FUSED_MASK,
+    FUSED_SHIFT,
+    Kind,
+    Schedule,
+    ScheduleError,
+)
 
 __all__ = [
     "Event",
@@ -41,7 +50,10 @@ __all__ = [
     "simulate",
 ]
 
-_F, _B, _SF, _RF, _SB, _RB = (int(k) for k in Kind)
+_F, _B, _SF, _RF, _SB, _RB, _I, _W = (int(k) for k in Kind)
+# A split backward's share of the full backward when the costs do not say (Qi et al. measure
+# I ≈ W for transformer layers).
+DEFAULT_INPUT_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -50,6 +62,8 @@ class PipelineCosts:
 
     ``ser_f[j]``/``lat_f[j]``: serialisation and latency of one activation message over
     boundary ``j`` (stage j -> j+1); ``ser_b[j]``/``lat_b[j]``: the gradient going back.
+    ``inp_s``/``wgt_s``: a split backward's ``I`` and ``W`` per stage (empty: ``bwd_s``
+    split by :data:`DEFAULT_INPUT_SHARE`); only schedules with ``I``/``W`` read them.
     """
 
     fwd_s: tuple[float, ...]
@@ -59,6 +73,15 @@ class PipelineCosts:
     lat_f: tuple[float, ...]
     ser_b: tuple[float, ...]
     lat_b: tuple[float, ...]
+    inp_s: tuple[float, ...] = ()
+    wgt_s: tuple[float, ...] = ()
+
+    def split(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """Per-stage ``I`` and ``W`` durations."""
+        if self.inp_s and self.wgt_s:
+            return self.inp_s, self.wgt_s
+        inp = tuple(b * DEFAULT_INPUT_SHARE for b in self.bwd_s)
+        return inp, tuple(b - i for b, i in zip(self.bwd_s, inp, strict=True))
 
 
 @dataclass(frozen=True)
@@ -112,6 +135,7 @@ def replay(sched: Schedule, costs: PipelineCosts, record: bool = False) -> Repla
     p, m = sched.num_stages, sched.num_microbatches
     progs = sched.fused
     fwd, bwd = costs.fwd_s, costs.bwd_s
+    inp, wgt = costs.split()
     ser_f, lat_f, ser_b, lat_b = costs.ser_f, costs.lat_f, costs.ser_b, costs.lat_b
     clock = [0.0] * p
     ptr = [0] * p
@@ -134,11 +158,14 @@ def replay(sched: Schedule, costs: PipelineCosts, record: bool = False) -> Repla
             t = clock[k]
             while i < n:
                 op = ops[i]
-                c = op & 15
-                mb = op >> 4
-                if c >= 6:  # fused: [RECV] compute [SEND]
-                    if c >= 10:  # backward
-                        c -= 10
+                c = op & FUSED_MASK
+                mb = op >> FUSED_SHIFT
+                if c >= FUSED_F:  # fused: [RECV] compute [SEND]
+                    if c >= FUSED_B:  # backward: full (B) or input gradient only (I)
+                        if c >= FUSED_I:
+                            c, dur, name = c - FUSED_I, inp[k], "I"
+                        else:
+                            c, dur, name = c - FUSED_B, bwd[k], "B"
                         if c & 1:
                             a = arr_b[k][mb]
                             if a < 0:
@@ -146,8 +173,8 @@ def replay(sched: Schedule, costs: PipelineCosts, record: bool = False) -> Repla
                             if a > t:
                                 t = a
                         if ev is not None:
-                            ev.append(Event(f"stage {k}", f"B{mb}", t, t + bwd[k]))
-                        t += bwd[k]
+                            ev.append(Event(f"stage {k}", f"{name}{mb}", t, t + dur))
+                        t += dur
                         if c & 2:
                             j = k - 1
                             start = t if t > free_b[j] else free_b[j]
@@ -158,7 +185,7 @@ def replay(sched: Schedule, costs: PipelineCosts, record: bool = False) -> Repla
                             if ev is not None:
                                 ev.append(Event(f"link {k}->{j}", f"B{mb}", start, end + lat_b[j]))
                     else:
-                        c -= 6
+                        c -= FUSED_F
                         if c & 1:
                             a = arr_f[k][mb]
                             if a < 0:
@@ -203,6 +230,14 @@ def replay(sched: Schedule, costs: PipelineCosts, record: bool = False) -> Repla
                     arr_b[j][mb] = end + lat_b[j]
                     if ev is not None:
                         ev.append(Event(f"link {k}->{j}", f"B{mb}", start, end + lat_b[j]))
+                elif c == _W:
+                    if ev is not None:
+                        ev.append(Event(f"stage {k}", f"W{mb}", t, t + wgt[k]))
+                    t += wgt[k]
+                elif c == _I:
+                    if ev is not None:
+                        ev.append(Event(f"stage {k}", f"I{mb}", t, t + inp[k]))
+                    t += inp[k]
                 elif c == _RF:
                     a = arr_f[k][mb]
                     if a < 0:
@@ -232,7 +267,10 @@ def replay(sched: Schedule, costs: PipelineCosts, record: bool = False) -> Repla
             if costs.step_s[k] > 0:
                 ev.append(Event(f"stage {k}", "step", clock[k], ends[k]))
     iteration = max(ends)
-    busy = [m * (fwd[k] + bwd[k]) + costs.step_s[k] for k in range(p)]
+    busy = [
+        m * fwd[k] + n_b * bwd[k] + n_w * (inp[k] + wgt[k]) + costs.step_s[k]
+        for k, (n_b, n_w) in enumerate(_backward_counts(sched))
+    ]
     bubble = 1.0 - sum(busy) / (p * iteration) if iteration > 0 else 0.0
     result = SimResult(iteration, pipeline_time, busy, bubble, link_busy, ev or [])
     return Replay(result, op_ends, arr_f, arr_b)
@@ -249,7 +287,12 @@ def result_for(costs: PipelineCosts, m: int, iteration: float, pipeline: float) 
     return SimResult(iteration, pipeline, busy, bubble, link)
 
 
-def lower_bound(costs: PipelineCosts, m: int) -> float:
+def _backward_counts(sched: Schedule) -> list[tuple[int, int]]:
+    """Per stage: micro-batches with a full backward, and with a split one."""
+    return [(kinds.count(_B), kinds.count(_W)) for kinds, _ in sched.programs]
+
+
+def lower_bound(costs: PipelineCosts, m: int, split: bool = False) -> float:
     """A cheap bound the simulated iteration time can never beat (any valid schedule).
 
     ``P`` is one micro-batch's round trip with no queueing: through every stage's forward
@@ -258,20 +301,27 @@ def lower_bound(costs: PipelineCosts, m: int) -> float:
     ``m·(f_k + b_k)``, and its last gradient still travels back to stage 0 (``drain_k``).
     A link direction serialises ``m`` messages, so the last one leaves at least
     ``(m-1)·ser`` after the first and then still has a round trip's remainder to go:
-    ``P + (m-1)·ser``. The search skips simulating candidates whose bound already loses.
+    ``P + (m-1)·ser``. With ``split`` (schedules with ``I``/``W``) only ``I`` is on the
+    way back, and a stage's ``W``s may come after its last ``I``. The search skips
+    simulating candidates whose bound already loses.
     """
     fwd, bwd, step = costs.fwd_s, costs.bwd_s, costs.step_s
+    if split:
+        back, wgt = costs.split()
+    else:
+        back, wgt = bwd, (0.0,) * len(bwd)
     p = len(fwd)
     fill = [0.0] * p
     drain = [0.0] * p
     for k in range(1, p):
         fill[k] = fill[k - 1] + fwd[k - 1] + costs.ser_f[k - 1] + costs.lat_f[k - 1]
-        drain[k] = drain[k - 1] + costs.ser_b[k - 1] + costs.lat_b[k - 1] + bwd[k - 1]
-    round_trip = fill[p - 1] + fwd[p - 1] + bwd[p - 1] + drain[p - 1]
+        drain[k] = drain[k - 1] + costs.ser_b[k - 1] + costs.lat_b[k - 1] + back[k - 1]
+    round_trip = fill[p - 1] + fwd[p - 1] + back[p - 1] + drain[p - 1]
     best = 0.0
     for k in range(p):
-        end_k = fill[k] + m * (fwd[k] + bwd[k])
-        best = max(best, end_k + step[k], end_k + drain[k] + step[0])
+        crit_k = fill[k] + m * (fwd[k] + back[k])
+        end_k = crit_k + m * wgt[k]
+        best = max(best, end_k + step[k], crit_k + drain[k] + step[0])
         best = max(best, round_trip + (m - 1) * fwd[k] + step[0])
     for j in range(p - 1):
         best = max(best, round_trip + (m - 1) * max(costs.ser_f[j], costs.ser_b[j]) + step[0])

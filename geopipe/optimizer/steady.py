@@ -50,7 +50,17 @@ from geopipe.optimizer.simulator import (
     result_for,
     simulate,
 )
-from geopipe.pipeline.schedule import Schedule, make_schedule, warmup_counts
+from geopipe.pipeline.schedule import (
+    FUSED_B,
+    FUSED_F,
+    FUSED_I,
+    FUSED_MASK,
+    FUSED_SHIFT,
+    Kind,
+    Schedule,
+    make_schedule,
+    warmup_counts,
+)
 
 __all__ = [
     "IN_ORDER",
@@ -72,7 +82,12 @@ _TOLERANCE = 4e-12
 _RESIDUE = 12  # probes are as long as m modulo this (see predict)
 _PROBE_ROUNDS = 10  # body rounds of the second probe (the first has the structure's two)
 
-_F_KINDS = {0} | set(range(6, 10))  # fused codes of a forward (plain F or RECV/F/SEND)
+# Fused op codes (:attr:`Schedule.fused`): a forward (plain F or RECV/F/SEND), a backward
+# that releases a micro-batch (B, fused or plain, and W), and a backward that only sends a
+# gradient (I); one micro-batch more is one ``_NEXT_MB`` more on the op.
+_F_KINDS = {int(Kind.F)} | set(range(FUSED_F, FUSED_F + 4))
+_RELEASE = {int(Kind.B), int(Kind.W)} | set(range(FUSED_B, FUSED_B + 4))
+_NEXT_MB = 1 << FUSED_SHIFT
 
 
 @lru_cache(maxsize=8192)
@@ -86,27 +101,40 @@ def schedule_for(name: str, p: int, m: int, delta_n: tuple[int, ...]) -> Schedul
 
 
 def _fb(code: int) -> int:
-    """+1 for a forward, -1 for a backward, 0 for a plain send or receive."""
+    """+1 for a forward, -1 for a backward that ends a micro-batch (B or W), else 0."""
     if code in _F_KINDS:
         return 1
-    return -1 if code == 1 or code >= 10 else 0
+    return -1 if code in _RELEASE else 0
+
+
+def _fused_bits(code: int) -> tuple[str, int] | None:
+    """A fused op's direction ('F' forward, 'B' backward: B or I) and its recv/send bits."""
+    if FUSED_F <= code < FUSED_B:
+        return "F", code - FUSED_F
+    if FUSED_B <= code < FUSED_I:
+        return "B", code - FUSED_B
+    if FUSED_I <= code < FUSED_I + 4:
+        return "B", code - FUSED_I
+    return None
 
 
 def _recv(code: int) -> str | None:
     """The message kind ('F' activation, 'B' gradient) an op waits for, if any."""
-    if code == 3 or (6 <= code < 10 and (code - 6) & 1):
+    if code == Kind.RECV_F:
         return "F"
-    if code == 5 or (code >= 10 and (code - 10) & 1):
+    if code == Kind.RECV_B:
         return "B"
-    return None
+    bits = _fused_bits(code)
+    return bits[0] if bits and bits[1] & 1 else None
 
 
 def _send(code: int) -> str | None:
-    if code == 2 or (6 <= code < 10 and (code - 6) & 2):
+    if code == Kind.SEND_F:
         return "F"
-    if code == 4 or (code >= 10 and (code - 10) & 2):
+    if code == Kind.SEND_B:
         return "B"
-    return None
+    bits = _fused_bits(code)
+    return bits[0] if bits and bits[1] & 2 else None
 
 
 @dataclass(frozen=True)
@@ -128,14 +156,14 @@ def _body(ops: list[int]) -> _Body | None:
     for period in range(2, 9):
         i = 0
         while i + period < n:
-            if ops[i + period] != ops[i] + 16:
+            if ops[i + period] != ops[i] + _NEXT_MB:
                 i += 1
                 continue
             j = i
-            while j + period < n and ops[j + period] == ops[j] + 16:
+            while j + period < n and ops[j + period] == ops[j] + _NEXT_MB:
                 j += 1
             rounds = (j + period - i) // period
-            flat = sum(_fb(op & 15) for op in ops[i : i + period]) == 0
+            flat = sum(_fb(op & FUSED_MASK) for op in ops[i : i + period]) == 0
             if flat and (best is None or rounds > best.rounds):
                 best = _Body(i, period, rounds)
             i = j + 1
@@ -199,7 +227,7 @@ def _check(a: Schedule, b: Schedule) -> _Structure | None:
         if body is None or body.rounds < 2:
             return None
         last = ops_a[body.end - body.period : body.end]
-        grown = ops_a[: body.end] + [op + 16 for op in last + ops_a[body.end :]]
+        grown = ops_a[: body.end] + [op + _NEXT_MB for op in last + ops_a[body.end :]]
         if grown != ops_b:
             return None
         bodies.append(body)
@@ -218,18 +246,24 @@ def _windows(progs: list[list[int]], bodies: list[_Body]) -> tuple[int, ...] | N
     p = len(progs)
     sent: list[dict[tuple[str, int], int]] = []
     for ops in progs:
-        sent.append({(kind, op >> 4): i for i, op in enumerate(ops) if (kind := _send(op & 15))})
+        sent.append(
+            {
+                (kind, op >> FUSED_SHIFT): i
+                for i, op in enumerate(ops)
+                if (kind := _send(op & FUSED_MASK))
+            }
+        )
     reach = [1] * p  # an op's own stage: the previous op, one round back at most
     for k, ops in enumerate(progs):
         bk = bodies[k]
         for i, op in enumerate(ops):
-            kind = _recv(op & 15)
+            kind = _recv(op & FUSED_MASK)
             if kind is None or i < bk.start:
                 continue
             j = k - 1 if kind == "F" else k + 1
             if not 0 <= j < p:
                 return None
-            idx = sent[j].get((kind, op >> 4))
+            idx = sent[j].get((kind, op >> FUSED_SHIFT))
             if idx is None:
                 return None
             bj = bodies[j]
@@ -406,7 +440,7 @@ def _window(
         for i in range(first, b.start + rounds * b.period):
             base.append(offsets[k] + i)
             stride.append(b.period)
-            kind, mb = _send(ops[i] & 15), ops[i] >> 4
+            kind, mb = _send(ops[i] & FUSED_MASK), ops[i] >> FUSED_SHIFT
             if kind == "F":
                 base.append(arr_f0 + (k + 1) * m_p + mb)
                 stride.append(1)
@@ -420,12 +454,13 @@ def _one_f_one_b_ops(k: int, p: int, m: int, w: int) -> list[int]:
     """Stage ``k``'s fused program in the 1F1B family with ``w`` warm-up forwards, as far as
     :func:`_window` reads it: each op's send kind and micro-batch (tested against the
     generator)."""
-    f_op = 6 + (2 if k < p - 1 else 0) + (1 if k else 0)
-    b_op = 10 + (2 if k else 0) + (1 if k < p - 1 else 0)
-    ops = [f_op | (x << 4) for x in range(w)]
+    f_op = FUSED_F + (2 if k < p - 1 else 0) + (1 if k else 0)
+    b_op = FUSED_B + (2 if k else 0) + (1 if k < p - 1 else 0)
+    s = FUSED_SHIFT
+    ops = [f_op | (x << s) for x in range(w)]
     for r in range(m - w):
-        ops += [f_op | ((w + r) << 4), b_op | (r << 4)]
-    return ops + [b_op | (x << 4) for x in range(m - w, m)]
+        ops += [f_op | ((w + r) << s), b_op | (r << s)]
+    return ops + [b_op | (x << s) for x in range(m - w, m)]
 
 
 def _period(

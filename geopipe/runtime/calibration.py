@@ -21,8 +21,10 @@ from typing import Any
 
 from geopipe.config import ClusterSpec, choice_values
 from geopipe.model.sizes import layer_forward_flops, num_layers
+from geopipe.optimizer.costs import split_backward
 from geopipe.optimizer.refine import measured_costs, pessimistic, predict, refine_delta_n
 from geopipe.optimizer.simulator import PipelineCosts
+from geopipe.pipeline.schedule import LOOKAHEAD_FAMILIES, SPLIT_FAMILIES
 from geopipe.plan import Plan
 from geopipe.runtime.executor import IterationResult
 
@@ -31,6 +33,7 @@ __all__ = [
     "Calibrator",
     "boundary_offsets",
     "fifo_excess",
+    "measured_split_times",
     "measured_stage_times",
     "profile_machine",
     "should_profile",
@@ -129,6 +132,25 @@ def measured_stage_times(
         [statistics.mean(x) for x in fwd],
         [statistics.mean(x) for x in bwd],
         [statistics.mean(x) if x else 0.0 for x in end],
+    )
+
+
+def measured_split_times(
+    results: list[IterationResult], num_stages: int
+) -> tuple[list[float], list[float]] | None:
+    """Mean ``I`` and ``W`` seconds per stage from recorded events (each step's last ``W``,
+    which carries the optimizer step, left out), or None without any ``I`` event."""
+    inp: list[list[float]] = [[] for _ in range(num_stages)]
+    wgt: list[list[float]] = [[] for _ in range(num_stages)]
+    for r in results:
+        inp[r.stage] += [t1 - t0 for kind, _, t0, t1 in r.events if kind == "I"]
+        w = [t1 - t0 for kind, _, t0, t1 in r.events if kind == "W"]
+        wgt[r.stage] += w[:-1] if len(w) > 1 else w
+    if not any(inp):
+        return None
+    return (
+        [statistics.mean(x) if x else 0.0 for x in inp],
+        [statistics.mean(x) if x else 0.0 for x in wgt],
     )
 
 
@@ -245,11 +267,13 @@ class Calibrator:
         self._base = 0  # first step of the current layout
         self._pool: list[list[IterationResult]] = []
         self.costs: PipelineCosts | None = None  # the latest calibrated costs
+        self._shares: list[float] = []  # each stage's I share of a split backward
 
     def restart(self, step: int) -> None:
         """A new layout (recovery, grow-back) from ``step`` on: measure it afresh."""
         self._base = step
         self._pool = []
+        self._shares = []
         self.calibrated = False
 
     def wants(self, step: int) -> bool:
@@ -273,17 +297,37 @@ class Calibrator:
             [statistics.median(col) for col in zip(*(t[i] for t in per_step), strict=True)]
             for i in range(3)
         )
-        costs = measured_costs(self.spec, plan, fwd, bwd, step_t)
+        split = None
+        if plan.schedule in SPLIT_FAMILIES:
+            shares = self._input_shares(plan, steps)
+            split = (
+                [s * b for s, b in zip(shares, bwd, strict=True)],
+                [(1 - s) * b for s, b in zip(shares, bwd, strict=True)],
+            )
+        costs = measured_costs(self.spec, plan, fwd, bwd, step_t, split)
         pooled = [r for rs in steps for r in rs]
         costs = with_transport_overhead(costs, pooled, plan)
         return with_real_transport(costs, pooled, plan, boundary_offsets(plan, self.links))
+
+    def _input_shares(self, plan: Plan, steps: list[list[IterationResult]]) -> list[float]:
+        """Each stage's ``I`` share of its backward: from the timelines of the steps that
+        recorded one (the first of a layout), kept for the steps after; until then the
+        cost model's split (:func:`~geopipe.optimizer.costs.split_backward`)."""
+        measured = measured_split_times([r for rs in steps for r in rs], plan.num_stages)
+        if measured is not None:
+            self._shares = [
+                i / (i + w) if i + w > 0 else 0.0 for i, w in zip(*measured, strict=True)
+            ]
+        if len(self._shares) != plan.num_stages:
+            self._shares = [split_backward(1.0, first=k == 0)[0] for k in range(plan.num_stages)]
+        return self._shares
 
     def _calibrate(
         self, plan: Plan, steps: list[list[IterationResult]], choose_delta_n: bool
     ) -> Calibration:
         costs = self.costs = self._costs(plan, steps)
         cands = choice_values(self.spec.plan.delta_n, default=[0], powers_of_two=False)
-        if self.fixed_plan or plan.schedule != "lookahead":
+        if self.fixed_plan or plan.schedule not in LOOKAHEAD_FAMILIES:
             cands = sorted({plan.delta_n[j] for j in plan.wan_boundaries} or {0})
         new = plan
         if choose_delta_n:
@@ -295,6 +339,11 @@ class Calibrator:
             "forward_s": list(costs.fwd_s),
             "backward_s": list(costs.bwd_s),
             "step_s": list(costs.step_s),
+            **(
+                {"input_s": list(costs.inp_s), "weight_s": list(costs.wgt_s)}
+                if plan.schedule in SPLIT_FAMILIES
+                else {}
+            ),
             "link_latency_s": {"forward": list(costs.lat_f), "backward": list(costs.lat_b)},
             "delta_n": list(new.delta_n),
             "previous_delta_n": list(plan.delta_n),

@@ -29,16 +29,16 @@ the lazily created Adam state, stale gradients after an aborted step.
     ``out.backward(grad_out)`` would scale correctly too, but it bypasses DeepSpeed's backward
     bookkeeping and fails at the boundary in 1F1B order (``KeyError`` in
     ``scaled_global_norm``), hence the scalar surrogate.
+
+
+Split backwards (``I``/``W``): see :mod:`geopipe.runtime.backward`.
 """
 
 from __future__ import annotations
 
-import importlib
 import math
-import os
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from functools import partial
 from typing import Any, Literal
 
@@ -57,6 +57,13 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from geopipe.checkpoint.format import ADAM_MOMENTS, ADAM_STATE_GROUPS, PARAMS_GROUP
 from geopipe.model.gpt import GPTConfig, GPTStage, lm_loss
+from geopipe.runtime.backward import (
+    ActivationMeter,
+    WeightGradStore,
+    drop_output_hooks,
+    weight_surrogate,
+)
+from geopipe.runtime.distgroups import StageMPU, destroy_process_group, init_process_group
 
 __all__ = [
     "EngineConfig",
@@ -137,91 +144,6 @@ def param_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
     return [g for g in groups if g["params"]]
-
-
-def _skip_shm_op_build() -> None:
-    """Stop DeepSpeed compiling its shared-memory all-reduce op (~45 s) on CPU.
-
-    The attribute must be replaced on the module object in ``sys.modules``:
-    ``import deepspeed.comm.torch as m`` resolves to the ``torch`` package re-exported by
-    ``deepspeed.comm`` and silently patches nothing.
-    """
-    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
-
-
-def init_process_group(
-    rank: int,
-    world_size: int,
-    master_addr: str,
-    master_port: int,
-    timeout_s: float,
-    *,
-    local_rank: int = 0,
-) -> None:
-    """Join the default process group and make ``deepspeed.comm`` adopt it.
-
-    Gloo on CPU, NCCL when CUDA is available. The environment variables DeepSpeed reads are
-    set too (``local_rank`` defaults to 0 because a Ray actor sees only its own device).
-    ``timeout_s`` bounds every collective: a hung peer surfaces as an error after it, so choose
-    it from the measured step time. Call again after :func:`destroy_process_group` to re-form
-    a group with new ranks and a new port.
-    """
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(local_rank),
-        MASTER_ADDR=master_addr,
-        MASTER_PORT=str(master_port),
-    )
-    timeout = timedelta(seconds=timeout_s)
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://{master_addr}:{master_port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timeout,
-    )
-    _skip_shm_op_build()
-    deepspeed.comm.init_distributed(dist_backend=backend, timeout=timeout)
-
-
-def destroy_process_group() -> None:
-    """Tear down the default group and every subgroup, and DeepSpeed's cached group handles."""
-    if dist.is_initialized():
-        deepspeed.comm.destroy_process_group()
-
-
-class _StageMPU:
-    """The ``mpu`` DeepSpeed asks for: data parallel = this stage's replica group.
-
-    "Model parallel" is a single-rank group: pipeline stages are not DeepSpeed's business (the
-    caller moves activations), so gradient norms and reductions stay inside the stage.
-    """
-
-    def __init__(self, dp_group: Any, dp_ranks: list[int], mp_group: Any) -> None:
-        self._dp_group, self._dp_ranks, self._mp_group = dp_group, dp_ranks, mp_group
-
-    def get_data_parallel_group(self) -> Any:
-        return self._dp_group
-
-    def get_data_parallel_group_ranks(self) -> list[int]:
-        return list(self._dp_ranks)
-
-    def get_data_parallel_rank(self) -> int:
-        return dist.get_rank(self._dp_group)
-
-    def get_data_parallel_world_size(self) -> int:
-        return dist.get_world_size(self._dp_group)
-
-    def get_model_parallel_group(self) -> Any:
-        return self._mp_group
-
-    def get_model_parallel_rank(self) -> int:
-        return 0
-
-    def get_model_parallel_world_size(self) -> int:
-        return 1
 
 
 def _adam_partition_states(zero_optimizer: Any) -> list[dict[str, Tensor]]:
@@ -319,7 +241,7 @@ class StageEngine:
         self.ckpt_group = ckpt_groups[my_group]
         self.replicas = len(group_ranks[my_group])
         dp_ranks = group_ranks[my_group]
-        mpu = _StageMPU(dp_groups[my_group], dp_ranks, mp_groups[rank])
+        mpu = StageMPU(dp_groups[my_group], dp_ranks, mp_groups[rank])
 
         ds_config = {
             "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
@@ -364,6 +286,9 @@ class StageEngine:
         self._step_base = 0
         self._inputs: dict[int, Tensor] = {}
         self._outputs: dict[int, Tensor] = {}
+        self.store = WeightGradStore(self.module)
+        self.meter = ActivationMeter(self.store.params)
+        self._weight_pending: dict[int, tuple[Any, ...]] = {}  # I done, W owed
 
     @property
     def step_count(self) -> int:
@@ -381,7 +306,8 @@ class StageEngine:
         x = x.to(self.device)
         if not self.module.has_embed:
             x = x.detach().requires_grad_(True)
-        out = self.engine(x)
+        with self.meter.forward(mb), self.store.forward(mb):
+            out = self.engine(x)
         self._inputs[mb], self._outputs[mb] = x, out
         return out.detach()
 
@@ -401,6 +327,7 @@ class StageEngine:
         loss = lm_loss(self._pop_output(mb), targets.to(self.device))
         self.engine.backward(loss)
         self._step()
+        self._done(mb)
         return loss.item()
 
     def backward(self, mb: int, grad_out: Tensor) -> None:
@@ -415,6 +342,53 @@ class StageEngine:
         surrogate = (out * grad_out.to(device=out.device, dtype=out.dtype)).sum()
         self.engine.backward(surrogate, scale_wrt_gas=False)
         self._step()
+        self._done(mb)
+
+    def _done(self, mb: int) -> None:
+        self.meter.release(mb)
+        self.store.drop(mb)
+
+    def backward_input(
+        self, mb: int, grad_out: Tensor | None = None, targets: Tensor | None = None
+    ) -> float | None:
+        """``I`` of micro-batch ``mb`` ([Note: split backward] in :mod:`.backward`): from the
+        gradient received from downstream, or on the last stage from ``targets`` (returns
+        the micro-batch loss). :meth:`input_grad` then has the gradient to send."""
+        out = self._pop_output(mb)
+        if targets is not None:
+            if not self.module.has_head:
+                raise RuntimeError("targets are only for the stage holding the head")
+            loss = lm_loss(out, targets.to(self.device))
+            # scaled as engine.backward(loss) scales it ([Note: loss scaling])
+            root, grad, full = loss / self.engine.gradient_accumulation_steps(), None, (loss, True)
+        else:
+            g = grad_out.to(device=out.device, dtype=out.dtype)
+            root, grad, full = out, g, ((out * g).sum(), False)
+        if self.module.has_embed:  # nothing to send upstream: W runs the full backward
+            self._weight_pending[mb] = ("full", *full)
+        else:
+            drop_output_hooks(out)
+            x = self._inputs[mb]
+            x.grad = self.store.input_backward(mb, root, grad, x)
+            self.meter.release(mb)  # the graph is gone; what W needs stays in the store
+            self.meter.keep(mb, self.store.kept(mb))
+            self._weight_pending[mb] = ("split",)
+        return None if targets is None else loss.item()
+
+    def backward_weight(self, mb: int) -> None:
+        """``W`` of micro-batch ``mb``: its weight gradients into DeepSpeed's accumulation (and,
+        at the accumulation boundary, the ZeRO-1 reduction and optimizer step)."""
+        if mb not in self._weight_pending:
+            raise KeyError(f"micro-batch {mb} has no input-gradient pass awaiting W")
+        kind, *state = self._weight_pending.pop(mb)
+        if kind == "full":
+            root, scale = state
+            self.engine.backward(root, scale_wrt_gas=scale)
+        else:
+            grads = self.store.weight_gradients(mb)
+            self.engine.backward(weight_surrogate(self.store.params, grads), scale_wrt_gas=False)
+        self._step()
+        self._done(mb)
 
     def _step(self) -> None:
         # DeepSpeed's step: a no-op but for the micro-batch that ends gradient accumulation,
@@ -526,5 +500,8 @@ class StageEngine:
         self.engine.destroy()
         for p in self.module.parameters():
             p.grad = None
+        for mb in {*self._weight_pending, *self._outputs}:
+            self._done(mb)
         self._inputs.clear()
         self._outputs.clear()
+        self._weight_pending.clear()

@@ -6,6 +6,8 @@ The list is exactly what the planner simulated (:mod:`geopipe.pipeline.schedule`
   deterministic stream; the others take the activation that arrived);
 * ``B m``: the last stage back-propagates its loss; the others the gradient received from
   downstream (surrogate backward, see :mod:`geopipe.runtime.engine`);
+* ``I m`` / ``W m``: the same backward split in two — the input gradient first (what
+  ``SEND_B`` sends), the weight gradients later (:mod:`geopipe.runtime.backward`);
 * ``SEND_*``: hand the tensor to the link and go on (transfer overlaps compute);
 * ``RECV_*``: wait for the message, which the transport has been receiving meanwhile.
 """
@@ -25,7 +27,7 @@ from geopipe.runtime.links import StageLinks
 
 __all__ = ["BREAKDOWN", "Fault", "IterationResult", "execute"]
 
-_F, _B, _SF, _RF, _SB, _RB = (int(k) for k in Kind)
+_F, _B, _SF, _RF, _SB, _RB, _I, _W = (int(k) for k in Kind)
 
 
 @dataclass
@@ -45,6 +47,8 @@ class IterationResult:
     optimizer_steps: int
     # (kind, micro-batch, start, end) relative to ``start``; recorded on request only
     events: list[tuple[str, int, float, float]] = field(default_factory=list)
+    # most bytes autograd held for backward at once (the activation meter's peak)
+    peak_activation_bytes: int = 0
     # how much later than the (emulated) link each inbound WAN message became usable
     transport_excess_s: dict[str, list[float]] = field(default_factory=dict)
     # over a real link: (micro-batch, sent at on the sender's clock, usable at on this
@@ -62,8 +66,9 @@ class IterationResult:
 # above: encode (codec + checksum of sends), decode (checksum + codec of arrivals).
 BREAKDOWN = ("forward", "backward", "optimizer", "send", "recv_wait", "drain", "snapshot",
              "other", "encode", "decode")  # fmt: skip
-_SLOT = {_F: "forward", _B: "backward", _SF: "send", _SB: "send", _RF: "recv_wait",
-         _RB: "recv_wait"}  # fmt: skip
+_SLOT = {_F: "forward", _B: "backward", _I: "backward", _W: "backward", _SF: "send",
+         _SB: "send", _RF: "recv_wait", _RB: "recv_wait"}  # fmt: skip
+_COMPUTE = (_F, _B, _I, _W)
 
 
 @dataclass(frozen=True)
@@ -109,6 +114,7 @@ def execute(
     sends = [i for i, (c, _) in enumerate(program) if c in (_SF, _SB)]
     spent = dict.fromkeys(BREAKDOWN, 0.0)
     opt0, enc0, dec0 = engine.optimizer_s, links.encode_s(), links.inbox.decode_s
+    engine.meter.reset_peak()
     for i, (c, mb) in enumerate(program):
         if fault is not None and fault.step == step and sends and i == sends[-1]:
             time.sleep(fault.delay_s)
@@ -126,19 +132,26 @@ def execute(
                 res.losses.append(engine.backward_last(mb, batch(step, mb)[1]))
             else:
                 engine.backward(mb, grads.pop(mb))
+        elif c == _I:
+            if last:
+                res.losses.append(engine.backward_input(mb, targets=batch(step, mb)[1]))
+            else:
+                engine.backward_input(mb, grads.pop(mb))
+        elif c == _W:
+            engine.backward_weight(mb)
         elif c == _SF:
             res.wan_bytes += links.send_forward(("F", step, mb), outs.pop(mb))
         else:  # _SB
             res.wan_bytes += links.send_backward(("B", step, mb), engine.input_grad(mb))
         t1 = time.monotonic()
         spent[_SLOT[c]] += t1 - t0
-        if c in (_F, _B):
+        if c in _COMPUTE:
             res.busy_s += t1 - t0
         elif c in (_RF, _RB):
             res.wait_s += t1 - t0
         if record:
             res.events.append((Kind(c).name, mb, t0 - t_start, t1 - t_start))
-        if c == _B and first:
+        if first and c in (_B, _W):
             engine.input_grad(mb)  # frees the stored input of micro-batch mb
     outs.clear()
     t0 = time.monotonic()
@@ -149,5 +162,6 @@ def execute(
     spent["encode"] = links.encode_s() - enc0
     spent["decode"] = links.inbox.decode_s - dec0
     res.breakdown = spent
+    res.peak_activation_bytes = engine.meter.peak
     res.optimizer_steps = engine.step_count
     return res

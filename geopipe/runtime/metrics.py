@@ -32,6 +32,9 @@ class StepMetrics:
     # per stage, where its step time went (seconds, mean over the stage's replicas; the
     # categories are those of ``executor.BREAKDOWN``)
     breakdown: list[dict[str, float]] = field(default_factory=list)
+    # per stage, the most bytes autograd held for backward at once (max over its replicas;
+    # the activation meter of :mod:`geopipe.runtime.backward`)
+    peak_activation_bytes: list[int] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {
@@ -43,6 +46,7 @@ class StepMetrics:
             "wan_bytes": self.wan_bytes,
             "tokens_per_s": self.tokens_per_s,
             "breakdown": [{k: round(v, 6) for k, v in b.items()} for b in self.breakdown],
+            "peak_activation_bytes": self.peak_activation_bytes,
         }
 
 
@@ -52,7 +56,9 @@ def aggregate(results: list[IterationResult], num_stages: int, tokens: int) -> S
     duration = max(r.duration_s for r in results)
     busy: dict[int, list[float]] = {}
     parts: dict[int, list[dict[str, float]]] = {}
+    held: dict[int, int] = {}
     for r in results:
+        held[r.stage] = max(held.get(r.stage, 0), r.peak_activation_bytes)
         busy.setdefault(r.stage, []).append(r.busy_s)
         parts.setdefault(r.stage, []).append(r.breakdown)
     total_busy = sum(sum(v) / len(v) for v in busy.values())
@@ -68,6 +74,7 @@ def aggregate(results: list[IterationResult], num_stages: int, tokens: int) -> S
         wan_bytes=sum(r.wan_bytes for r in results),
         tokens_per_s=tokens / duration if duration > 0 else 0.0,
         breakdown=[_mean_parts(parts[k]) for k in sorted(parts)],
+        peak_activation_bytes=[held[k] for k in sorted(held)],
     )
 
 

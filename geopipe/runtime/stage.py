@@ -94,7 +94,9 @@ class StageWorker:
 
     def _make_program(self) -> None:
         plan = self.plan
-        sched = make_schedule(plan.schedule, self.p, plan.num_microbatches, plan.delta_n)
+        sched = make_schedule(
+            plan.schedule, self.p, plan.num_microbatches, plan.delta_n, plan.inflight_caps or None
+        )
         self.program = list(zip(*sched.programs[self.k], strict=True))
 
     def set_delta_n(self, delta_n: list[int]) -> None:

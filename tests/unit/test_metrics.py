@@ -12,7 +12,7 @@ def result(stage: int, replica: int, busy: float, duration: float, losses=(), **
     return IterationResult(
         stage=stage, replica=replica, step=3, losses=list(losses), busy_s=busy, wait_s=0.0,
         duration_s=duration, start=0.0, wan_bytes=10, micro_batches=2, optimizer_steps=1,
-        breakdown=parts,
+        breakdown=parts, peak_activation_bytes=100 * (stage + 1) + replica,
     )  # fmt: skip
 
 
@@ -31,3 +31,6 @@ def test_aggregate_means_replicas_per_stage_and_keeps_stage_order():
         pytest.approx({"forward": 0.2, "optimizer": 0.1}),
     ]
     assert m.to_json()["breakdown"][0] == {"forward": 0.2, "optimizer": 0.1}
+    # the most any replica of the stage held, in stage order
+    assert m.peak_activation_bytes == [101, 200]
+    assert m.to_json()["peak_activation_bytes"] == [101, 200]

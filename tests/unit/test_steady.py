@@ -89,6 +89,10 @@ def test_matches_full_replay_on_golden_shapes(path: Path, extrapolations: Counte
     golden = parse_schedule(path.read_text())
     p, name = golden.num_stages, golden.name
     dn = golden.delta_n or (0,) * (p - 1)
+    if golden.programs != make_schedule(name, p, golden.num_microbatches, dn).programs:
+        # a shape (name, p, m, ΔN) alone does not give, e.g. lookahead-zb with memory caps:
+        # the planner replays such plans' own lists in full, not through predict()
+        pytest.skip(f"{path.stem} is not its family's default at (p, m, ΔN)")
     rng = random.Random(path.stem)
     for _ in range(20):
         costs = _costs(rng, p, zeros=False)
