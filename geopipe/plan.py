@@ -10,9 +10,9 @@ and their gradients do. A site needs ``D × (stages it hosts)`` devices.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
-__all__ = ["Plan", "Shape"]
+__all__ = ["PipelineLayout", "Plan", "Shape"]
 
 
 @dataclass(frozen=True)
@@ -42,8 +42,41 @@ class Shape:
 
 
 @dataclass(frozen=True)
+class PipelineLayout:
+    """One pipeline of a heterogeneous plan: its stages and its share of the batch."""
+
+    stage_sites: tuple[str, ...]
+    partition: tuple[tuple[int, int], ...]
+    num_microbatches: int
+    delta_n: tuple[int, ...]
+    codecs: tuple[str, ...]
+    inflight_caps: tuple[int, ...] = ()
+
+    @classmethod
+    def from_dict(cls, d: dict) -> PipelineLayout:
+        return cls(
+            stage_sites=tuple(d["stage_sites"]),
+            partition=tuple(tuple(x) for x in d["partition"]),
+            num_microbatches=int(d["num_microbatches"]),
+            delta_n=tuple(int(x) for x in d["delta_n"]),
+            codecs=tuple(d["codecs"]),
+            inflight_caps=tuple(int(x) for x in d.get("inflight_caps", ())),
+        )
+
+
+@dataclass(frozen=True)
 class Plan:
-    """Everything the runtime needs to lay out and run one training job."""
+    """Everything the runtime needs to lay out and run one training job.
+
+    [Note: heterogeneous plans] A plan is normally ``pipelines`` identical pipelines. After
+    a failure the planner may mix templates (Oobleck's instantiation): then ``mix`` lists
+    every pipeline (deepest first, so the pipelines that have a stage ``k`` are always
+    ``0 .. replicas(k) - 1``) with its own stages and share of the micro-batches, and the
+    top-level per-stage fields are pipeline 0's, which covers every layer once (it writes
+    the checkpoint shards). Code that addresses actor ``(stage k, pipeline r)`` asks
+    :meth:`pipeline`, :meth:`site_of` and :meth:`layers_of`; all of them also answer for
+    uniform plans, so one code path serves both.
+    """
 
     pipelines: int
     stage_sites: tuple[str, ...]
@@ -57,6 +90,60 @@ class Plan:
     # lookahead-zb only: per stage, the micro-batches in flight (forward run, weight gradient
     # not yet) its device holds, which bounds how far W is deferred; () = no memory bound.
     inflight_caps: tuple[int, ...] = ()
+    mix: tuple[PipelineLayout, ...] = ()  # heterogeneous pipelines (see the note); () = uniform
+
+    def __post_init__(self) -> None:
+        if self.mix:
+            depths = [len(p.stage_sites) for p in self.mix]
+            if depths != sorted(depths, reverse=True) or self.pipelines != len(self.mix):
+                raise ValueError("a mixed plan lists its pipelines deepest first, one each")
+
+    @property
+    def heterogeneous(self) -> bool:
+        return bool(self.mix)
+
+    def pipeline(self, r: int) -> Plan:
+        """Pipeline ``r`` alone, as a one-pipeline plan (what its actors run)."""
+        if not 0 <= r < self.pipelines:
+            raise ValueError(f"pipeline {r} is not in a plan of {self.pipelines}")
+        if not self.mix:
+            return replace(self, pipelines=1)
+        p = self.mix[r]
+        return replace(
+            self, pipelines=1, stage_sites=p.stage_sites, partition=p.partition,
+            num_microbatches=p.num_microbatches, delta_n=p.delta_n, codecs=p.codecs,
+            inflight_caps=p.inflight_caps, mix=(),
+        )  # fmt: skip
+
+    def microbatches_of(self, r: int) -> int:
+        return self.mix[r].num_microbatches if self.mix else self.num_microbatches
+
+    @property
+    def total_microbatches(self) -> int:
+        """Micro-batches of one optimizer step over all pipelines (the global batch)."""
+        return sum(self.microbatches_of(r) for r in range(self.pipelines))
+
+    def first_microbatch(self, r: int) -> int:
+        """Index in the global batch of pipeline ``r``'s first micro-batch (pipelines take
+        consecutive slices, in order)."""
+        return sum(self.microbatches_of(i) for i in range(r))
+
+    def depth(self, r: int) -> int:
+        return len(self.mix[r].stage_sites) if self.mix else self.num_stages
+
+    def replicas(self, k: int) -> int:
+        """How many pipelines have a stage ``k`` (pipelines ``0 .. replicas(k) - 1``)."""
+        return sum(1 for r in range(self.pipelines) if self.depth(r) > k)
+
+    def actors(self) -> list[tuple[int, int]]:
+        """Every ``(stage, pipeline)`` of the layout, stage by stage."""
+        return [(k, r) for k in range(self.num_stages) for r in range(self.replicas(k))]
+
+    def site_of(self, k: int, r: int) -> str:
+        return self.mix[r].stage_sites[k] if self.mix else self.stage_sites[k]
+
+    def layers_of(self, k: int, r: int) -> tuple[int, int]:
+        return tuple(self.mix[r].partition[k]) if self.mix else tuple(self.partition[k])
 
     @property
     def shape(self) -> Shape:
@@ -71,10 +158,13 @@ class Plan:
         return self.shape.wan_boundaries
 
     def actor_name(self, run: str, stage: int, replica: int) -> str:
-        return f"geopipe/{run}/{self.stage_sites[stage]}/stage{stage}/r{replica}"
+        return f"geopipe/{run}/{self.site_of(stage, replica)}/stage{stage}/r{replica}"
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if not self.mix:  # uniform plans keep their long-standing JSON form
+            del d["mix"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> Plan:
@@ -89,6 +179,7 @@ class Plan:
             delta_n=tuple(int(x) for x in d["delta_n"]),
             codecs=tuple(d["codecs"]),
             inflight_caps=tuple(int(x) for x in d.get("inflight_caps", ())),
+            mix=tuple(PipelineLayout.from_dict(x) for x in d.get("mix", ())),
         )
 
     def to_json(self) -> str:

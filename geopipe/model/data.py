@@ -22,6 +22,7 @@ __all__ = [
     "VOCAB_SIZE",
     "Corpus",
     "TokenStream",
+    "sample_indices",
     "global_indices",
     "micro_batches_per_pipeline",
 ]
@@ -189,6 +190,23 @@ def micro_batches_per_pipeline(global_batch: int, num_pipelines: int, micro_batc
             f"micro_batch_size {micro_batch_size}"
         )
     return per_pipeline // micro_batch_size
+
+
+def sample_indices(step: int, global_batch: int, micro_batch: int, micro_batch_size: int) -> list[int]:
+    """Sample indices of the ``micro_batch``-th micro-batch of the global batch at ``step``.
+
+    Step ``s`` uses samples ``s*global_batch .. (s+1)*global_batch - 1`` in micro-batches
+    of consecutive samples; pipelines take consecutive runs of micro-batches, whatever their
+    number and share (:func:`global_indices` for equal shares).
+    """
+    if step < 0:
+        raise ValueError(f"step must be non-negative, got {step}")
+    if not 0 <= micro_batch < global_batch // micro_batch_size:
+        raise ValueError(
+            f"micro_batch {micro_batch} out of range [0, {global_batch // micro_batch_size})"
+        )
+    first = step * global_batch + micro_batch * micro_batch_size
+    return list(range(first, first + micro_batch_size))
 
 
 def global_indices(

@@ -212,7 +212,10 @@ class GPTStage(nn.Module):
     ``blocks.7.attn.qkv.weight`` identical in every pipeline layout.
     """
 
-    def __init__(self, cfg: GPTConfig, start: int, end: int, seed: int = 0) -> None:
+    def __init__(
+        self, cfg: GPTConfig, start: int, end: int, seed: int = 0,
+        active: tuple[int, int] | None = None,
+    ) -> None:  # fmt: skip
         super().__init__()
         _check_range(cfg, start, end)
         if seed < 0:
@@ -221,6 +224,11 @@ class GPTStage(nn.Module):
         self.start = start
         self.end = end
         self.seed = seed
+        # The layers forward runs: all held ones, or (a mixed plan's ZeRO-1 group, see
+        # geopipe.runtime.sitegroups) a sub-range, the rest only held for the group.
+        self.active = (start, end) if active is None else tuple(active)
+        if not start <= self.active[0] < self.active[1] <= end:
+            raise ValueError(f"active layers {self.active} are not within [{start}, {end})")
         if start == 0:
             self.embed = Embed(cfg)
             _init_layer(self.embed, cfg, seed, 0)
@@ -235,31 +243,33 @@ class GPTStage(nn.Module):
 
     @property
     def has_embed(self) -> bool:
-        """True if this stage consumes token ids (it holds layer 0)."""
-        return self.start == 0
+        """True if this stage consumes token ids (it runs layer 0)."""
+        return self.active[0] == 0
 
     @property
     def has_head(self) -> bool:
-        """True if this stage produces logits (it holds the last layer)."""
-        return self.end == num_layers(self.cfg)
+        """True if this stage produces logits (it runs the last layer)."""
+        return self.active[1] == num_layers(self.cfg)
 
     def forward(self, x: Tensor) -> Tensor:
         """Token ids (B, T) or hidden state (B, T, n_embd) -> hidden state or logits."""
+        a, z = self.active
         if self.has_embed:
             x = self.embed(x)
         elif x.dim() != 3 or x.size(-1) != self.cfg.n_embd:
             raise ValueError(
-                f"stage [{self.start}, {self.end}) expects hidden state (B, T, "
-                f"{self.cfg.n_embd}), got {tuple(x.shape)}"
+                f"stage [{a}, {z}) expects hidden state (B, T, {self.cfg.n_embd}), got "
+                f"{tuple(x.shape)}"
             )
-        for block in self.blocks.values():
-            x = block(x)
+        for index in range(max(a, 1), min(z, num_layers(self.cfg) - 1)):
+            x = self.blocks[str(index - 1)](x)
         if self.has_head:
             x = self.head(x)
         return x
 
     def extra_repr(self) -> str:
-        return f"layers=[{self.start}, {self.end}), seed={self.seed}"
+        runs = "" if self.active == (self.start, self.end) else f", active={list(self.active)}"
+        return f"layers=[{self.start}, {self.end}){runs}, seed={self.seed}"
 
 
 def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:

@@ -56,7 +56,7 @@ from torch import Tensor, nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from geopipe.checkpoint.format import ADAM_MOMENTS, ADAM_STATE_GROUPS, PARAMS_GROUP
-from geopipe.model.gpt import GPTConfig, GPTStage, lm_loss
+from geopipe.model.gpt import GPTConfig, GPTStage, lm_loss, num_layers
 from geopipe.runtime.backward import (
     ActivationMeter,
     WeightGradStore,
@@ -97,6 +97,13 @@ class EngineConfig:
     seed: int = 0
     lr_schedule: Literal["cosine", "constant"] = "cosine"
     micro_batch_size: int = 1
+    # A mixed plan's factor on this replica's weight gradients (1 for identical pipelines;
+    # [Note: gradient scale of a mixed plan] in geopipe.runtime.sitegroups).
+    grad_scale: float = 1.0
+    # Reduce and step once after the iteration's sends instead of inside the last backward:
+    # a mixed plan's ZeRO-1 group may span stages of one pipeline, and a downstream stage
+    # blocked in the all-reduce would never send the upstream one its last gradient.
+    defer_step: bool = False
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -111,6 +118,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.betas must be two values in [0, 1), got {self.betas}")
         if not self.eps > 0:
             raise ValueError(f"EngineConfig.eps must be > 0, got {self.eps}")
+        if not (self.grad_scale > 0 and math.isfinite(self.grad_scale)):
+            raise ValueError(f"EngineConfig.grad_scale must be > 0, got {self.grad_scale}")
         if self.lr_schedule not in ("cosine", "constant"):
             raise ValueError(
                 f"EngineConfig.lr_schedule must be 'cosine' or 'constant', got {self.lr_schedule!r}"
@@ -144,6 +153,18 @@ def param_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
     return [g for g in groups if g["params"]]
+
+
+def _runs(name: str, layers: tuple[int, int], cfg: GPTConfig) -> bool:
+    """Whether parameter ``name`` (``embed.*``, ``blocks.<i>.*``, ``head.*``) is in ``layers``."""
+    head = name.split(".", 1)[0]
+    if head == "embed":
+        index = 0
+    elif head == "head":
+        index = num_layers(cfg) - 1
+    else:
+        index = int(name.split(".")[1]) + 1
+    return layers[0] <= index < layers[1]
 
 
 def _adam_partition_states(zero_optimizer: Any) -> list[dict[str, Tensor]]:
@@ -217,6 +238,7 @@ class StageEngine:
         group_ranks: list[list[int]],
         my_group: int,
         cfg: EngineConfig,
+        hold: tuple[int, int] | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("call init_process_group() before building a StageEngine")
@@ -229,7 +251,13 @@ class StageEngine:
         if not 0 <= my_group < len(group_ranks) or rank not in group_ranks[my_group]:
             raise ValueError(f"rank {rank} is not in group_ranks[{my_group}] of {group_ranks}")
         self.cfg = cfg
-        self.module = GPTStage(model_cfg, layers[0], layers[1], seed=cfg.seed)
+        # ``hold``: the layers of this replica's ZeRO-1 group when it runs only some of them
+        # (a mixed plan: [Note: ZeRO-1 groups of a mixed plan] in geopipe.runtime.sitegroups).
+        hold = tuple(layers) if hold is None else tuple(hold)
+        self.module = GPTStage(model_cfg, hold[0], hold[1], seed=cfg.seed, active=tuple(layers))
+        active = {id(p) for n, p in self.module.named_parameters() if _runs(n, layers, model_cfg)}
+        self._idle = [p for p in self.module.parameters() if id(p) not in active]
+        self._scale = cfg.grad_scale
 
         # Collective over the whole world: same groups, same order on every rank.
         dp_groups = [dist.new_group(ranks) for ranks in group_ranks]
@@ -264,6 +292,8 @@ class StageEngine:
             },
             "zero_optimization": {"stage": 1},
             "steps_per_print": 2**31 - 1,
+            # False: backward never reduces; step() is the boundary (end_iteration).
+            "managed_gradient_accumulation": not cfg.defer_step,
         }
         # The LR schedule is a plain torch LambdaLR, built by DeepSpeed on its torch optimizer
         # (so it scales the groups ZeRO steps with) and stepped once per optimizer step:
@@ -325,7 +355,9 @@ class StageEngine:
         if not self.module.has_head:
             raise RuntimeError("backward_last() is only for the stage holding the head")
         loss = lm_loss(self._pop_output(mb), targets.to(self.device))
-        self.engine.backward(loss)
+        self._idle_grads()
+        self.engine.backward(loss if self._scale == 1.0 else loss * self._scale)
+        self._unscale_input(mb)
         self._step()
         self._done(mb)
         return loss.item()
@@ -340,9 +372,24 @@ class StageEngine:
             raise RuntimeError("the last stage computes its own loss: use backward_last()")
         out = self._pop_output(mb)
         surrogate = (out * grad_out.to(device=out.device, dtype=out.dtype)).sum()
-        self.engine.backward(surrogate, scale_wrt_gas=False)
+        self._idle_grads()
+        self.engine.backward(surrogate * self._scale, scale_wrt_gas=False)
+        self._unscale_input(mb)
         self._step()
         self._done(mb)
+
+    def _idle_grads(self) -> None:
+        """Zero gradients on held layers this replica does not run: every replica of the
+        group must reduce the same parameters (DeepSpeed skips those without a gradient)."""
+        for p in self._idle:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+
+    def _unscale_input(self, mb: int) -> None:
+        """The input gradient goes upstream without this replica's weight-gradient factor."""
+        x = self._inputs.get(mb)
+        if self._scale != 1.0 and x is not None and x.grad is not None:
+            x.grad.div_(self._scale)
 
     def _done(self, mb: int) -> None:
         self.meter.release(mb)
@@ -381,21 +428,33 @@ class StageEngine:
         if mb not in self._weight_pending:
             raise KeyError(f"micro-batch {mb} has no input-gradient pass awaiting W")
         kind, *state = self._weight_pending.pop(mb)
-        if kind == "full":
+        self._idle_grads()
+        if kind == "full":  # the first stage: nothing goes upstream
             root, scale = state
-            self.engine.backward(root, scale_wrt_gas=scale)
+            self.engine.backward(root * self._scale, scale_wrt_gas=scale)
         else:
             grads = self.store.weight_gradients(mb)
-            self.engine.backward(weight_surrogate(self.store.params, grads), scale_wrt_gas=False)
+            surrogate = weight_surrogate(self.store.params, grads)
+            self.engine.backward(surrogate * self._scale, scale_wrt_gas=False)
         self._step()
         self._done(mb)
 
     def _step(self) -> None:
         # DeepSpeed's step: a no-op but for the micro-batch that ends gradient accumulation,
         # where it reduces the gradients in the ZeRO-1 group and runs Adam.
+        if self.cfg.defer_step:
+            return
         t0 = time.perf_counter()
         self.engine.step()
         self.optimizer_s += time.perf_counter() - t0
+
+    def end_iteration(self) -> None:
+        """After the iteration's sends: the deferred reduction and optimizer step (only
+        with ``defer_step``; otherwise the last backward has already stepped)."""
+        if self.cfg.defer_step:
+            t0 = time.perf_counter()
+            self.engine.step()
+            self.optimizer_s += time.perf_counter() - t0
 
     def input_grad(self, mb: int) -> Tensor | None:
         """Gradient w.r.t. micro-batch ``mb``'s input (None on the first stage); frees ``mb``."""

@@ -14,6 +14,7 @@ from geopipe.config import ClusterSpec
 from geopipe.plan import Plan
 from geopipe.runtime.cluster import LaunchError, site_resource
 from geopipe.runtime.links import WanPeer
+from geopipe.runtime.sitegroups import grad_scale, site_worlds
 from geopipe.runtime.stage import StageSpec, StageWorker
 from geopipe.transport.link import LinkParams
 
@@ -51,10 +52,16 @@ class Placement:
         ]
 
     def place(self, plan: Plan) -> None:
-        """Create every actor of ``plan`` (each in its stage's site)."""
+        """Create every actor of ``plan`` (each in its stage's site). ``rows[k]`` holds stage
+        ``k`` of every pipeline that has one (all of them unless the plan mixes templates)."""
         self.plan = plan
-        self.rows = [[self.create(k, r) for r in range(plan.pipelines)]
+        self.rows = [[self.create(k, r) for r in range(plan.replicas(k))]
                      for k in range(plan.num_stages)]  # fmt: skip
+
+    def actor_sites(self) -> list[tuple[Any, str]]:
+        """Every actor of the layout with its site."""
+        return [(a, self.plan.site_of(k, r)) for k, row in enumerate(self.rows)
+                for r, a in enumerate(row)]  # fmt: skip
 
     def create(self, k: int, r: int) -> Any:
         """A new actor for stage ``k`` replica ``r`` of the current plan."""
@@ -69,7 +76,7 @@ class Placement:
         actor = cls.options(
             name=name,
             namespace=spec.ray.namespace,
-            resources={site_resource(plan.stage_sites[k]): 1},
+            resources={site_resource(plan.site_of(k, r)): 1},
             num_cpus=0,
             num_gpus=1 if self.use_gpu else 0,
             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
@@ -125,8 +132,18 @@ class Placement:
 
     # -- what each actor is told -------------------------------------------------------------
     def stage_spec(self, k: int, r: int) -> StageSpec:
-        plan, spec = self.plan, self.spec
+        """What actor ``(stage k, pipeline r)`` is told: its pipeline's own plan, and for a
+        mixed plan its ZeRO-1 group's layers and gradient scale (:mod:`.sitegroups`)."""
+        full, spec = self.plan, self.spec
+        plan = full.pipeline(r)
         m, t = spec.model, spec.training
+        hold, scale, first, stand_in = None, 1.0, None, True
+        if full.heterogeneous:
+            worlds = site_worlds(full)
+            hold = next(w.hold[(k, r)] for w in worlds if (k, r) in w.hold)
+            scale = grad_scale(full, (k, r), worlds)
+            first = full.first_microbatch(r)
+            stand_in = full.layers_of(k, r) == full.layers_of(k, 0)
         model = {
             "n_layer": m.n_layer, "n_embd": m.n_embd, "n_head": m.n_head,
             "vocab_size": m.vocab_size, "block_size": m.max_seq_len,
@@ -135,20 +152,22 @@ class Placement:
             "lr": t.lr, "weight_decay": t.weight_decay, "grad_clip": t.grad_clip,
             "warmup_steps": t.warmup_steps, "total_steps": max(self.lr_horizon, t.steps),
             "micro_batches": plan.num_microbatches, "seed": t.seed,
-            "micro_batch_size": plan.micro_batch_size,
+            "micro_batch_size": plan.micro_batch_size, "grad_scale": scale,
+            "defer_step": full.heterogeneous,
         }  # fmt: skip
         return StageSpec(
             run=spec.name, stage=k, replica=r, plan=plan.to_dict(), model=model,
             engine=engine, global_batch=t.global_batch_size, seed=t.seed, data=t.data,
             data_max_bytes=t.data_max_bytes, topk_ratio=spec.plan.topk_ratio,
-            up_wan=self._wan_peer(k, k - 1) if k > 0 else None,
-            down_wan=self._wan_peer(k, k + 1) if k < plan.num_stages - 1 else None,
-            recovery_snapshots=t.recovery_snapshots,
+            up_wan=self._wan_peer(plan, k, k - 1) if k > 0 else None,
+            down_wan=self._wan_peer(plan, k, k + 1) if k < plan.num_stages - 1 else None,
+            recovery_snapshots=t.recovery_snapshots, hold=hold, first_microbatch=first,
+            stand_in_writer=stand_in,
         )  # fmt: skip
 
-    def _wan_peer(self, src: int, dst: int) -> WanPeer | None:
-        """How stage ``src`` sends to its neighbour ``dst`` if that hop crosses sites."""
-        plan = self.plan
+    def _wan_peer(self, plan: Plan, src: int, dst: int) -> WanPeer | None:
+        """How stage ``src`` of one pipeline's ``plan`` sends to its neighbour ``dst`` if
+        that hop crosses sites."""
         a, b = plan.stage_sites[src], plan.stage_sites[dst]
         if a == b:
             return None
@@ -174,32 +193,30 @@ class Placement:
         plan = self.plan
         self.site_rank = {}
         # Receivers first: a sender connects to its WAN neighbour's address at setup.
-        sites, p = plan.stage_sites, plan.num_stages
-        wan = {
-            k for k in range(p) if any(0 <= j < p and sites[j] != sites[k] for j in (k - 1, k + 1))
-        }
-        crossing = [(k, r) for k in sorted(wan) for r in range(plan.pipelines)]
+        def crosses(k: int, r: int) -> bool:
+            return any(0 <= j < plan.depth(r) and plan.site_of(j, r) != plan.site_of(k, r)
+                       for j in (k - 1, k + 1))  # fmt: skip
+
+        crossing = [key for key in plan.actors() if crosses(*key)]
         got = ray.get([self.rows[k][r].listen.remote() for k, r in crossing])
         self.wan_addresses = addr = dict(zip(crossing, got, strict=True))
         calls = []
-        for site in dict.fromkeys(plan.stage_sites):
-            stages = [k for k in range(plan.num_stages) if plan.stage_sites[k] == site]
-            d = plan.pipelines
-            world = d * len(stages)
-            rank = {(k, r): li * d + r for li, k in enumerate(stages) for r in range(d)}
-            groups = [[li * d + r for r in range(d)] for li in range(len(stages))]
-            master = ray.get(self.rows[stages[0]][0].endpoint.remote())
+        for world in site_worlds(plan):
+            rank = {key: i for i, key in enumerate(world.members)}
+            groups = [list(g) for g in world.groups]
+            k0, r0 = world.members[0]
+            master = ray.get(self.rows[k0][r0].endpoint.remote())
             for (k, r), rk in rank.items():
                 self.site_rank[id(self.rows[k][r])] = rk
-            for li, k in enumerate(stages):
-                for r in range(d):
-                    up_rank, down_rank = rank.get((k - 1, r)), rank.get((k + 1, r))
-                    up = addr[(k - 1, r)] if k > 0 and up_rank is None else None
-                    last = k == plan.num_stages - 1
-                    down = addr[(k + 1, r)] if not last and down_rank is None else None
-                    calls.append(
-                        self.rows[k][r].setup.remote(
-                            master, rank[(k, r)], world, groups, li, up_rank, down_rank, up, down
-                        )
-                    )
+            for k, r in world.members:
+                up_rank, down_rank = rank.get((k - 1, r)), rank.get((k + 1, r))
+                up = addr[(k - 1, r)] if k > 0 and up_rank is None else None
+                last = k == plan.depth(r) - 1
+                down = addr[(k + 1, r)] if not last and down_rank is None else None
+                calls.append(
+                    self.rows[k][r].setup.remote(
+                        master, rank[(k, r)], len(world.members), groups,
+                        world.group_of[(k, r)], up_rank, down_rank, up, down,
+                    )  # fmt: skip
+                )
         ray.get(calls)

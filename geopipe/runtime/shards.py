@@ -58,19 +58,22 @@ class ShardWriter:
         writer: bool,
         tensors: dict,
         on_gathered: Callable[[], None] | None = None,
+        only: set[str] | None = None,
     ) -> None:
         """Write the shard of boundary ``step`` once ``state`` is gathered (in the background).
 
         ``tensors`` are extra tensors to store (codec state); ``writer`` says whether this
         replica writes (the others only take part in the gather and keep a fallback);
-        ``directory`` None: encode the shard in memory for the sites' stores to pull."""
+        ``directory`` None: encode the shard in memory for the sites' stores to pull;
+        ``only``: the parameter names to write (a mixed plan's engine holds more)."""
         rng = capture_rng()
 
         def write_file() -> ShardInfo:
             st = state.result()
             out = dict(tensors)
             for group in ADAM_STATE_GROUPS:
-                out.update({f"{group}/{n}": t for n, t in st[group].items()})
+                out.update({f"{group}/{n}": t for n, t in st[group].items()
+                            if only is None or n in only})  # fmt: skip
             meta = {"adam_step": st["step"], "lr_step": st["lr_step"], "layers": layers}
             if self.write_delay_s:
                 time.sleep(self.write_delay_s)

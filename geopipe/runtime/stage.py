@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from geopipe.config import RECOVERY_SNAPSHOTS_KEPT
-from geopipe.model.data import Corpus, TokenStream, global_indices
-from geopipe.model.gpt import GPTConfig
+from geopipe.model.data import Corpus, TokenStream, sample_indices
+from geopipe.model.gpt import GPTConfig, GPTStage
 from geopipe.pipeline.schedule import make_schedule
 from geopipe.plan import Plan
 from geopipe.runtime import linkprobe
@@ -64,6 +64,13 @@ class StageSpec:
     down_wan: WanPeer | None = None
     recv_timeout_s: float = 600.0
     recovery_snapshots: bool = True  # keep boundary snapshots after every step
+    # Mixed plans ([Note: heterogeneous plans] in geopipe.plan): the layers this replica's
+    # engine holds (None: its own), where its pipeline's micro-batches start in the global
+    # batch, and whether it may write its stage's checkpoint shard in place of a dead
+    # writer (it runs the same layers as that writer).
+    hold: tuple[int, int] | None = None
+    first_microbatch: int | None = None  # None: replica × micro-batches (identical pipelines)
+    stand_in_writer: bool = True
 
 
 class StageWorker:
@@ -131,8 +138,9 @@ class StageWorker:
 
         t0 = time.perf_counter()
         init_process_group(site_rank, site_world, master[0], master[1], timeout_s)
+        hold = tuple(self.spec.hold) if self.spec.hold is not None else None
         self.engine = StageEngine(
-            self.model_cfg, self.layers, groups, my_group, EngineConfig(**self.spec.engine)
+            self.model_cfg, self.layers, groups, my_group, EngineConfig(**self.spec.engine), hold
         )
         s, links = self.spec, self.links
         if up_rank is not None:
@@ -160,10 +168,10 @@ class StageWorker:
     # -- one iteration -------------------------------------------------------------------------
     def _batch(self, step: int, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
         plan = self.plan
-        idx = global_indices(
-            step, self.spec.global_batch, self.spec.replica, plan.pipelines, mb,
-            plan.micro_batch_size,
-        )  # fmt: skip
+        first = self.spec.first_microbatch
+        if first is None:
+            first = self.spec.replica * plan.num_microbatches
+        idx = sample_indices(step, self.spec.global_batch, first + mb, plan.micro_batch_size)
         return self.stream.batch(idx, plan.seq_len)
 
     def run_iteration(self, step: int, record: bool = False) -> IterationResult:
@@ -261,15 +269,24 @@ class StageWorker:
         self.shards.save(
             directory, step, self.boundaries.future(step), stage=self.k,
             layers=list(self.layers), writer=self.spec.replica == 0,
-            tensors=self.links.codec_state(),
+            tensors=self.links.codec_state(), only=self._own_names(),
             on_gathered=(lambda: self.boundaries.discard(step)) if taken_for_save else None,
         )  # fmt: skip
         return time.perf_counter() - t0
+
+    def _own_names(self) -> set[str] | None:
+        """The parameters of this replica's own layers when its engine holds more."""
+        if self.spec.hold is None or tuple(self.spec.hold) == self.layers:
+            return None
+        return {n for n, _ in GPTStage(self.model_cfg, *self.layers).named_parameters()}
 
     def shard_written(self) -> Any:
         return self.shards.written()
 
     def write_shard_instead(self, step: int) -> Any:
+        if not self.spec.stand_in_writer:  # its layers differ from the writer's
+            raise RuntimeError(f"stage {self.k} of pipeline {self.spec.replica} cannot write "
+                               "this stage's shard")  # fmt: skip
         return self.shards.write_instead(step)
 
     def release_shard(self, step: int) -> None:

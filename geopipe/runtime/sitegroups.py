@@ -1,0 +1,97 @@
+"""Each site's ``torch.distributed`` world and its ZeRO-1 groups, for uniform and mixed plans.
+
+Pure (no Ray, no DeepSpeed): :class:`~geopipe.runtime.placement.Placement` wires actors by
+it and the tests check it without a cluster.
+
+[Note: ZeRO-1 groups of a mixed plan] A layer's gradient must be reduced over every actor
+that runs it — one per pipeline — and those actors all sit in the layer's site (templates
+of one mix agree on every layer's site). With identical pipelines the actors of a stage
+run the same layers, and a stage's replicas are the group, as DeepSpeed expects. Mixed
+pipelines cut a site's layers differently (pipeline A runs layers 0–1 and 2–3 on two
+devices, pipeline B all four on one), so the sets of actors sharing a layer overlap
+without being equal. DeepSpeed keeps one data-parallel group per process (its ``mpu`` is
+module-global), so per-layer groups inside one engine are not available; hand-writing
+ZeRO-1 per layer group would give up DeepSpeed's tested optimizer, sharding and state
+gathering. Instead the actors linked by shared layers form one group (a connected
+component), and each of them holds the union of the group's layers in its engine: it
+computes only its own layers, the others' gradients are zero on it, and the group's
+all-reduce then sums exactly the contributions of the actors that ran each layer. The
+cost, paid only by mixed plans: each such actor keeps the union's weights and gradients
+(the Adam state is still sharded 1/R over the group) and the reduction moves the union,
+inside the site. Uniform plans get exactly the per-stage groups.
+
+[Note: gradient scale of a mixed plan] DeepSpeed divides the last stage's loss by the
+pipeline's micro-batch count ``M_r`` and the group's reduced gradient by its size ``R``.
+The step needs the mean over all ``M`` micro-batches of the global batch, so each actor
+multiplies the gradient it accumulates into its weights by ``M_r · R / M``
+(:func:`grad_scale`; exactly 1 for identical pipelines) and sends upstream the input
+gradient without that factor, so the next stage applies its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from geopipe.plan import Plan
+
+__all__ = ["Key", "SiteWorld", "grad_scale", "site_worlds"]
+
+Key = tuple[int, int]  # (stage, pipeline)
+
+
+@dataclass(frozen=True)
+class SiteWorld:
+    """One site's process group: its members in rank order and their ZeRO-1 groups."""
+
+    site: str
+    members: tuple[Key, ...]  # rank i is members[i]
+    groups: tuple[tuple[int, ...], ...]  # ranks of each ZeRO-1 group; they partition the world
+    group_of: dict[Key, int] = field(default_factory=dict)
+    hold: dict[Key, tuple[int, int]] = field(default_factory=dict)  # layers each engine holds
+
+    def rank(self, key: Key) -> int:
+        return self.members.index(key)
+
+
+def site_worlds(plan: Plan) -> list[SiteWorld]:
+    """The worlds of ``plan``'s sites, in pipeline order of first appearance.
+
+    Ranks go stage by stage, pipelines in order (for identical pipelines: ``stage·D + r``,
+    each stage's replicas one group)."""
+    out = []
+    for site in dict.fromkeys(plan.site_of(k, r) for k, r in plan.actors()):
+        members = tuple(key for key in plan.actors() if plan.site_of(*key) == site)
+        parent = list(range(len(members)))
+
+        def find(i: int) -> int:
+            while parent[i] != i:
+                parent[i] = parent[parent[i]]
+                i = parent[i]
+            return i
+
+        ranges = [plan.layers_of(*key) for key in members]
+        for i, (a, z) in enumerate(ranges):
+            for j in range(i):
+                b, y = ranges[j]
+                if a < y and b < z:  # they share a layer
+                    parent[find(i)] = find(j)
+        comps: dict[int, list[int]] = {}
+        for i in range(len(members)):
+            comps.setdefault(find(i), []).append(i)
+        groups = tuple(tuple(c) for c in sorted(comps.values()))
+        group_of, hold = {}, {}
+        for g, ranks in enumerate(groups):
+            lo = min(ranges[i][0] for i in ranks)
+            hi = max(ranges[i][1] for i in ranks)
+            for i in ranks:
+                group_of[members[i]], hold[members[i]] = g, (lo, hi)
+        out.append(SiteWorld(site, members, groups, group_of, hold))
+    return out
+
+
+def grad_scale(plan: Plan, key: Key, worlds: list[SiteWorld] | None = None) -> float:
+    """The factor actor ``key`` applies to its weight gradients (see the module note)."""
+    worlds = worlds if worlds is not None else site_worlds(plan)
+    world = next(w for w in worlds if key in w.group_of)
+    size = len(world.groups[world.group_of[key]])
+    return plan.microbatches_of(key[1]) * size / plan.total_microbatches
