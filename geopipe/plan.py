@@ -145,6 +145,13 @@ class Plan:
     def layers_of(self, k: int, r: int) -> tuple[int, int]:
         return tuple(self.mix[r].partition[k]) if self.mix else tuple(self.partition[k])
 
+    def describe(self) -> str:
+        """``2 pipeline(s) × 4 stages``, or for a mix each pipeline's depth."""
+        if not self.mix:
+            return f"{self.pipelines} pipeline(s) × {self.num_stages} stages"
+        depths = ", ".join(str(len(p.stage_sites)) for p in self.mix)
+        return f"{self.pipelines} pipelines of {depths} stages (mixed templates)"
+
     @property
     def shape(self) -> Shape:
         return Shape(self.pipelines, self.stage_sites)

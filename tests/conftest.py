@@ -34,7 +34,7 @@ def ray_cluster():
     ctx = ray.init(
         address="local",
         namespace="geopipe",
-        resources={"site:east": 2, "site:west": 2},
+        resources={"site:east": 3, "site:west": 3},  # up to 3 devices per site
         include_dashboard=True,
         dashboard_host="127.0.0.1",
         dashboard_port=_free_port(),

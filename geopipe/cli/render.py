@@ -189,11 +189,25 @@ def format_status(data: dict, state: str) -> str:
             f"recovered in place {len(rec)} time(s); last: step {last['failed_step']} failed, "
             f"continued at step {last['step']} after {last['seconds']:.1f} s"
         )
-    for st in data["stages"]:
-        lines.append(
-            f"  stage {st['stage']:>2}  site {st['site']:<12} layers {st['layers']}  "
-            f"{', '.join(st['actors'])}"
-        )
+    pipes = data.get("pipelines") or []
+    if data.get("plan", {}).get("mix") and pipes:  # mixed templates: each pipeline its own
+        lines.append(f"layout: {data.get('layout', '')}")
+        for p in pipes:
+            sites: dict[str, int] = {}
+            for st in p["stages"]:
+                sites[st["site"]] = sites.get(st["site"], 0) + 1
+            per = " + ".join(f"{n} {s}" for s, n in sites.items())
+            lines.append(f"  pipeline {p['pipeline']}: {per} stage(s), "
+                         f"{p['microbatches']} micro-batches")  # fmt: skip
+            for k, st in enumerate(p["stages"]):
+                lines.append(f"    stage {k:>2}  site {st['site']:<12} layers {st['layers']}  "
+                             f"{st['actor'] or '-'}")  # fmt: skip
+    else:
+        for st in data["stages"]:
+            lines.append(
+                f"  stage {st['stage']:>2}  site {st['site']:<12} layers {st['layers']}  "
+                f"{', '.join(st['actors'])}"
+            )
     lines += _checkpoint_lines(data)
     return "\n".join(lines)
 

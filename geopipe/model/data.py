@@ -22,9 +22,9 @@ __all__ = [
     "VOCAB_SIZE",
     "Corpus",
     "TokenStream",
-    "sample_indices",
     "global_indices",
     "micro_batches_per_pipeline",
+    "sample_indices",
 ]
 
 VOCAB_SIZE = 256
@@ -192,7 +192,9 @@ def micro_batches_per_pipeline(global_batch: int, num_pipelines: int, micro_batc
     return per_pipeline // micro_batch_size
 
 
-def sample_indices(step: int, global_batch: int, micro_batch: int, micro_batch_size: int) -> list[int]:
+def sample_indices(
+    step: int, global_batch: int, micro_batch: int, micro_batch_size: int
+) -> list[int]:
     """Sample indices of the ``micro_batch``-th micro-batch of the global batch at ``step``.
 
     Step ``s`` uses samples ``s*global_batch .. (s+1)*global_batch - 1`` in micro-batches

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from geopipe.config import ClusterSpec
@@ -88,6 +88,7 @@ class LayoutCandidate(Candidate):
 
     stage_sites: Layout = ()
     num_microbatches: int = 1
+    partition: tuple[tuple[int, int], ...] = ()  # () = balanced for the sites' speeds
 
 
 class _LayoutEvaluator(Evaluator):
@@ -119,6 +120,7 @@ class _LayoutEvaluator(Evaluator):
             schedule=c.schedule,
             delta_n=c.delta_n,
             codecs=c.codecs,
+            partition=c.partition,
         )
 
 
@@ -126,7 +128,8 @@ class LayoutPredictor:
     """Predicts layouts at fixed micro-batch size, sequence length, schedule and WAN codecs.
 
     ``codecs`` and ``plan_delta_n`` map a site pair ``(a, b)`` (hop ``a -> b``) to its codec
-    and to the running plan's ΔN there.
+    and to the running plan's ΔN there. ``partition_of`` gives a layout's layer ranges when
+    they are not the balanced ones (templates of a mix: :mod:`geopipe.optimizer.mixes`).
     """
 
     def __init__(
@@ -137,7 +140,9 @@ class LayoutPredictor:
         schedule: str,
         codecs: Mapping[tuple[str, str], str],
         plan_delta_n: Mapping[tuple[str, str], int] | None = None,
+        partition_of: Callable[[Layout], tuple[tuple[int, int], ...]] | None = None,
     ) -> None:
+        self.partition_of = partition_of
         self.micro_batch_size = micro_batch_size
         self.seq_len = seq_len
         self.schedule = schedule
@@ -162,6 +167,7 @@ class LayoutPredictor:
             schedule=self.schedule,
             stage_sites=stage_sites,
             num_microbatches=m,
+            partition=self.partition_of(stage_sites) if self.partition_of else (),
         )
 
     def plan(self, stage_sites: Layout, pipelines: int, m: int, delta_n: tuple[int, ...]) -> Plan:

@@ -15,8 +15,10 @@ After a failure the runtime reports what died and what survives; :func:`decide` 
 When devices come back, :func:`decide_grow` returns :class:`GrowBack` (switch to a faster
 layout at the next step boundary) or :class:`Stay`.
 
-The new layout is the best homogeneous one, :func:`geopipe.optimizer.templates.best_uniform`
-(the runtime runs ``D`` identical pipelines), judged with the planner's cost model.
+The new layout is the best homogeneous one, :func:`geopipe.optimizer.templates.best_uniform`,
+or — when it is predicted at least :data:`~geopipe.optimizer.mixes.MIN_GAIN` faster — a
+mix of templates over the alive devices (:func:`geopipe.optimizer.mixes.best_mix`, Oobleck's
+heterogeneous instantiation), judged with the planner's cost model.
 
 [Note: state survival] Every replica of a stage holds the stage's full parameters (ZeRO-1
 shards only the Adam state). The runtime's recovery snapshots keep, on every replica, the
@@ -34,6 +36,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from geopipe.optimizer.mixes import MIN_GAIN, best_mix
 from geopipe.optimizer.templates import Template, TemplateSet, best_uniform
 from geopipe.plan import Plan
 
@@ -79,8 +82,9 @@ class Failure:
             raise ValueError(f"devices_alive: negative counts for {neg}")
 
     def live_replicas(self, stage: int) -> list[int]:
-        """Replicas of ``stage`` still alive, in order."""
-        return [r for r in range(self.plan.pipelines) if (stage, r) not in self.dead]
+        """Replicas of ``stage`` still alive, in order (a mixed plan: pipelines that have a
+        stage ``stage``; its layers are pipeline 0's, see ``params_available``)."""
+        return [r for r in range(self.plan.replicas(stage)) if (stage, r) not in self.dead]
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,7 @@ class Reconfigure:
 
     template: Template
     plan: Plan
+    predicted_s: float | None = None  # the new layout's predicted iteration time
 
     @property
     def pipelines(self) -> int:
@@ -103,6 +108,7 @@ class RestoreFromCheckpoint:
     template: Template
     plan: Plan
     reason: str  # why live state was not enough
+    predicted_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -137,17 +143,17 @@ def decide(failure: Failure, templates: TemplateSet) -> Decision:
     (``build_templates(spec, plan=plan)``); the global batch stays what the plan ran.
     """
     plan = failure.plan
-    total = plan.pipelines * plan.num_microbatches
+    total = plan.total_microbatches
     alive = {s: n for s, n in failure.devices_alive.items() if s in templates.sites}
-    choice = best_uniform(templates, alive, total * plan.micro_batch_size, plan.micro_batch_size)
+    choice = best_layout(templates, alive, total * plan.micro_batch_size,
+                         plan.micro_batch_size, running=plan)  # fmt: skip
     have = ", ".join(f"{s}={alive.get(s, 0)}" for s in templates.sites)
     if choice is None:
         return Fail(
             f"the model no longer fits the alive devices ({have}): no pipeline layout over "
             f"the sites with devices left fits in memory (or their links form no chain)"
         )
-    template, d = choice
-    new = templates.plan_for(template, d, total // d)
+    template, new, new_s = choice
 
     owner = _old_stage_of_layers(plan)
     live = {k for k in range(plan.num_stages) if failure.live_replicas(k)}
@@ -156,7 +162,7 @@ def decide(failure: Failure, templates: TemplateSet) -> Decision:
     no_params = [x for x, k in enumerate(owner) if k not in params_ok]
     no_adam = [x for x, k in enumerate(owner) if k in params_ok and k not in adam_ok]
     if not no_params and not no_adam:
-        return Reconfigure(template, new)
+        return Reconfigure(template, new, new_s)
 
     lost = []
     if no_params:
@@ -165,8 +171,33 @@ def decide(failure: Failure, templates: TemplateSet) -> Decision:
         lost.append(f"layers {_layer_list(no_adam)} lost part of their optimizer state")
     reason = "; ".join(lost)
     if failure.checkpoint_step is not None:
-        return RestoreFromCheckpoint(failure.checkpoint_step, template, new, reason)
+        return RestoreFromCheckpoint(failure.checkpoint_step, template, new, reason, new_s)
     return Fail(f"{reason}, and there is no complete checkpoint to restore from")
+
+
+def best_layout(
+    templates: TemplateSet,
+    devices: Mapping[str, int],
+    global_batch: int,
+    micro_batch: int,
+    running: Plan | None = None,
+) -> tuple[Template, Plan, float] | None:
+    """The layout to run on ``devices``: the best identical pipelines, or a mix of
+    templates predicted at least ``MIN_GAIN`` faster; its (first) template, plan and
+    predicted iteration time. None if nothing fits."""
+    choice = best_uniform(templates, devices, global_batch, micro_batch)
+    if choice is None:
+        return None
+    template, d = choice
+    m = global_batch // (d * micro_batch)
+    plan = templates.plan_for(template, d, m)
+    pr = templates.predict(template.stages_per_site, d, m)
+    uniform_s = pr.iteration_time_s if pr is not None else float("inf")
+    mix = best_mix(templates, devices, global_batch, micro_batch, running=running)
+    if mix is not None and mix.iteration_time_s < (1 - MIN_GAIN) * uniform_s:
+        first = max(mix.instantiation.pipelines, key=lambda p: p.template.num_stages)
+        return first.template, mix.plan, mix.iteration_time_s
+    return template, plan, uniform_s
 
 
 @dataclass(frozen=True)
@@ -192,40 +223,47 @@ def decide_grow(
     global_batch: int,
     micro_batch: int,
     min_gain: float = 0.05,
+    now_s: float | None = None,
 ) -> GrowBack | Stay:
     """Whether to grow back onto ``devices_now`` (devices the running plan uses plus free
-    ones): only to the best uniform layout they allow, and only for a predicted gain of at
-    least ``min_gain``."""
-    choice = best_uniform(templates, devices_now, global_batch, micro_batch)
+    ones): to the layout :func:`best_layout` picks for them, and only for a predicted gain
+    of at least ``min_gain``. ``now_s``: the running plan's predicted time (a mixed plan's
+    must be given; identical pipelines are predicted here)."""
+    choice = best_layout(templates, devices_now, global_batch, micro_batch, running=plan)
     if choice is None:
         return Stay("no layout fits the devices")
-    template, d = choice
-    new_plan = templates.plan_for(template, d, global_batch // (d * micro_batch))
-
-    def vector(p: Plan) -> tuple[int, ...]:
-        return tuple(p.stage_sites.count(site) for site in templates.sites)
-
-    now = templates.predict(vector(plan), plan.pipelines, plan.num_microbatches)
-    new = templates.predict(vector(new_plan), d, new_plan.num_microbatches)
-    if now is None or new is None:
-        return Stay("no prediction for the layouts")
-    if new.iteration_time_s > (1 - min_gain) * now.iteration_time_s:
+    _, new_plan, new_s = choice
+    if now_s is None:
+        if plan.heterogeneous:
+            raise ValueError("decide_grow needs now_s for a mixed running plan")
+        vector = tuple(plan.stage_sites.count(site) for site in templates.sites)
+        now = templates.predict(vector, plan.pipelines, plan.num_microbatches)
+        if now is None:
+            return Stay("no prediction for the running layout")
+        now_s = now.iteration_time_s
+    if new_s > (1 - min_gain) * now_s:
         return Stay(f"predicted gain below {min_gain:.0%}")
-    return GrowBack(new_plan, now.iteration_time_s, new.iteration_time_s)
+    return GrowBack(new_plan, now_s, new_s)
 
 
 def newest_common_boundary(
-    have: dict[tuple[int, int], set[int]], num_stages: int, failed_step: int
+    have: dict[tuple[int, int], set[int]],
+    num_stages: int,
+    failed_step: int,
+    covers: Mapping[tuple[int, int], set[int]] | None = None,
 ) -> tuple[int | None, dict[int, list[tuple[int, int]]]]:
     """``have[(stage, replica)]``: the step boundaries a survivor holds in memory.
 
     The newest step boundary up to ``failed_step`` that, for every stage, some survivor
     holds; and who. Never a newer one: when the failure struck after every survivor had
     finished the step, its results (the losses) never reached the controller, so the step
-    is redone rather than skipped."""
+    is redone rather than skipped. ``covers[key]``: the stages whose state a survivor's
+    snapshot holds (default: its own; a mixed plan's survivor holds its group's layers,
+    which may cover several of pipeline 0's stages)."""
     held = set().union(*have.values()) if have else set()
+    cov = {key: (covers[key] if covers is not None else {key[0]}) for key in have}
     for s_ in sorted((b for b in held if b <= failed_step), reverse=True):
-        found = {k: [key for key in have if key[0] == k and s_ in have[key]]
+        found = {k: [key for key in have if k in cov[key] and s_ in have[key]]
                  for k in range(num_stages)}  # fmt: skip
         if all(found.values()):
             return s_, found

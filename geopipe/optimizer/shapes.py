@@ -103,14 +103,16 @@ def build_plan(
     schedule: str,
     delta_n: Sequence[int],
     codecs: Sequence[str],
+    partition: Sequence[tuple[int, int]] = (),
 ) -> Plan:
     """The plan of ``pipelines`` copies of one layout, its partition balanced for the sites
     (``delta_n`` and ``codecs``: one per stage boundary, 0 and "none" inside a site). A
-    ``lookahead-zb`` plan carries each stage's in-flight cap from its device memory."""
+    ``lookahead-zb`` plan carries each stage's in-flight cap from its device memory.
+    ``partition`` overrides the balanced one (a mixed plan's templates share a layer split)."""
     plan = Plan(
         pipelines=pipelines,
         stage_sites=tuple(stage_sites),
-        partition=partition_for(spec, stage_sites, seq_len),
+        partition=tuple(partition) or partition_for(spec, stage_sites, seq_len),
         micro_batch_size=micro_batch_size,
         seq_len=seq_len,
         num_microbatches=num_microbatches,

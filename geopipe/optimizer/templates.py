@@ -140,6 +140,8 @@ class TemplateSet:
         self.micro_batch_size = micro_batch_size
         self.seq_len = seq_len
         self.schedule = schedule
+        self.codecs = dict(codecs)
+        self.plan_delta_n = dict(plan_delta_n or {})
         self.num_layers = num_layers(spec.model.n_layer)
         gbs = spec.training.global_batch_size
         if gbs % micro_batch_size:
@@ -224,7 +226,7 @@ class TemplateSet:
             sites=self.sites,
             stages_per_site=v,
             stage_sites=stage_sites,
-            partition=partition_for(self.spec, stage_sites, self.seq_len),
+            partition=self.partition_of(stage_sites),
             num_microbatches=self.num_microbatches,
             iteration_time_s=pr.iteration_time_s,
             per_microbatch_s=pr.per_microbatch_s,
@@ -236,6 +238,10 @@ class TemplateSet:
         )
         self.templates[v] = t
         return t
+
+    def partition_of(self, stage_sites: tuple[str, ...]) -> tuple[tuple[int, int], ...]:
+        """A layout's layer ranges: balanced for the sites' device speeds."""
+        return partition_for(self.spec, stage_sites, self.seq_len)
 
     def lower_bound(self, v: Vector, pipelines: int, num_microbatches: int) -> float:
         """A cheap bound no prediction of this layout can beat (the simulator's)."""
@@ -252,6 +258,7 @@ class TemplateSet:
         return build_plan(
             self.spec,
             template.stage_sites,
+            partition=template.partition,
             pipelines=pipelines,
             micro_batch_size=self.micro_batch_size,
             seq_len=self.seq_len,

@@ -101,6 +101,7 @@ class CheckpointCoordinator:
         manifest: Callable[[int], dict],
         synchronous: bool = False,
         stage_sites: Callable[[], list[str]] = list,
+        actor_sites: Callable[[], list[tuple[Any, str]]] | None = None,
     ) -> None:
         self.root = Path(spec.training.checkpoint.dir or run_dir / "checkpoints")
         self.reporter = reporter
@@ -111,7 +112,7 @@ class CheckpointCoordinator:
         self.skipped: list[tuple[str, str]] = []  # (checkpoint, why) skipped on resume
         self.copies: SiteCopies | None = None
         if spec.training.checkpoint.per_site:
-            self.copies = SiteCopies(spec, reporter, actors, stage_sites, manifest)
+            self.copies = SiteCopies(spec, reporter, actors, stage_sites, manifest, actor_sites)
         self.spec = spec
 
     @property

@@ -137,6 +137,7 @@ class Controller:
             self.spec, self.run_dir, self.reporter, self._rows, self._manifest,
             synchronous=opts.checkpoint_sync,
             stage_sites=lambda: list(self.plan.stage_sites) if self.plan else [],
+            actor_sites=lambda: self.placement.actor_sites() if self.placement else [],
         )  # fmt: skip
         self.placement = self.recovery = self.calibrator = None
         self.cluster = self.plan = self.predicted = None
@@ -194,9 +195,7 @@ class Controller:
         self.reporter.dashboard_url = self.cluster.dashboard_url
         self.reporter.ray_address = self.cluster.address
         check_sites(self.spec, self.plan, ray.cluster_resources())
-        use_gpu = (
-            ray.cluster_resources().get("GPU", 0) >= self.plan.pipelines * self.plan.num_stages
-        )
+        use_gpu = ray.cluster_resources().get("GPU", 0) >= len(self.plan.actors())
         self.placement = Placement(self.spec, self.lr_horizon, use_gpu)
         self.placement.place(self.plan)
         self.placement.wire()
@@ -330,6 +329,13 @@ class Controller:
         m = aggregate(results, self.plan.num_stages, tokens)
         self._result.steps.append(m)
         self.reporter.step(m, self.calibrator.predicted_s)
+        if self.plan.heterogeneous:
+            # The calibration model replays one uniform layout; a mix keeps the planner's
+            # prediction (its pipelines' ΔN were chosen with it).
+            self._status(step + 1)
+            self._last_results = results
+            self.checkpoints.poll()
+            return
         cal = self.calibrator.observe(step, self.plan, results)  # predicts the next step
         if cal.event is not None:
             self.reporter.event("calibrated", **cal.event)
@@ -360,6 +366,8 @@ class Controller:
         """A new layout runs from ``step``: measure it afresh."""
         self._set_plan(self.placement.plan)
         self.calibrator.restart(step)
+        if self.plan.heterogeneous and self.recovery.layout_s is not None:
+            self.calibrator.predicted_s = self.recovery.layout_s  # not calibrated for mixes
 
     def _set_plan(self, plan: Plan) -> None:
         self.plan = self.placement.plan = plan
@@ -416,7 +424,7 @@ class Controller:
         """The whole model's unsharded parameters and Adam state, keyed by parameter name.
 
         ``full_state`` is collective inside each ZeRO-1 group, so every replica is asked;
-        replica 0's copy of each stage is kept.
+        replica (pipeline) 0's copy of each stage is kept.
         """
         import ray
 
@@ -425,9 +433,10 @@ class Controller:
         rows = self._rows()
         states = ray.get([a.full_state.remote() for row in rows for a in row])
         out: dict = {**{g: {} for g in ADAM_STATE_GROUPS}, "step": None}
-        d = self.plan.pipelines
-        for k in range(len(rows)):
-            st = states[k * d]
+        first = 0
+        for row in rows:
+            st = states[first]
+            first += len(row)
             for g in ADAM_STATE_GROUPS:
                 out[g].update(st[g])
             out["step"] = st["step"]

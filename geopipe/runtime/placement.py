@@ -192,6 +192,7 @@ class Placement:
 
         plan = self.plan
         self.site_rank = {}
+
         # Receivers first: a sender connects to its WAN neighbour's address at setup.
         def crosses(k: int, r: int) -> bool:
             return any(0 <= j < plan.depth(r) and plan.site_of(j, r) != plan.site_of(k, r)
@@ -217,6 +218,6 @@ class Placement:
                     self.rows[k][r].setup.remote(
                         master, rank[(k, r)], len(world.members), groups,
                         world.group_of[(k, r)], up_rank, down_rank, up, down,
-                    )  # fmt: skip
-                )
+                    )
+                )  # fmt: skip
         ray.get(calls)

@@ -72,6 +72,7 @@ class Recovery:
         self.reporter = reporter
         self.health = health
         self.templates: Any = None  # built at launch (build_templates), before anything fails
+        self.layout_s: float | None = None  # the running layout's predicted step time
 
     @property
     def plan(self) -> Plan:
@@ -101,7 +102,8 @@ class Recovery:
         released = self._release(survivors, ref_of, grace_s)
         have = {k: set(quiet_get([a.boundary_steps.remote()], 30)[0] or [])
                 for k, a in survivors.items()}  # fmt: skip
-        boundary, holders = newest_common_boundary(have, self.plan.num_stages, step)
+        boundary, holders = newest_common_boundary(have, self.plan.num_stages, step,
+                                                   self._covers(list(have)))  # fmt: skip
         decision, ckpt = self._decide([*dead, *released], [*survivors, *released], boundary,
                                       holders)  # fmt: skip
         if isinstance(decision, Fail):
@@ -111,10 +113,11 @@ class Recovery:
                 f"checkpoint under {self.checkpoints.where()} is intact"
             )
         new_plan = decision.plan
-        sources = [] if ckpt is not None else [(survivors[key], key[0]) for key in survivors
+        sources = [] if ckpt is not None else [(survivors[key], key) for key in survivors
                                                if boundary in have[key]]  # fmt: skip
-        pool = [(a, key[0]) for key, a in survivors.items()]
+        pool = list((a, key) for key, a in survivors.items())
         moved = self.relayout(new_plan, pool, boundary, sources, ckpt)
+        self.layout_s = decision.predicted_s
         resume_at = ckpt.step if ckpt is not None else boundary
         seconds = time.perf_counter() - t0
         restored = None
@@ -137,8 +140,8 @@ class Recovery:
         if ckpt is not None:
             how = f"checkpoint {ckpt.name}" + (f" (site {ckpt.site}'s copy)" if ckpt.site else "")
         print(
-            f"geopipe: recovered in {seconds:.1f} s from {how}: {new_plan.pipelines} pipeline(s) "
-            f"× {new_plan.num_stages} stages, continuing at step {resume_at}",
+            f"geopipe: recovered in {seconds:.1f} s from {how}: {new_plan.describe()}, "
+            f"continuing at step {resume_at}",
             file=sys.stderr,
         )
         self.reporter.recoveries.append(
@@ -170,10 +173,19 @@ class Recovery:
     def _lost_sites(self, dead: list[Key]) -> list[str]:
         """Sites of the running plan none of whose actors survive."""
         plan, gone = self.plan, set(dead)
-        sites = dict.fromkeys(plan.stage_sites)
-        return [s for s in sites
-                if all((k, r) in gone for k in range(plan.num_stages)
-                       if plan.stage_sites[k] == s for r in range(plan.pipelines))]  # fmt: skip
+        sites = dict.fromkeys(plan.site_of(*key) for key in plan.actors())
+        keys = plan.actors()
+        return [s for s in sites if all(k in gone for k in keys if plan.site_of(*k) == s)]
+
+    def _covers(self, keys: list[Key]) -> dict[Key, set[int]]:
+        """Pipeline 0's stages whose layers each actor's snapshots hold (its ZeRO-1 group's
+        layers: in a mixed plan possibly more than its own stage's)."""
+        from geopipe.runtime.sitegroups import site_worlds
+
+        plan = self.plan
+        hold = {key: h for w in site_worlds(plan) for key, h in w.hold.items()}
+        return {key: {j for j, (a, z) in enumerate(plan.partition)
+                      if hold[key][0] <= a and z <= hold[key][1]} for key in keys}  # fmt: skip
 
     def _release(self, survivors: dict[Key, Any], ref_of: dict[Key, Any], grace_s: float) -> list:
         """Stop the survivors' iteration and have them leave their process groups; returns
@@ -213,8 +225,8 @@ class Recovery:
         from geopipe.optimizer.templates import build_templates
 
         devices = {site.name: 0 for site in self.spec.sites}
-        for k, _r in used:
-            devices[self.plan.stage_sites[k]] += 1
+        for key in used:
+            devices[self.plan.site_of(*key)] += 1
         if self.templates is None:
             self.templates = build_templates(self.spec, plan=self.plan)
         alive = [s for s, n in devices.items() if n > 0]
@@ -242,8 +254,8 @@ class Recovery:
         plan, spec = self.plan, self.spec
         avail = ray.available_resources()
         used = {site.name: 0 for site in spec.sites}
-        for k, row in enumerate(self.placement.rows):
-            used[plan.stage_sites[k]] += len(row)
+        for _, site in self.placement.actor_sites():
+            used[site] += 1
         devices = {
             site.name: min(
                 site.devices, used[site.name] + int(avail.get(site_resource(site.name), 0))
@@ -252,8 +264,9 @@ class Recovery:
         }
         if devices == used:
             return Stay("no free devices")
+        now_s = self.layout_s if plan.heterogeneous else None
         return decide_grow(self.templates, plan, devices, spec.training.global_batch_size,
-                           plan.micro_batch_size)  # fmt: skip
+                           plan.micro_batch_size, now_s=now_s)  # fmt: skip
 
     def grow(self, step: int, decision: GrowBack) -> float:
         """Switch to ``decision.plan`` at step boundary ``step``: new actors take the free
@@ -262,7 +275,7 @@ class Recovery:
 
         t0 = time.perf_counter()
         flat = self.placement.flat()
-        pool = [(a, k) for k, row in enumerate(self.placement.rows) for a in row]
+        pool = list((a, key) for key, a in self.placement.roles().items())
         if not self.spec.training.recovery_snapshots:  # then none is kept between steps
             ray.get([a.snapshot.remote(step) for a in flat])
         for a in flat:  # the boundary snapshot of this step, complete everywhere
@@ -271,12 +284,13 @@ class Recovery:
                 time.sleep(0.05)
         ray.get([a.leave.remote() for a in flat])
         moved = self.relayout(decision.plan, pool, step, pool)
+        self.layout_s = decision.predicted_new_s
         seconds = time.perf_counter() - t0
         self.reporter.event("grown", step=step, seconds=seconds, moved=moved,
                             plan=decision.plan.to_dict())  # fmt: skip
         print(
-            f"geopipe: devices are back: now {decision.plan.pipelines} pipeline(s) × "
-            f"{decision.plan.num_stages} stages (took {seconds:.1f} s), at step {step}",
+            f"geopipe: devices are back: now {decision.plan.describe()} (took {seconds:.1f} s), "
+            f"at step {step}",
             file=sys.stderr,
         )
         return seconds
@@ -285,35 +299,36 @@ class Recovery:
     def relayout(
         self,
         new_plan: Plan,
-        pool: list[tuple[Any, int]],
+        pool: list[tuple[Any, Key]],
         step: int,
-        holders: list[tuple[Any, int]],
+        holders: list[tuple[Any, Key]],
         ckpt: Any = None,
     ) -> dict[str, int]:
-        """Lay ``new_plan`` over ``pool`` — (actor, stage it held) pairs whose process groups
-        are already left — preferring, per site, actors that keep their layers; slots no
-        pooled actor can take get new actors. Then restore every actor to step boundary
-        ``step`` from ``holders`` — (actor, old stage) pairs with that snapshot — or from
-        ``ckpt``; pooled actors left over serve as sources until every load is done, then
-        stop. Returns the bytes moved per path (see :mod:`geopipe.runtime.handoff`)."""
+        """Lay ``new_plan`` over ``pool`` — (actor, (stage, pipeline) it held) pairs whose
+        process groups are already left — preferring, per site, actors that keep their
+        layers; slots no pooled actor can take get new actors. Then restore every actor to
+        step boundary ``step`` from ``holders`` — (actor, old key) pairs with that snapshot —
+        or from ``ckpt``; pooled actors left over serve as sources until every load is done,
+        then stop. Returns the bytes moved per path (see :mod:`geopipe.runtime.handoff`)."""
         import ray
 
         pl = self.placement
         old_plan = pl.plan
-        by_site: dict[str, list[tuple[Any, int]]] = {}
-        for a, old_k in pool:
-            by_site.setdefault(old_plan.stage_sites[old_k], []).append((a, old_k))
+        by_site: dict[str, list[tuple[Any, Key]]] = {}
+        for a, old in pool:
+            by_site.setdefault(old_plan.site_of(*old), []).append((a, old))
         pl.plan = new_plan
         rows: list[list[Any]] = []
         keep: list[tuple[Any, int, int]] = []
         for k in range(new_plan.num_stages):
-            cands = by_site.get(new_plan.stage_sites[k], [])
             row = []
-            for r in range(new_plan.pipelines):
-                same = [c for c in cands if old_plan.partition[c[1]] == new_plan.partition[k]]
+            for r in range(new_plan.replicas(k)):
+                cands = by_site.get(new_plan.site_of(k, r), [])
+                want = new_plan.layers_of(k, r)
+                same = [c for c in cands if old_plan.layers_of(*c[1]) == want]
                 if same or cands:
-                    a, old_k = (same or cands)[0]
-                    cands.remove((a, old_k))
+                    a, old = (same or cands)[0]
+                    cands.remove((a, old))
                     keep.append((a, k, r))
                 else:
                     a = pl.create(k, r)
@@ -324,9 +339,8 @@ class Recovery:
         ray.get([a.reconfigure.remote(pl.stage_spec(k, r)) for a, k, r in keep])
         pl.wire()
         if ckpt is not None:  # each site's actors read their own site's copy
-            sites = new_plan.stage_sites
-            ray.get([a.load_checkpoint.remote(ckpt.paths[sites[k]])
-                     for k, row in enumerate(pl.rows) for a in row])  # fmt: skip
+            ray.get([a.load_checkpoint.remote(ckpt.paths[site])
+                     for a, site in pl.actor_sites()])  # fmt: skip
             moved = {"checkpoint": len(pl.flat())}
         else:
             moved = self._handoff(step, holders, old_plan)
@@ -335,7 +349,7 @@ class Recovery:
             pl.kill(a)
         return moved
 
-    def _handoff(self, step: int, holders: list[tuple[Any, int]], old_plan: Plan) -> dict:
+    def _handoff(self, step: int, holders: list[tuple[Any, Key]], old_plan: Plan) -> dict:
         """Every actor of the (just wired) layout loads boundary ``step``, as planned by
         :func:`geopipe.runtime.handoff.plan_handoff`."""
         import ray
@@ -343,14 +357,14 @@ class Recovery:
         from geopipe.runtime.handoff import Holder, Receiver, Restore, plan_handoff
 
         pl = self.placement
-        plan, flat = pl.plan, pl.flat()
-        site = {id(a): plan.stage_sites[k] for k, row in enumerate(pl.rows) for a in row}
+        flat = pl.flat()
+        site = {id(a): s for a, s in pl.actor_sites()}
         shapes = ray.get([a.param_shapes.remote() for a in flat])
         names = ray.get([a.boundary_names.remote(step) for a, _ in holders])
         by_id = {id(a): a for a, _ in holders}
         hs = [
-            Holder(id(a), old_plan.stage_sites[k], pl.site_rank.get(id(a)), frozenset(n))
-            for (a, k), n in zip(holders, names, strict=True)
+            Holder(id(a), old_plan.site_of(*key), pl.site_rank.get(id(a)), frozenset(n))
+            for (a, key), n in zip(holders, names, strict=True)
         ]
         rs = [Receiver(id(a), site[id(a)], pl.site_rank[id(a)], sh)
               for a, sh in zip(flat, shapes, strict=True)]  # fmt: skip

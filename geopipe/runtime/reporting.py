@@ -103,6 +103,7 @@ class Reporter:
             "dashboard_url": self.dashboard_url,
             "ray_address": self.ray_address,
             "plan": plan.to_dict(),
+            "layout": plan.describe(),
             "stages": [
                 {
                     "stage": k,
@@ -111,6 +112,24 @@ class Reporter:
                     "actors": actors[k] if k < len(actors) else [],
                 }
                 for k in range(plan.num_stages)
+            ],
+            # per pipeline (a mix of templates differs from pipeline to pipeline)
+            "pipelines": [
+                {
+                    "pipeline": r,
+                    "microbatches": plan.microbatches_of(r),
+                    "stages": [
+                        {
+                            "site": plan.site_of(k, r),
+                            "layers": list(plan.layers_of(k, r)),
+                            "actor": actors[k][r]
+                            if k < len(actors) and r < len(actors[k])
+                            else None,
+                        }
+                        for k in range(plan.depth(r))
+                    ],
+                }
+                for r in range(plan.pipelines)
             ],
             "recoveries": list(self.recoveries),
             "checkpoint": self.checkpoint,

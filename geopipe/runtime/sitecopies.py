@@ -77,8 +77,10 @@ class SiteCopies:
         actors: Callable[[], list[list[Any]]],
         stage_sites: Callable[[], list[str]],
         manifest: Callable[[int], dict],
+        actor_sites: Callable[[], list[tuple[Any, str]]] | None = None,
     ) -> None:
         self.spec = spec
+        self._actor_sites = actor_sites  # every actor with its site (a mix's rows mix sites)
         self.reporter = reporter
         self._actors = actors
         self._stage_sites = stage_sites
@@ -102,9 +104,12 @@ class SiteCopies:
     def _node_of(self, site: str) -> str | None:
         """The node of a live actor of the current layout in ``site`` (its store goes
         there): after a failure some of the site's actors may be dead."""
-        rows = self._actors()
-        cands = [a for k, s in enumerate(self._stage_sites()) if s == site and k < len(rows)
-                 for a in rows[k]]  # fmt: skip
+        if self._actor_sites is not None:
+            cands = [a for a, s in self._actor_sites() if s == site]
+        else:
+            rows = self._actors()
+            cands = [a for k, s in enumerate(self._stage_sites()) if s == site and k < len(rows)
+                     for a in rows[k]]  # fmt: skip
         for a in cands:
             node = quiet_get([a.node_id.remote()], 10)[0]
             if node is not None:

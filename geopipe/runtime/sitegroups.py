@@ -61,23 +61,16 @@ def site_worlds(plan: Plan) -> list[SiteWorld]:
     out = []
     for site in dict.fromkeys(plan.site_of(k, r) for k, r in plan.actors()):
         members = tuple(key for key in plan.actors() if plan.site_of(*key) == site)
-        parent = list(range(len(members)))
-
-        def find(i: int) -> int:
-            while parent[i] != i:
-                parent[i] = parent[parent[i]]
-                i = parent[i]
-            return i
-
         ranges = [plan.layers_of(*key) for key in members]
+        parent = list(range(len(members)))
         for i, (a, z) in enumerate(ranges):
             for j in range(i):
                 b, y = ranges[j]
-                if a < y and b < z:  # they share a layer
-                    parent[find(i)] = find(j)
+                if a < y and b < z:  # they share a layer: merge their groups
+                    parent[_root(parent, i)] = _root(parent, j)
         comps: dict[int, list[int]] = {}
         for i in range(len(members)):
-            comps.setdefault(find(i), []).append(i)
+            comps.setdefault(_root(parent, i), []).append(i)
         groups = tuple(tuple(c) for c in sorted(comps.values()))
         group_of, hold = {}, {}
         for g, ranks in enumerate(groups):
@@ -87,6 +80,14 @@ def site_worlds(plan: Plan) -> list[SiteWorld]:
                 group_of[members[i]], hold[members[i]] = g, (lo, hi)
         out.append(SiteWorld(site, members, groups, group_of, hold))
     return out
+
+
+def _root(parent: list[int], i: int) -> int:
+    """Union-find root of ``i`` (with path halving)."""
+    while parent[i] != i:
+        parent[i] = parent[parent[i]]
+        i = parent[i]
+    return i
 
 
 def grad_scale(plan: Plan, key: Key, worlds: list[SiteWorld] | None = None) -> float:

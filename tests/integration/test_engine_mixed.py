@@ -17,8 +17,20 @@ import pytest
 import torch
 import torch.distributed as dist
 from _dist_util import free_port, run_ranks
-from test_engine import CFG, GLOBAL_BATCH, MBS, MOMENT_RTOL, PLAIN_CFG, SEQ, STEPS, TOL
-from test_engine import _max_diff, _reference, _rel_diff, _stream
+from test_engine import (
+    CFG,
+    GLOBAL_BATCH,
+    MBS,
+    MOMENT_RTOL,
+    PLAIN_CFG,
+    SEQ,
+    STEPS,
+    TOL,
+    _max_diff,
+    _reference,
+    _rel_diff,
+    _stream,
+)
 
 from geopipe.model.data import sample_indices
 from geopipe.pipeline.schedule import Kind, one_f_one_b, zb_h1
@@ -38,7 +50,9 @@ def _mixed_worker(rank: int, port: int, schedule: str) -> dict[str, Any]:
     pipe = PLAN.pipeline(r)
     init_process_group(rank, len(world.members), HOST, port, timeout_s=60)
     cfg = dataclasses.replace(
-        PLAIN_CFG, micro_batches=pipe.num_microbatches, grad_scale=grad_scale(PLAN, (k, r)),
+        PLAIN_CFG,
+        micro_batches=pipe.num_microbatches,
+        grad_scale=grad_scale(PLAN, (k, r)),
         defer_step=True,
     )
     groups = [list(g) for g in world.groups]

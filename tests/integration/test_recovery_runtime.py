@@ -163,7 +163,7 @@ def test_grows_back_when_devices_return(tmp_path):
     ctl, _ = run(doc, tmp_path / "chaos", steps=4, chaos=2)  # kills once, in step 2
     assert events(tmp_path / "chaos", "recovered")
     grown = events(tmp_path / "chaos", "grown")
-    assert grown and grown[0]["step"] == 3 and grown[0]["plan"]["pipelines"] == 2
+    assert grown and grown[0]["step"] == 4 and grown[0]["plan"]["pipelines"] == 2
     # The new actors' layers come from holders in their own site, over torch.distributed
     # (and through the object store only for layers whose one copy is in the other site).
     assert grown[0]["moved"]["p2p_bytes"] > 0
@@ -301,3 +301,41 @@ def test_writer_dying_mid_save_keeps_the_checkpoint(tmp_path):
                 a, b = got.stages[k].tensors(prefix), want.stages[k].tensors(prefix)
                 assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
     assert last_loss_per_step(run_dir) == pytest.approx(losses(tmp_path / "ref"), abs=1e-4)
+
+
+def mixed_doc() -> dict:
+    """3 pipelines × (east, west) on 3 devices per site: losing an east device leaves
+    2 + 3, where the planner predicts a mix (one pipeline with two west stages, one with
+    one; 7 and 5 micro-batches) faster than any identical pipelines."""
+    doc = tiny_doc(3, 3, steps=6)
+    doc["model"].update(n_layer=4, n_embd=64)
+    doc["links"][0]["latency_ms"] = 1.0
+    doc["training"]["global_batch_size"] = 24
+    doc["training"]["checkpoint"] = {"every_steps": 4, "keep": 2}
+    return doc
+
+
+def test_mixed_pipelines_after_a_failure_then_grow_back(tmp_path):
+    """A replica dies in step 2: the survivors re-form as a mix of two templates (the west
+    site's layers cut differently by the two pipelines, so its three actors share one ZeRO-1
+    group holding the union of their layers), the micro-batches split 7 : 5 by speed. At
+    the checkpoint after step 3 the device is back and the job grows back through the same
+    relayout. Every step's loss equals the uninterrupted run's (same samples, order of
+    reduction aside)."""
+    doc = mixed_doc()
+    ref = reference(doc)[0]
+
+    def fault(ctl: Controller) -> None:
+        ray.get(ctl.actors[0][1].inject_fault.remote(2, 0.0))
+
+    ctl, state = run(doc, tmp_path / "mix", steps=6, kill=fault)
+    rec = events(tmp_path / "mix", "recovered")[0]
+    assert rec["lost_steps"] == 0 and rec["source"] == "surviving replicas"
+    mix = rec["plan"]["mix"]
+    assert [p["stage_sites"] for p in mix] == [["east", "west", "west"], ["east", "west"]]
+    assert [p["num_microbatches"] for p in mix] == [7, 5]
+    assert last_loss_per_step(tmp_path / "mix") == pytest.approx(ref, abs=1e-4)
+    assert state["step"] == 6
+    grown = events(tmp_path / "mix", "grown")
+    assert grown and grown[0]["step"] == 4 and not grown[0]["plan"].get("mix")
+    assert ctl.plan.pipelines * ctl.plan.num_stages == 6  # 3 × (east, west) again
