@@ -9,10 +9,12 @@ its templates can be mixed: each layer's replicas stay in one site and no gradie
 crosses a WAN link (the runtime's groups: :mod:`geopipe.runtime.sitegroups`).
 
 [Note: which splits] The split decides how much work each site carries. :func:`best_mix`
-tries the splits of the fastest templates that fit the alive devices (each balanced for
-its own vector) and the running plan's, at most :data:`MAX_SPLITS` of them, and keeps the
-fastest mix. On 2 sites × 4 devices that lost one device this finds two pipelines of
-different depth in the west-heavier split (see ``benchmarks/recovery.py``).
+starts from the splits of the fastest templates that fit the alive devices (each balanced
+for its own vector) and the running plan's, at most :data:`MAX_SPLITS` of them, then moves
+one layer at a time across a site boundary while the mix gets faster (a local search; the
+test checks it against every split of a two-site cluster). On 2 sites × 4 devices that
+lost one device this finds two pipelines of different depth in the west-heavier split
+(see ``benchmarks/recovery.py``).
 
 [Note: what a mix costs that the prediction leaves out] An actor whose layers are cut
 differently by another pipeline holds its ZeRO-1 group's union of layers (weights and
@@ -47,6 +49,7 @@ __all__ = [
 
 MIN_GAIN = 0.02  # a mix must be predicted this much faster than identical pipelines
 MAX_SPLITS = 6
+MAX_SPLIT_MOVES = 8  # layer moves of the local search over splits
 _MAX_VECTORS = 64  # every vector of a split while there are at most this many
 
 LayerSplit = tuple[tuple[str, int], ...]  # (site, layers it hosts), in pipeline order
@@ -184,18 +187,47 @@ def best_mix(
         split = layer_split(running.stage_sites, running.partition)
         if {s for s, _ in split} == used and split not in splits:
             splits.append(split)
-    best: MixChoice | None = None
     gb = total * ts.micro_batch_size
-    for split in splits:
-        sts = SplitTemplateSet(ts, split)
-        inst = instantiate(sts, devices_alive, gb, ts.micro_batch_size)
-        if inst is None or (
-            inst.uniform and len({p.num_microbatches for p in inst.pipelines}) == 1
-        ):
-            continue  # identical pipelines with equal shares: best_uniform's business
-        if best is None or inst.iteration_time_s < best.iteration_time_s:
-            best = MixChoice(mixed_plan(sts, inst), inst.iteration_time_s, inst)
-    return best
+    tried: dict[LayerSplit, MixChoice | None] = {}
+
+    def at(split: LayerSplit) -> MixChoice | None:
+        if split not in tried:
+            sts = SplitTemplateSet(ts, split)
+            inst = instantiate(sts, devices_alive, gb, ts.micro_batch_size)
+            equal = inst is not None and len({p.num_microbatches for p in inst.pipelines}) == 1
+            if inst is None or (inst.uniform and equal):
+                tried[split] = None  # identical pipelines, equal shares: best_uniform's
+            else:
+                tried[split] = MixChoice(mixed_plan(sts, inst), inst.iteration_time_s, inst)
+        return tried[split]
+
+    def time_of(split: LayerSplit) -> float:
+        got = at(split)
+        return got.iteration_time_s if got is not None else math.inf
+
+    best = min(splits, key=time_of, default=None)
+    # Then move one layer across one site boundary at a time while that helps.
+    for _ in range(MAX_SPLIT_MOVES):
+        if best is None:
+            break
+        step = min(_neighbours(best), key=time_of, default=None)
+        if step is None or not time_of(step) < time_of(best) * (1 - 1e-9):
+            break
+        best = step
+    return at(best) if best is not None else None
+
+
+def _neighbours(split: LayerSplit) -> list[LayerSplit]:
+    """The splits one layer away: across each boundary between adjacent sites."""
+    out = []
+    for j in range(len(split) - 1):
+        for move in (-1, 1):
+            counts = [n for _, n in split]
+            counts[j] += move
+            counts[j + 1] -= move
+            if min(counts) >= 1:
+                out.append(tuple((s, n) for (s, _), n in zip(split, counts, strict=True)))
+    return out
 
 
 def uniform_time(ts: TemplateSet, devices_alive: Mapping[str, int], global_batch: int,

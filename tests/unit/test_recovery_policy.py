@@ -66,26 +66,36 @@ def owners(plan: Plan) -> list[int]:
 
 
 def check_layout(dec: Reconfigure | RestoreFromCheckpoint, f: Failure, ts: TemplateSet) -> None:
+    """Invariants of the new layout, identical pipelines or a mix of templates."""
     new = dec.plan
     alive = f.devices_alive
-    assert new.pipelines * new.num_microbatches == f.plan.pipelines * f.plan.num_microbatches
+    assert new.total_microbatches == f.plan.total_microbatches  # the global batch stays
     assert new.micro_batch_size == f.plan.micro_batch_size
-    assert new.partition[0][0] == 0 and new.partition[-1][1] == ts.num_layers
-    assert all(a < z for a, z in new.partition)
-    assert all(new.partition[i][1] == new.partition[i + 1][0] for i in range(new.num_stages - 1))
     assert dec.template.stage_sites == new.stage_sites
-    # Uses exactly the sites with devices, each a contiguous run of ≥ 1 stages.
-    assert set(new.stage_sites) == {s for s, n in alive.items() if n > 0}
-    runs = [s for i, s in enumerate(new.stage_sites) if i == 0 or new.stage_sites[i - 1] != s]
-    assert len(runs) == len(set(runs))
+    layer_sites = None
+    for r in range(new.pipelines):
+        one = new.pipeline(r)
+        assert one.partition[0][0] == 0 and one.partition[-1][1] == ts.num_layers
+        assert all(a < z for a, z in one.partition)
+        assert all(one.partition[i][1] == one.partition[i + 1][0]
+                   for i in range(one.num_stages - 1))  # fmt: skip
+        # Uses exactly the sites with devices, each a contiguous run of ≥ 1 stages.
+        assert set(one.stage_sites) == {s for s, n in alive.items() if n > 0}
+        runs = [s for i, s in enumerate(one.stage_sites) if i == 0 or one.stage_sites[i - 1] != s]
+        assert len(runs) == len(set(runs))
+        # Every pipeline puts each layer in the same site (no reduction crosses a WAN link).
+        sites = [s for (a, z), s in zip(one.partition, one.stage_sites, strict=True)
+                 for _ in range(a, z)]  # fmt: skip
+        assert layer_sites in (None, sites)
+        layer_sites = sites
     # Within the alive devices.
     for s, n in alive.items():
-        assert new.pipelines * new.stage_sites.count(s) <= n
+        assert sum(1 for key in new.actors() if new.site_of(*key) == s) <= n
 
 
 def expected_kind(f: Failure, ts: TemplateSet) -> type:
     alive = tuple(f.devices_alive.get(s, 0) for s in ts.sites)
-    fits = brute_uniform(ts, alive, f.plan.pipelines * f.plan.num_microbatches) < math.inf
+    fits = brute_uniform(ts, alive, f.plan.total_microbatches) < math.inf
     live = {k for k in range(f.plan.num_stages) if f.live_replicas(k)}
     ok = f.params_available & f.adam_state_available & live
     recoverable = all(k in ok for k in owners(f.plan))
