@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from deap import algorithms, base, creator, tools
 
 from geopipe.optimizer.evaluate import TIE_TOLERANCE, Candidate, Evaluation, Evaluator, choose
-from geopipe.optimizer.ladder import delta_n_estimate
+from geopipe.optimizer.ladder import delta_n_cover
 
 __all__ = ["SearchResult", "genetic_search"]
 
@@ -143,8 +143,7 @@ def _estimate_delta_n(ev: Evaluator, cand: Candidate) -> tuple[int, ...]:
     plan = ev.make_plan(cand)
     if plan is None:
         return cand.delta_n
-    c = ev.costs(plan)
-    return tuple(delta_n_estimate(c, j) for j in plan.wan_boundaries)
+    return delta_n_cover(ev.costs(plan), plan.wan_boundaries)
 
 
 def _nearest(values: tuple, x: int) -> int:
@@ -218,7 +217,7 @@ def _toolbox(ups: list[int], w: int) -> base.Toolbox:
 
 # Seeds scale the analytic ΔN by these, most likely first: on the shipped clusters the best
 # ΔN is 1/8 to 1/2 of the estimate (see geopipe.optimizer.ladder).
-_SEED_SCALES = (0.25, 0.125, 0.5, 0.0625, 1.0, 0.0)
+_SEED_SCALES = (1.0, 0.5, 1.5, 0.25, 2.0, 0.0)
 
 
 def _initial_population(genes: _Genes, population: int) -> list:

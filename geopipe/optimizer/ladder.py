@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from geopipe.config import ClusterSpec
 from geopipe.optimizer.evaluate import TIE_TOLERANCE, Candidate, Evaluation, Evaluator
@@ -41,6 +43,7 @@ __all__ = [
     "LayoutCandidate",
     "LayoutPredictor",
     "Prediction",
+    "delta_n_cover",
     "delta_n_estimate",
 ]
 
@@ -67,6 +70,43 @@ def delta_n_estimate(costs: PipelineCosts, j: int) -> int:
     """
     rt = costs.ser_f[j] + costs.lat_f[j] + costs.ser_b[j] + costs.lat_b[j]
     return math.ceil(rt / max(costs.fwd_s[j] + costs.bwd_s[j], 1e-12))
+
+
+def delta_n_cover(costs: PipelineCosts, wan: Sequence[int]) -> tuple[int, ...]:
+    """ΔN per WAN boundary ``wan[i]`` that keeps every stage busy in the steady state.
+
+    [Note: ΔN that covers the round trip] In the steady state a pipeline takes one
+    micro-batch per period ``T`` (its slowest server: a stage's ``t_f + t_b`` or a link
+    direction's serialisation). Stage ``k`` gets ``B x`` back a round trip ``RT_k`` (its own
+    compute, every stage and link downstream, both ways) after it started ``F x``, so it
+    never waits when ``RT_k / T`` micro-batches are in flight, i.e. ``w_k ≥ ⌈RT_k/T⌉ - 1``
+    warm-up forwards (as in :func:`~geopipe.optimizer.simulator.in_flight_bound`). Since
+    ``w_k = p-k-1 + Σ_{j≥k} ΔN_j``, ΔN is filled from the last WAN boundary up: each takes
+    what its upstream stages (up to the previous WAN boundary) still miss. Unlike
+    :func:`delta_n_estimate`, which covers each boundary's round trip alone and so counts
+    the downstream ones again at every boundary, this lands on the simulator's best ΔN or
+    next to it on the shipped clusters (tested against exhaustive search); it does not
+    depend on the number of micro-batches.
+    """
+    f = np.asarray(costs.fwd_s, dtype=float)
+    b = np.asarray(costs.bwd_s, dtype=float)
+    p = f.size
+    hop = np.asarray(costs.ser_f, dtype=float) + np.asarray(costs.lat_f, dtype=float)
+    hop += np.asarray(costs.ser_b, dtype=float) + np.asarray(costs.lat_b, dtype=float)
+    rt = np.cumsum((f + b)[::-1])[::-1]
+    if p > 1:
+        rt[:-1] += np.cumsum(hop[::-1])[::-1]
+    period = max([*(f + b), *costs.ser_f, *costs.ser_b, 1e-12])
+    # Warm-up forwards each stage needs beyond 1F1B's p-k-1 (relative tolerance: exact ratios).
+    extra = np.ceil(rt / period * (1 - 1e-9)) - 1 - np.arange(p - 1, -1, -1)
+    out = [0] * len(wan)
+    given = 0  # ΔN of the boundaries downstream, already in every upstream stage's warm-up
+    for i in range(len(wan) - 1, -1, -1):
+        first = wan[i - 1] + 1 if i else 0
+        need = int(np.max(extra[first : wan[i] + 1])) - given
+        out[i] = max(0, need)
+        given += out[i]
+    return tuple(out)
 
 
 @dataclass(frozen=True)
