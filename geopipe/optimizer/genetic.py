@@ -257,12 +257,17 @@ def _initial_population(genes: _Genes, population: int) -> list:
 
 
 def _evolve(
-    genes: _Genes, pop: list, population: int, generations: int, patience: int
+    genes: _Genes,
+    pop: list,
+    population: int,
+    generations: int,
+    patience: int,
+    trace: list | None = None,
 ) -> tuple[list, list[int], int]:
     """(μ+λ) generations with elitism until ``patience`` of them bring no faster plan (a
     leaner one at the same speed is kept but does not count: :func:`_lean` and the final
     choice take care of memory); returns the last population, the best genome seen and the
-    generations run."""
+    generations run. ``trace`` (tests) gets the best fitness of every generation."""
     ga = genes.ev.spec.plan.ga
     tb = _toolbox(genes.ups, genes.w)
     best = tools.selBest(pop, 1)[0]
@@ -276,6 +281,8 @@ def _evolve(
         elite = tools.selBest(pool, max(2, population // 8))
         pop = elite + tb.select(pool, population - len(elite))
         top = tools.selBest(pop, 1)[0]
+        if trace is not None:
+            trace.append(top.fitness.values)
         faster = top.fitness.values[0] < best_key[0]
         if top.fitness.values < best_key:
             best, best_key = top, top.fitness.values
