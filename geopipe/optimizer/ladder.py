@@ -61,7 +61,8 @@ def delta_n_estimate(costs: PipelineCosts, j: int) -> int:
     (``t_f + t_b``) to cover one round trip over the boundary — the activation's way there
     plus its gradient's way back, ``ceil((t_x,fwd + t_x,bwd) / (t_f + t_b))``.
 
-    [Note: one ΔN estimate] The genetic search seeds with this and the templates scale it.
+    [Note: one ΔN estimate] The templates scale this (the genetic search starts from
+    :func:`delta_n_cover`, which does not overshoot).
     The round trip is the sum of both directions, which differ when the codec or the link
     is asymmetric (top-k gradients, uneven links); twice the slower direction, which the GA
     once used, overshoots there. On symmetric links the two agree.
