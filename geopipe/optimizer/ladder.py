@@ -89,9 +89,10 @@ def delta_n_cover(costs: PipelineCosts, wan: Sequence[int]) -> tuple[int, ...]:
     Spans ending at the last stage give :func:`~geopipe.optimizer.simulator.in_flight_bound`'s
     condition; spans of two stages, the single boundary's. Only WAN boundaries have a ΔN
     to give: going through spans by their downstream end, each deficit goes to the most
-    downstream WAN boundary of the span (it then also serves the spans after), which gives
-    every boundary the least it needs (tested: the slope of iteration time in ``m`` is
-    ``T``, and one ΔN less at any boundary makes it larger). The simulator's best ΔN is
+    downstream WAN boundary of the span (it then also serves the spans after) — the greedy
+    that covers intervals with the least total, as for interval covering (tested by brute
+    force; and against replays: the slope of iteration time in ``m`` is ``T``, and one ΔN
+    less at any boundary makes it larger). The simulator's best ΔN is
     this or next to it (its warm-up and cool-down also count); :func:`delta_n_estimate`,
     which covers each boundary's hops with the upstream stage's compute alone, overshoots
     2–8× on the shipped clusters. ``O(p²)``.
