@@ -11,10 +11,16 @@ activation memory in flight (see [Note: lean ties]), after a last descent that l
 ΔN while the time stays within that tolerance.
 
 The GA is (μ+λ) with tournament selection, uniform crossover and per-gene mutation
-(random reset or a ±1 step), seeded with the analytic ΔN estimate
-``ceil(round trip / (t_f + t_b))`` (:func:`geopipe.optimizer.ladder.delta_n_estimate`),
-stopped after ``patience`` generations without improvement, and finished with a hill-climb
-over ±1 steps of every gene (a hybrid GA as in DT-FM). DEAP draws from Python's global
+(random reset or a ±1 step), stopped after ``patience`` generations without a faster plan,
+and finished with a hill-climb over ±1 steps of every gene (a hybrid GA as in DT-FM). Its
+first generation is a structural sweep: every pipeline count, micro-batch and sequence
+length (each codec on every WAN boundary) with the ΔN the steady state needs
+(:func:`geopipe.optimizer.ladder.delta_n_cover`, which is the best ΔN or next to it and
+does not depend on the number of micro-batches ``m``). The GA then starts at the right
+structure with ΔN about right, so what is left to search — codec mixes, ΔN ±1, structures
+the sweep ranks close — and the generations it takes are about the same whatever ``m``
+(with ΔN drawn blindly the landscape grew with ``m``: more distinct ΔN values matter when
+they are not clipped by ``m``). DEAP draws from Python's global
 ``random``; we seed it and restore its state after, so a search is reproducible and leaves
 callers' randomness alone.
 """
@@ -29,7 +35,7 @@ from dataclasses import dataclass
 from deap import algorithms, base, creator, tools
 
 from geopipe.optimizer.evaluate import TIE_TOLERANCE, Candidate, Evaluation, Evaluator, choose
-from geopipe.optimizer.ladder import delta_n_estimate
+from geopipe.optimizer.ladder import delta_n_cover
 
 __all__ = ["SearchResult", "genetic_search"]
 
@@ -73,6 +79,7 @@ class _Genes:
         self.w = w
         self.ups = [len(lst) - 1 for lst in self.lists]  # the largest index of every gene
         self.seen: dict[Candidate, Evaluation] = {}  # every candidate this search scored
+        self._estimates: dict[tuple[int, ...], list[int]] = {}
 
     def candidate(self, g: list[int]) -> Candidate:
         v = [lst[i] for lst, i in zip(self.lists, g, strict=True)]
@@ -115,36 +122,33 @@ class _Genes:
         e = self.score(g)
         return (float(f"{e.fitness:.7g}"), e.activation_bytes)
 
+    def estimate(self, g: list[int]) -> list[int]:
+        """Indices of the ΔN :func:`delta_n_cover` gives ``g``'s structure (cached: it
+        depends on pipelines, micro-batch, sequence length and codecs only)."""
+        key = (*g[:3], *g[3 + self.w :])
+        if key not in self._estimates:
+            plan = self.ev.make_plan(self.candidate(list(g)))
+            est = delta_n_cover(self.ev.costs(plan), plan.wan_boundaries) if plan else ()
+            dns = self.ev.space.delta_ns
+            self._estimates[key] = [_nearest(dns, x) for x in est] or g[3 : 3 + self.w]
+        return list(self._estimates[key])
+
     def retune(self, g: list[int]) -> list[list[int]]:
-        """``g`` with every ΔN one step lower and one higher, and with ΔN set to the
-        analytic estimate scaled like the seeds: after a structural move the best ΔN is
-        usually next to the old one, else somewhere on the estimate's scale."""
-        sp = self.ev.space
+        """``g`` with every ΔN one step lower and one higher, and with ΔN at the estimate
+        and one step either side of it: after a structural move the best ΔN is usually
+        next to the old one, or next to the new structure's estimate."""
         g = list(g)
         self.repair(g)
         out: list[list[int]] = []
         w = range(3, 3 + self.w)
-        for step in (-1, 1):
-            t = list(g)
-            for i in w:
-                t[i] = min(max(t[i] + step, 0), self.ups[i])
-            out.append(t)
-        est = _estimate_delta_n(self.ev, self.candidate(g))
-        for scale in (*_SEED_SCALES[:3], 1.0):
-            t = list(g)
-            for i, x in zip(w, est, strict=True):
-                t[i] = _nearest(sp.delta_ns, round(x * scale))
-            out.append(t)
+        est = self.estimate(g)
+        for start in (g[3 : 3 + self.w], est):
+            for step in (-1, 1, 0):
+                t = list(g)
+                for i, x in zip(w, start, strict=True):
+                    t[i] = min(max(x + step, 0), self.ups[i])
+                out.append(t)
         return [t for k, t in enumerate(out) if t != g and t not in out[:k]]
-
-
-def _estimate_delta_n(ev: Evaluator, cand: Candidate) -> tuple[int, ...]:
-    """The analytic ΔN per WAN boundary: cover one round trip with compute."""
-    plan = ev.make_plan(cand)
-    if plan is None:
-        return cand.delta_n
-    c = ev.costs(plan)
-    return tuple(delta_n_estimate(c, j) for j in plan.wan_boundaries)
 
 
 def _nearest(values: tuple, x: int) -> int:
@@ -189,9 +193,9 @@ def genetic_search(
 
 def _draw(i: int, up: int, w: int) -> int:
     """A random value of gene ``i`` (its largest index ``up``): uniform, except ΔN, drawn
-    log-uniformly — useful ΔN are small next to the range (1/16 to 1/2 of the analytic
-    estimate on the shipped clusters) and a plan costs more to score the larger its ΔN
-    (its warm-up is longer), so search effort goes where the optimum lies."""
+    log-uniformly — useful ΔN are small next to the range (a few micro-batches on the
+    shipped clusters, see :func:`delta_n_cover`) and a plan costs more to score the larger
+    its ΔN (its warm-up is longer), so search effort goes where the optimum lies."""
     if 3 <= i < 3 + w:
         return min(up, int((up + 1) ** random.random()) - 1)
     return random.randint(0, up)
@@ -216,52 +220,54 @@ def _toolbox(ups: list[int], w: int) -> base.Toolbox:
     return tb
 
 
-# Seeds scale the analytic ΔN by these, most likely first: on the shipped clusters the best
-# ΔN is 1/8 to 1/2 of the estimate (see geopipe.optimizer.ladder).
-_SEED_SCALES = (0.25, 0.125, 0.5, 0.0625, 1.0, 0.0)
+def _sweep(genes: _Genes) -> list[list[int]]:
+    """Every valid pipeline count × micro-batch × sequence length, each codec on every WAN
+    boundary, ΔN at the structure's :func:`delta_n_cover`."""
+    sp, w = genes.ev.space, genes.w
+    out = []
+    for di, d in enumerate(sp.pipelines):
+        for bi, b in enumerate(sp.micro_batch_sizes):
+            if not sp.valid(d, b, genes.gbs):
+                continue
+            for si in range(len(sp.seq_lens)):
+                for ci in range(len(sp.codecs)):
+                    g = [di, bi, si] + [0] * w + [ci] * w
+                    g[3 : 3 + w] = genes.estimate(g)
+                    out.append(g)
+    return out
 
 
 def _initial_population(genes: _Genes, population: int) -> list:
-    """Seeds — for each pipeline count and codec, the analytic ΔN scaled by
-    :data:`_SEED_SCALES` at a mid micro-batch and the longest sequence — for up to half the
-    population (spread evenly over that grid, most likely scale first), random genomes for
-    the rest; all scored."""
-    sp = genes.ev.space
-    pop: list = []
-    bases = []
-    for di in range(len(sp.pipelines)):
-        for ci in range(len(sp.codecs)):
-            g = [di, len(sp.micro_batch_sizes) // 2, len(sp.seq_lens) - 1]
-            g += [0] * sp.wan_boundaries + [ci] * sp.wan_boundaries
-            genes.repair(g)
-            bases.append((g, _estimate_delta_n(genes.ev, genes.candidate(g))))
-    seeds: list[list[int]] = []
-    for scale in _SEED_SCALES:
-        for g, est in bases:
-            seed = list(g)
-            for i, x in enumerate(est):
-                seed[3 + i] = _nearest(sp.delta_ns, round(x * scale))
-            if seed not in seeds:
-                seeds.append(seed)
-    stride = max(1.0, len(seeds) / max(1, population // 2))
-    picked = sorted(
-        {int(i * stride) for i in range(population // 2) if int(i * stride) < len(seeds)}
-    )
-    pop = [creator.GeoPipeGenome(seeds[i]) for i in picked]
-    while len(pop) < population:
-        pop.append(creator.GeoPipeGenome([_draw(i, up, genes.w) for i, up in enumerate(genes.ups)]))
+    """The structural sweep (:func:`_sweep`; up to twice the population of it, spread
+    evenly over its order when larger), all scored; its best half population and random
+    genomes for the rest (scored too)."""
+    sweep = _sweep(genes)
+    if len(sweep) > 2 * population:
+        stride = len(sweep) / (2 * population)
+        sweep = [sweep[int(i * stride)] for i in range(2 * population)]
+    pop = [creator.GeoPipeGenome(g) for g in sweep]
     for ind in pop:
         ind.fitness.values = genes.fitness(ind)
+    pop = tools.selBest(pop, min(len(pop), population // 2))
+    while len(pop) < population:
+        ind = creator.GeoPipeGenome([_draw(i, up, genes.w) for i, up in enumerate(genes.ups)])
+        ind.fitness.values = genes.fitness(ind)
+        pop.append(ind)
     return pop
 
 
 def _evolve(
-    genes: _Genes, pop: list, population: int, generations: int, patience: int
+    genes: _Genes,
+    pop: list,
+    population: int,
+    generations: int,
+    patience: int,
+    trace: list | None = None,
 ) -> tuple[list, list[int], int]:
     """(μ+λ) generations with elitism until ``patience`` of them bring no faster plan (a
     leaner one at the same speed is kept but does not count: :func:`_lean` and the final
     choice take care of memory); returns the last population, the best genome seen and the
-    generations run."""
+    generations run. ``trace`` (tests) gets the best fitness of every generation."""
     ga = genes.ev.spec.plan.ga
     tb = _toolbox(genes.ups, genes.w)
     best = tools.selBest(pop, 1)[0]
@@ -275,6 +281,8 @@ def _evolve(
         elite = tools.selBest(pool, max(2, population // 8))
         pop = elite + tb.select(pool, population - len(elite))
         top = tools.selBest(pop, 1)[0]
+        if trace is not None:
+            trace.append(top.fitness.values)
         faster = top.fitness.values[0] < best_key[0]
         if top.fitness.values < best_key:
             best, best_key = top, top.fitness.values

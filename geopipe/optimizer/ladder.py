@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from geopipe.config import ClusterSpec
@@ -41,6 +41,7 @@ __all__ = [
     "LayoutCandidate",
     "LayoutPredictor",
     "Prediction",
+    "delta_n_cover",
     "delta_n_estimate",
 ]
 
@@ -60,13 +61,60 @@ def delta_n_estimate(costs: PipelineCosts, j: int) -> int:
     (``t_f + t_b``) to cover one round trip over the boundary — the activation's way there
     plus its gradient's way back, ``ceil((t_x,fwd + t_x,bwd) / (t_f + t_b))``.
 
-    [Note: one ΔN estimate] The genetic search seeds with this and the templates scale it.
+    [Note: one ΔN estimate] The templates scale this (the genetic search starts from
+    :func:`delta_n_cover`, which does not overshoot).
     The round trip is the sum of both directions, which differ when the codec or the link
     is asymmetric (top-k gradients, uneven links); twice the slower direction, which the GA
     once used, overshoots there. On symmetric links the two agree.
     """
     rt = costs.ser_f[j] + costs.lat_f[j] + costs.ser_b[j] + costs.lat_b[j]
     return math.ceil(rt / max(costs.fwd_s[j] + costs.bwd_s[j], 1e-12))
+
+
+def delta_n_cover(costs: PipelineCosts, wan: Sequence[int]) -> tuple[int, ...]:
+    """The least ΔN per WAN boundary ``wan[i]`` with which the look-ahead steady state runs at
+    the pipeline's pace; independent of the number of micro-batches.
+
+    [Note: ΔN at the pipeline's pace] In the steady state the pipeline takes one
+    micro-batch per period ``T``, its slowest server (a stage's ``c_k = t_f + t_b``, or one
+    link direction's serialisation). Stage ``k`` runs rounds ``F w_k+g, B g`` with
+    ``w_k - w_{k+1} = 1 + ΔN_k``. A micro-batch's forward from stage ``a`` down to stage
+    ``z`` and its backward up again is a cycle of the schedule's dependency graph that
+    spans ``z - a + 1 + Σ_{a≤k<z} ΔN_k`` rounds of stage ``a`` and takes
+    ``Σ_{a..z} c_k`` plus both hops over every boundary between (serialisation and
+    latency), so nothing waits iff for every span ``[a, z]``
+
+        (z - a + 1 + Σ_{a≤k<z} ΔN_k) · T  ≥  Σ_{a≤k≤z} c_k + Σ_{a≤k<z} hop_k.
+
+    Spans ending at the last stage give :func:`~geopipe.optimizer.simulator.in_flight_bound`'s
+    condition; spans of two stages, the single boundary's. Only WAN boundaries have a ΔN
+    to give: going through spans by their downstream end, each deficit goes to the most
+    downstream WAN boundary of the span (it then also serves the spans after) — the greedy
+    that covers intervals with the least total, as for interval covering (tested by brute
+    force; and against replays: the slope of iteration time in ``m`` is ``T``, and one ΔN
+    less at any boundary makes it larger). The simulator's best ΔN is
+    this or next to it (its warm-up and cool-down also count); :func:`delta_n_estimate`,
+    which covers each boundary's hops with the upstream stage's compute alone, overshoots
+    2–8× on the shipped clusters. ``O(p²)``.
+    """
+    c = [x + y for x, y in zip(costs.fwd_s, costs.bwd_s, strict=True)]
+    period = max([*c, *costs.ser_f, *costs.ser_b, 1e-12])
+    hop = [sum(x) for x in zip(costs.ser_f, costs.lat_f, costs.ser_b, costs.lat_b, strict=True)]
+    free = set(wan)
+    dn = [0] * (len(c) - 1)
+    for z in range(1, len(c)):
+        work, given, target = c[z], 0, None
+        for a in range(z - 1, -1, -1):
+            work += c[a] + hop[a]
+            given += dn[a]
+            if target is None and a in free:
+                target = a  # the span's most downstream WAN boundary
+            # Relative slack: a span that exactly fills its rounds needs no more.
+            need = math.ceil(work / period * (1 - 1e-12)) - (z - a + 1)
+            if need > given and target is not None:
+                dn[target] += need - given
+                given = need
+    return tuple(dn[j] for j in wan)
 
 
 @dataclass(frozen=True)
