@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import copy
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -40,6 +41,7 @@ import yaml
 from _common import ROOT
 
 from geopipe.config import parse_cluster
+from geopipe.plan import Plan
 from geopipe.runtime.controller import Controller, LaunchOptions
 
 KILL_STEP = 4
@@ -245,8 +247,126 @@ def site_loss(tmp: Path) -> dict:
     }
 
 
+HETERO_STEPS = 6
+HETERO_KILL = 3
+
+
+def hetero_doc() -> dict:
+    """2 sites × 4 devices and the 8-layer demo GPT (the planner runs 2 × (2 east, 2 west))."""
+    doc = demo_doc()
+    doc["name"] = "hetero"
+    for s in doc["sites"]:
+        s["devices_per_node"] = 4
+    doc["model"]["n_layer"] = 8
+    doc["training"].update(steps=HETERO_STEPS)
+    doc["training"]["checkpoint"] = {"every_steps": 0, "keep": 1}
+    return doc
+
+
+def reference_losses(spec, seq_len: int) -> list[float]:
+    """The uninterrupted run in one process (same model, samples, Adam, LR schedule; the
+    gradient is the mean over the global batch whatever the micro-batch size)."""
+    from functools import partial
+
+    import torch
+
+    from geopipe.model.data import Corpus, TokenStream, sample_indices
+    from geopipe.model.gpt import GPTConfig, GPTStage, lm_loss, num_layers
+    from geopipe.runtime.engine import lr_factor
+
+    m, t = spec.model, spec.training
+    cfg = GPTConfig(m.n_layer, m.n_embd, m.n_head, m.vocab_size, m.max_seq_len)
+    model = GPTStage(cfg, 0, num_layers(m.n_layer), seed=t.seed)
+    opt = torch.optim.Adam(model.parameters(), lr=t.lr, betas=(0.9, 0.95), eps=1e-8)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, partial(lr_factor, warmup_steps=t.warmup_steps, total_steps=t.steps)
+    )
+    stream = TokenStream(Corpus(t.data, max_bytes=t.data_max_bytes), t.seed)
+    b, seq = 1, seq_len
+    n = t.global_batch_size // b
+    out = []
+    for step in range(t.steps):
+        opt.zero_grad()
+        total = 0.0
+        for i in range(n):
+            x, y = stream.batch(sample_indices(step, t.global_batch_size, i, b), seq)
+            loss = lm_loss(model(x), y)
+            (loss / n).backward()
+            total += loss.item()
+        opt.step()
+        sched.step()
+        out.append(total / n)
+    return out
+
+
+def hetero(tmp: Path) -> dict:
+    """Mixed pipelines after a failure: predicted retained throughput (mix vs identical
+    pipelines) for every loss of one or two devices of 2 × 4, and the mix for one lost east
+    device run for real (losses against the uninterrupted run, time to recover)."""
+    import ray
+
+    from geopipe.optimizer.mixes import uniform_time
+    from geopipe.optimizer.policies import best_layout
+
+    if ray.is_initialized():
+        ray.shutdown()
+    spec = parse_cluster(hetero_doc(), "hetero")
+    ctl = Controller(spec, LaunchOptions(run_dir=str(tmp / "hetero"), progress=False))
+    try:
+        ctl.launch()
+        # The runtime's own (profiled) cost model and templates: what its recovery decides by.
+        plan, ts = ctl.plan, ctl.recovery.templates
+        gb, b = ctl.spec.training.global_batch_size, plan.micro_batch_size
+        before_s = ctl.predicted.iteration_time_s
+        patterns = {}
+        for lost_e, lost_w in ((1, 0), (0, 1), (2, 0), (1, 1), (0, 2)):
+            alive = {"east": 4 - lost_e, "west": 4 - lost_w}
+            uni = uniform_time(ts, alive, gb, b)
+            choice = best_layout(ts, alive, gb, b, running=plan)
+            patterns[f"lose {lost_e} east + {lost_w} west"] = {
+                "uniform_s": uni, "chosen_s": choice[2], "mixed": choice[1].heterogeneous,
+                "layout": choice[1].describe(), "gain": uni / choice[2],
+                "retained": before_s / choice[2], "retained_uniform": before_s / uni,
+            }  # fmt: skip
+        singles = [patterns["lose 1 east + 0 west"], patterns["lose 0 east + 1 west"]]
+        named = "lose 1 east + 0 west"
+        # The named pattern for real: an east replica of stage 0 dies in step HETERO_KILL.
+        assert plan.stage_sites[0] == "east" and plan.pipelines > 1
+        ray.get(ctl.actors[0][1].inject_fault.remote(HETERO_KILL, 0.0))
+        ctl.train()
+    finally:
+        ctl.close()
+    ref = reference_losses(spec, plan.seq_len)
+    lines = metrics(tmp / "hetero")
+    rec = next(x for x in lines if x.get("event") == "recovered")
+    steps = {x["step"]: x for x in lines if "event" not in x}
+    losses = [steps[k]["loss"] for k in sorted(steps)]
+    k = rec["failed_step"]
+    normal = sorted(steps[i]["iteration_time_s"] for i in range(1, k))[(k - 1) // 2]
+    # from about the kill (step k-1 done + one step) to the redone step k done
+    recovery_s = steps[k]["completed_at"] - steps[k - 1]["completed_at"] - normal
+    return {
+        "retained_throughput_1_of_8": min(p["retained"] for p in singles),
+        "retained_throughput_uniform_1_of_8": min(p["retained_uniform"] for p in singles),
+        "hetero_gain": patterns[named]["gain"],
+        "hetero_pattern": named,
+        "hetero_patterns": patterns,
+        "hetero_plan_before": plan.describe(),
+        "hetero_plan_after": Plan.from_dict(rec["plan"]).describe(),
+        "hetero_recovery_s": recovery_s,
+        "hetero_recovery_controller_s": rec["seconds"],
+        "hetero_lost_steps": rec["lost_steps"],
+        "hetero_max_loss_deviation": max(abs(a - r) for a, r in zip(losses, ref, strict=True)),
+        "hetero_losses": losses,
+        "hetero_reference_losses": ref,
+    }
+
+
 def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="geopipe-recovery-"))
+    if "--hetero-only" in sys.argv:
+        _report_hetero(hetero(tmp))
+        return
     result = chaos_vs_restart(tmp)
     k = result["failed_step"]
     print(
@@ -281,7 +401,25 @@ def main() -> None:
         f"lost (interval {EVERY}), training again {loss['site_loss_resume_s']:.1f} s after "
         f"the removal (controller {loss['site_loss_controller_s']:.1f} s)"
     )
-    print(json.dumps(result))
+    het = hetero(tmp)
+    result.update(het)
+    _report_hetero(het, result)
+
+
+def _report_hetero(het: dict, result: dict | None = None) -> None:
+    for name, p in het["hetero_patterns"].items():
+        print(
+            f"{name}: {p['layout']} predicted {p['chosen_s'] * 1e3:.0f} ms/step, identical "
+            f"pipelines {p['uniform_s'] * 1e3:.0f} ms: gain {p['gain']:.3f}, retained "
+            f"throughput {p['retained']:.3f} (identical pipelines {p['retained_uniform']:.3f})"
+        )
+    print(
+        f"{het['hetero_pattern']} for real: {het['hetero_plan_before']} -> "
+        f"{het['hetero_plan_after']} in {het['hetero_recovery_s']:.1f} s (controller "
+        f"{het['hetero_recovery_controller_s']:.1f} s), lost steps {het['hetero_lost_steps']}, "
+        f"worst loss deviation from the uninterrupted run {het['hetero_max_loss_deviation']:.1e}"
+    )
+    print(json.dumps(result if result is not None else het))
 
 
 if __name__ == "__main__":

@@ -106,16 +106,19 @@ def connect(spec: ClusterSpec, log_to_driver: bool = False) -> ClusterInfo:
 def check_sites(spec: ClusterSpec, plan: Plan, available: dict[str, float]) -> None:
     """Raise :class:`LaunchError` naming every site that lacks devices for ``plan``."""
     need: dict[str, int] = {}
-    for site in plan.stage_sites:
-        need[site] = need.get(site, 0) + plan.pipelines
+    for key in plan.actors():
+        site = plan.site_of(*key)
+        need[site] = need.get(site, 0) + 1
     missing = []
     for site, n in need.items():
         have = int(available.get(site_resource(site), 0))
         if have < n:
-            stages = n // plan.pipelines
+            why = "the stages of a mix of pipelines"
+            if not plan.heterogeneous:
+                why = f"{n // plan.pipelines} stage(s) × {plan.pipelines} replicas"
             missing.append(
-                f"site '{site}' needs {n} devices ({stages} stage(s) × {plan.pipelines} "
-                f"replicas) but the cluster offers {have} (resource {site_resource(site)})"
+                f"site '{site}' needs {n} devices ({why}) but the cluster offers {have} "
+                f"(resource {site_resource(site)})"
             )
     if missing:
         hint = (

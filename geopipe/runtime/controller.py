@@ -201,9 +201,8 @@ class Controller:
         self.placement.wire()
         self.data_digest = self.placement.check_data(self._resume and self._resume.data_digest)
         if not self.spec.ray.links_emulated:  # emulated links are the YAML's by construction
-            self.spec, self.predicted, self.links_measured = probe_links(
-                self.spec, self.plan, self.placement
-            )
+            spec, predicted, self.links_measured = probe_links(self.spec, self.plan, self.placement)
+            self.spec, self.predicted = spec, predicted or self.predicted  # a mix keeps its own
         metrics = Path(self.opts.metrics_out) if self.opts.metrics_out else None
         self.reporter.open(metrics or self.run_dir / "metrics.jsonl")
         self.reporter.event(

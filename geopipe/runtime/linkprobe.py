@@ -231,6 +231,8 @@ def probe_links(spec: ClusterSpec, plan: Any, placement: Any) -> tuple[ClusterSp
     measured = measure_links(spec, placement.rows, plan.stage_sites, placement.wan_addresses)
     warn_if_off(measured)
     spec = with_measured_links(spec, measured)
+    if plan.heterogeneous:  # the evaluator replays identical pipelines only
+        return spec, None, measured
     predicted = Evaluator(spec, schedule=plan.schedule).evaluate(candidate_of(plan))
     return spec, predicted, measured
 

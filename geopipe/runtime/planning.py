@@ -3,6 +3,7 @@ plan the caller fixed) with the planner."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from geopipe.config import ClusterSpec, Range
@@ -28,7 +29,36 @@ def plan_run(spec: ClusterSpec, fixed: Plan | None) -> tuple[ClusterSpec, Plan, 
     report = plan_cluster(spec)
     if not report.best.feasible:
         raise LaunchError(f"no feasible plan for {spec.name}: {report.best.reason}")
+    mixed = mixed_at_launch(spec, report.best)
+    if mixed is not None:
+        return spec, mixed.plan, mixed
     return spec, report.best.plan, report.best
+
+
+def mixed_at_launch(spec: ClusterSpec, best: Evaluation) -> Evaluation | None:
+    """When the planner's identical pipelines leave devices idle (uneven device counts),
+    a mix of templates over all devices if it is predicted at least ``MIN_GAIN`` faster
+    (:func:`geopipe.optimizer.policies.best_layout`); its prediction, else None."""
+    from geopipe.optimizer.mixes import MIN_GAIN, best_mix
+    from geopipe.optimizer.templates import build_templates
+
+    plan = best.plan
+    devices = {s.name: s.devices for s in spec.sites}
+    used = {s: sum(1 for key in plan.actors() if plan.site_of(*key) == s) for s in devices}
+    if used == devices:
+        return None
+    ts = build_templates(spec, plan=plan)
+    gb = spec.training.global_batch_size
+    mix = best_mix(ts, devices, gb, plan.micro_batch_size, running=plan)
+    if mix is None or not mix.iteration_time_s < (1 - MIN_GAIN) * best.iteration_time_s:
+        return None
+    return Evaluation(
+        candidate=replace(best.candidate, pipelines=mix.plan.pipelines), plan=mix.plan,
+        feasible=True, iteration_time_s=mix.iteration_time_s,
+        tokens_per_iteration=best.tokens_per_iteration,
+        reason="a mix of pipeline templates over all devices (bubble and memory: per "
+        "template, `geopipe plan --templates`)",
+    )  # fmt: skip
 
 
 def candidate_of(plan: Plan) -> Candidate:

@@ -18,10 +18,10 @@ from geopipe.config import parse_cluster
 from geopipe.model.data import global_indices, sample_indices
 from geopipe.optimizer.instantiate import instantiate
 from geopipe.optimizer.mixes import MIN_GAIN, SplitTemplateSet, best_mix, layer_split
+from geopipe.optimizer.planner import plan_cluster
 from geopipe.optimizer.policies import Failure, Reconfigure, decide, decide_grow
 from geopipe.optimizer.templates import best_uniform, build_templates
 from geopipe.plan import PipelineLayout, Plan
-from geopipe.runtime.planning import plan_run
 from geopipe.runtime.reporting import Reporter
 from geopipe.runtime.sitegroups import grad_scale, site_worlds
 
@@ -109,7 +109,8 @@ def demo():
     for s in doc["sites"]:
         s["devices_per_node"] = 4
     doc["model"]["n_layer"] = 8
-    spec, plan, _ = plan_run(parse_cluster(doc, "demo"), None)
+    spec = parse_cluster(doc, "demo")  # the YAML's device speeds: no machine profiling
+    plan = plan_cluster(spec).best.plan
     return spec, plan, build_templates(spec, plan=plan)
 
 
@@ -175,3 +176,24 @@ def test_status_shows_each_pipeline_of_a_mix(tmp_path) -> None:
     assert "pipeline 0: 2 e + 2 w stage(s), 18 micro-batches" in text
     assert "pipeline 1: 1 e + 2 w stage(s), 14 micro-batches" in text
     assert "layers [5, 7]  a11" in text  # pipeline 1's stage 1 runs in w
+
+
+def test_uneven_devices_at_launch_run_a_mix() -> None:
+    """local-2dc with 3 west devices: the planner's 2 identical pipelines leave one idle;
+    a pipeline with two west stages beside one with one is predicted faster and launched.
+    With even counts nothing is idle and the planner's plan stands."""
+    from geopipe.runtime.planning import mixed_at_launch
+
+    doc = yaml.safe_load((ROOT / "clusters" / "local-2dc.yaml").read_text())
+    spec = parse_cluster(doc, "even")
+    assert mixed_at_launch(spec, plan_cluster(spec).best) is None
+    doc["sites"][1]["devices_per_node"] = 3
+    spec = parse_cluster(doc, "uneven")
+    best = plan_cluster(spec).best
+    got = mixed_at_launch(spec, best)
+    assert got is not None and got.plan.heterogeneous
+    assert got.iteration_time_s < (1 - MIN_GAIN) * best.iteration_time_s
+    plan = got.plan
+    assert sorted(plan.site_of(*k) for k in plan.actors()) == ["east"] * 2 + ["west"] * 3
+    assert plan.total_microbatches == best.plan.total_microbatches
+    assert json.loads(json.dumps(got.summary()))["pipelines"] == 2  # valid JSON, no NaN
