@@ -17,7 +17,7 @@ from _procs import process_alive
 from _state import alive_actor_names
 from test_runtime import reference, tiny_doc
 
-from geopipe.checkpoint.store import latest_complete
+from geopipe.checkpoint.store import latest_complete, load_checkpoint, load_state_for_layers
 from geopipe.config import parse_cluster
 from geopipe.runtime.cluster import LaunchError
 from geopipe.runtime.controller import Controller, LaunchOptions
@@ -163,7 +163,7 @@ def test_grows_back_when_devices_return(tmp_path):
     ctl, _ = run(doc, tmp_path / "chaos", steps=4, chaos=2)  # kills once, in step 2
     assert events(tmp_path / "chaos", "recovered")
     grown = events(tmp_path / "chaos", "grown")
-    assert grown and grown[0]["step"] == 4 and grown[0]["plan"]["pipelines"] == 2
+    assert grown and grown[0]["step"] == 3 and grown[0]["plan"]["pipelines"] == 2
     # The new actors' layers come from holders in their own site, over torch.distributed
     # (and through the object store only for layers whose one copy is in the other site).
     assert grown[0]["moved"]["p2p_bytes"] > 0
@@ -307,35 +307,82 @@ def mixed_doc() -> dict:
     """3 pipelines × (east, west) on 3 devices per site: losing an east device leaves
     2 + 3, where the planner predicts a mix (one pipeline with two west stages, one with
     one; 7 and 5 micro-batches) faster than any identical pipelines."""
-    doc = tiny_doc(3, 3, steps=6)
+    doc = tiny_doc(3, 3, steps=8)
     doc["model"].update(n_layer=4, n_embd=64)
     doc["links"][0]["latency_ms"] = 1.0
     doc["training"]["global_batch_size"] = 24
-    doc["training"]["checkpoint"] = {"every_steps": 4, "keep": 2}
+    doc["training"]["checkpoint"] = {"every_steps": 2, "keep": 4}
     return doc
 
 
-def test_mixed_pipelines_after_a_failure_then_grow_back(tmp_path):
-    """A replica dies in step 2: the survivors re-form as a mix of two templates (the west
-    site's layers cut differently by the two pipelines, so its three actors share one ZeRO-1
-    group holding the union of their layers), the micro-batches split 7 : 5 by speed. At
-    the checkpoint after step 3 the device is back and the job grows back through the same
-    relayout. Every step's loss equals the uninterrupted run's (same samples, order of
-    reduction aside)."""
+def test_mixed_pipelines_after_a_failure_checkpoint_then_grow_back(tmp_path):
+    """A replica dies in step 2 and its device stays taken (a placeholder actor holds it,
+    as if its node were gone): the survivors re-form as a mix of two templates (the west
+    site's layers cut differently by the two pipelines, so its three actors share one
+    ZeRO-1 group holding the union of their layers), the micro-batches split 7 : 5 by
+    speed. The mix saves the step-4 checkpoint (shards of its pipeline 0, every layer once,
+    equal to the uninterrupted run's parameters after 4 steps); then the device is freed
+    and at the step-6 boundary the job grows back through the same relayout. Every step's
+    loss equals the uninterrupted run's (same samples, order of reduction aside)."""
     doc = mixed_doc()
     ref = reference(doc)[0]
+    run_dir = tmp_path / "mix"
+    holder: list = []
+
+    @ray.remote(num_cpus=0, resources={"site:east": 1})
+    class Placeholder:
+        def ping(self) -> int:
+            return 1
 
     def fault(ctl: Controller) -> None:
         ray.get(ctl.actors[0][1].inject_fault.remote(2, 0.0))
+        while not (run_dir / "metrics.jsonl").exists() or not events(run_dir, "failure"):
+            time.sleep(0.05)
+        holder.append(Placeholder.remote())  # takes the dead actor's device
+        ray.get(holder[0].ping.remote())
+        while not any(e["step"] == 4 for e in events(run_dir, "checkpoint")):
+            time.sleep(0.1)
+        ray.kill(holder[0])  # the device is back
 
-    ctl, state = run(doc, tmp_path / "mix", steps=6, kill=fault)
-    rec = events(tmp_path / "mix", "recovered")[0]
+    try:
+        ctl, state = run(doc, run_dir, steps=8, kill=fault)
+    finally:
+        for h in holder:
+            ray.kill(h)
+    rec = events(run_dir, "recovered")[0]
     assert rec["lost_steps"] == 0 and rec["source"] == "surviving replicas"
     mix = rec["plan"]["mix"]
     assert [p["stage_sites"] for p in mix] == [["east", "west", "west"], ["east", "west"]]
     assert [p["num_microbatches"] for p in mix] == [7, 5]
-    assert last_loss_per_step(tmp_path / "mix") == pytest.approx(ref, abs=1e-4)
-    assert state["step"] == 6
-    grown = events(tmp_path / "mix", "grown")
-    assert grown and grown[0]["step"] == 4 and not grown[0]["plan"].get("mix")
+    assert last_loss_per_step(run_dir) == pytest.approx(ref, abs=1e-4)
+    assert state["step"] == 8
+    grown = events(run_dir, "grown")
+    assert grown and grown[0]["step"] == 6 and not grown[0]["plan"].get("mix")
     assert ctl.plan.pipelines * ctl.plan.num_stages == 6  # 3 × (east, west) again
+    # The checkpoint the mix wrote holds every parameter once, and exactly the state the
+    # run went on from: the full model loaded from it gives step 4's recorded loss.
+    ckpt = load_checkpoint(run_dir / "checkpoints" / "step-00000004")
+    assert ckpt.manifest["plan"].get("mix")
+    assert step_loss_from(ckpt, doc, 4) == pytest.approx(last_loss_per_step(run_dir)[4], abs=1e-5)
+
+
+def step_loss_from(ckpt, doc: dict, step: int) -> float:
+    """The mean loss of ``step``'s global batch under the checkpoint's parameters."""
+    from geopipe.model.data import Corpus, TokenStream, sample_indices
+    from geopipe.model.gpt import GPTConfig, GPTStage, lm_loss, num_layers
+
+    spec = parse_cluster(doc, "ref")
+    m, t, b = spec.model, spec.training, spec.plan.micro_batch_size
+    cfg = GPTConfig(m.n_layer, m.n_embd, m.n_head, m.vocab_size, m.max_seq_len)
+    model = GPTStage(cfg, 0, num_layers(cfg), seed=t.seed)
+    names = [n for n, _ in model.named_parameters()]
+    params = load_state_for_layers(ckpt, names)["params"]
+    assert set(params) == set(names)  # every parameter, from exactly one shard
+    model.load_state_dict(params)
+    stream = TokenStream(Corpus(t.data, max_bytes=t.data_max_bytes), t.seed)
+    n = t.global_batch_size // b
+    with torch.no_grad():
+        losses = [lm_loss(model(x), y).item() for x, y in
+                  (stream.batch(sample_indices(step, t.global_batch_size, i, b),
+                                spec.plan.seq_len) for i in range(n))]  # fmt: skip
+    return sum(losses) / n

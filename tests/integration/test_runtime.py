@@ -66,8 +66,9 @@ def run_pipeline(doc: dict, tmp: Path) -> tuple[Controller, list[float], dict]:
         ctl.close()
 
 
-def reference(doc: dict) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Single process: same model, data order, Adam and LR schedule."""
+def reference(doc: dict, until: int | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Single process: same model, data order, Adam and LR schedule (``until``: stop after
+    that many steps, the schedule unchanged)."""
     spec = parse_cluster(doc, "ref")
     m, t, pl = spec.model, spec.training, spec.plan
     cfg = GPTConfig(m.n_layer, m.n_embd, m.n_head, m.vocab_size, m.max_seq_len)
@@ -80,7 +81,7 @@ def reference(doc: dict) -> tuple[list[float], dict[str, torch.Tensor]]:
     d, b, s = pl.pipelines, pl.micro_batch_size, pl.seq_len
     micro = t.global_batch_size // (d * b)
     losses = []
-    for step in range(t.steps):
+    for step in range(t.steps if until is None else until):
         opt.zero_grad()
         step_losses = []
         for p in range(d):
