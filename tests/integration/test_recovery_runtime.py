@@ -335,7 +335,7 @@ def test_mixed_pipelines_after_a_failure_checkpoint_then_grow_back(tmp_path):
             return 1
 
     def fault(ctl: Controller) -> None:
-        ray.get(ctl.actors[0][1].inject_fault.remote(2, 0.0))
+        ray.get(ctl.actors[0][1].inject_fault.remote(2, 0.5))
         while not (run_dir / "metrics.jsonl").exists() or not events(run_dir, "failure"):
             time.sleep(0.05)
         holder.append(Placeholder.remote())  # takes the dead actor's device
@@ -350,7 +350,9 @@ def test_mixed_pipelines_after_a_failure_checkpoint_then_grow_back(tmp_path):
         for h in holder:
             ray.kill(h)
     rec = events(run_dir, "recovered")[0]
-    assert rec["lost_steps"] == 0 and rec["source"] == "surviving replicas"
+    # 0, unless the failure cut the background gather of the step-2 boundary short (its
+    # partner died mid-gather): then the step-1 boundary is used and step 1 is redone.
+    assert rec["lost_steps"] <= 1 and rec["source"] == "surviving replicas"
     mix = rec["plan"]["mix"]
     assert [p["stage_sites"] for p in mix] == [["east", "west", "west"], ["east", "west"]]
     assert [p["num_microbatches"] for p in mix] == [7, 5]
