@@ -3,9 +3,9 @@ devices, with the global batch split so they finish together (Oobleck's instanti
 
 [Note: heterogeneous pipelines] Templates may be mixed, but only templates that put every
 layer in the same site: then each layer's replicas sit in one site and gradient reduction
-never crosses a WAN link — the invariant the cost model assumes. The runtime today runs
-``D`` identical pipelines (:func:`geopipe.optimizer.templates.best_uniform`); wiring this
-into recovery is future work, so it is kept here, tested, as the planner's answer.
+never crosses a WAN link — the invariant the cost model assumes. The runtime runs such
+mixes (:mod:`geopipe.optimizer.mixes` builds template sets that share a layer split and
+picks the mix; :mod:`geopipe.runtime.sitegroups` forms their ZeRO-1 groups).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class Instantiation:
 
     @property
     def uniform(self) -> bool:
-        """True when all pipelines share one template (what the runtime runs today)."""
+        """True when all pipelines share one template (their shares may still differ)."""
         return len({p.template.stages_per_site for p in self.pipelines}) == 1
 
 

@@ -32,9 +32,10 @@ pipeline ``D`` copies can fill (``n_s // D`` stages per site, trimmed to the lay
 fewer in one site — what a single lost device turns it into. Any other vector is evaluated
 on demand and memoised, so recovery after any failure pattern still finds its templates.
 
-The runtime runs ``D`` identical pipelines of one template: :func:`best_uniform` is the
-choice it uses. Mixing templates (heterogeneous pipelines) is
-:func:`geopipe.optimizer.instantiate.instantiate`.
+:func:`best_uniform` picks ``D`` identical pipelines of one template; mixing templates
+(heterogeneous pipelines) is :func:`geopipe.optimizer.instantiate.instantiate` over the
+template sets of :mod:`geopipe.optimizer.mixes`, and the runtime runs whichever
+:func:`geopipe.optimizer.policies.best_layout` predicts faster.
 """
 
 from __future__ import annotations

@@ -207,8 +207,9 @@ class Recovery:
         refs = [ref_of[k] for k in survivors]
         _, stuck = ray.wait(refs, num_returns=len(refs), timeout=grace_s)
         released = [k for k in survivors if ref_of[k] in stuck]
-        needed = [k for k in released
-                  if not any(j[0] == k[0] and j not in released for j in survivors)]  # fmt: skip
+        cov = self._covers(list(survivors))
+        kept = set().union(*(cov[j] for j in survivors if j not in released))
+        needed = [k for k in released if not cov[k] <= kept]  # holds state no one else does
         if needed:
             done, _ = ray.wait([ref_of[k] for k in needed], num_returns=len(needed), timeout=60)
             released = [k for k in released if ref_of[k] not in done]
