@@ -86,6 +86,7 @@ class SiteCopies:
         self._stage_sites = stage_sites
         self._manifest = manifest
         self._stores: dict[str, Any] = {}
+        self._addresses: dict[int, tuple[str, int] | None] = {}  # id(actor) -> chunk server
         self._made = 0
         self._pending: _Save | None = None
 
@@ -204,10 +205,22 @@ class SiteCopies:
         self._pending = save
 
     def _sources(self, save: _Save, dst: str, sites: list[str]) -> list[ShardSource]:
-        return [
-            ShardSource(k, a, None if sites[k] == dst else self._rate(sites[k], dst))
-            for k, a in enumerate(save.writers)
-        ]
+        """Where ``dst``'s store reads each shard: across sites paced, over the writer's
+        chunk server (the data plane), else through Ray."""
+        out = []
+        for k, a in enumerate(save.writers):
+            if sites[k] == dst:
+                out.append(ShardSource(k, a, None))
+            else:
+                out.append(ShardSource(k, a, self._rate(sites[k], dst), self._address(a)))
+        return out
+
+    def _address(self, actor: Any) -> tuple[str, int] | None:
+        """``actor``'s chunk server (asked once per actor; None if it does not answer)."""
+        key = id(actor)
+        if key not in self._addresses:
+            self._addresses[key] = quiet_get([actor.chunk_address.remote()], 30)[0]
+        return self._addresses[key]
 
     def _rate(self, src: str, dst: str) -> float | None:
         lk = self.spec.link(src, dst)
@@ -293,6 +306,7 @@ class SiteCopies:
             failed_copies=save.failed, stall_s=save.stall_s,
             seconds=time.perf_counter() - save.started, bytes=first["bytes"],
             pruned=sorted({p for c in committed.values() for p in c["pruned"]}),
+            transferred={s: c.get("via", {}) for s, c in committed.items()},
         )  # fmt: skip
         if save.failed:
             print(f"geopipe: checkpoint step {save.step}: copy failed on "

@@ -10,12 +10,12 @@ same :class:`~geopipe.checkpoint.writer.CheckpointWriter` the shared directory u
 is a complete, self-verifying checkpoint directory, and one that fails (a source died, a
 checksum is wrong, the save was abandoned) never touches the site's last good one.
 
-Transport: Ray's object store, chunk by chunk (the puller asks the holder for 4 MiB pieces,
-two in flight). Checkpoint replication is background traffic, so Ray's transfer cost over a
-long link (a few round trips per object) matters little; the cross-site pulls are paced to
-a share of the WAN link's bandwidth so the activations keep the rest
-(:data:`geopipe.runtime.sitecopies.LINK_SHARE`). The direct TCP data plane would save those
-round trips, at the price of a second kind of traffic on the training connections.
+Transport: the puller reads 4 MiB pieces, two in flight. Across sites over the data plane
+— one TCP stream to the holder's chunk server (:mod:`geopipe.transport.bulk`), no Ray on
+the bulk path: through Ray each piece would be an object-store pull costing several round
+trips over a long link — paced to a share of the WAN link's bandwidth so the activations
+keep the rest (:data:`geopipe.runtime.sitecopies.LINK_SHARE`). Inside a site, and when a
+holder's chunk server cannot be reached, through Ray actor calls.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import re
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,7 @@ from geopipe.checkpoint.store import (
 )
 from geopipe.checkpoint.writer import CheckpointWriter
 from geopipe.optimizer.restore import SiteCopy
+from geopipe.transport.bulk import ChunkClient, ChunkError, ChunkServer
 
 __all__ = ["CHUNK_BYTES", "ShardSource", "SiteStore"]
 
@@ -59,6 +61,7 @@ class ShardSource:
     stage: int
     actor: Any
     rate_bps: float | None  # bytes/s to pace at when crossing sites; None: no pacing
+    address: tuple[str, int] | None = None  # the holder's chunk server (data plane)
 
 
 class SiteStore:
@@ -77,6 +80,14 @@ class SiteStore:
         self._cancelled: set[str] = set()
         self._verified: dict[tuple[int, float], SiteCopy] = {}  # (step, manifest mtime)
         self.get: Any = None  # ray.get unless a test plugs in another (the seam for fakes)
+        self._server: ChunkServer | None = None
+        self._via: dict[int, dict[str, int]] = {}  # step -> bytes copied per path
+
+    def chunk_address(self) -> tuple[str, int]:
+        """This store's chunk server (other sites' stores read its copies through it)."""
+        if self._server is None:
+            self._server = ChunkServer(self.read_chunk, node_ip())
+        return self._server.address
 
     def ping(self) -> str:
         return self.site
@@ -135,7 +146,8 @@ class SiteStore:
         self._remember(path, step, num_stages)
         size = sum(f.stat().st_size for f in path.iterdir())
         pruned = prune(self.root, self.keep)
-        return {"path": str(path), "bytes": size, "pruned": [p.name for p in pruned]}
+        via = self._via.pop(step, {})
+        return {"path": str(path), "bytes": size, "pruned": [p.name for p in pruned], "via": via}
 
     def abort(self, step: int, save_id: str) -> None:
         """Give up this save's copy of ``step`` (a pull still running fails at its next
@@ -151,26 +163,18 @@ class SiteStore:
         self, step: int, save_id: str, tmp_dir: Path, src: ShardSource, info: ShardInfo
     ) -> None:
         """Copy ``info.file`` from ``src`` chunk by chunk, paced, then fsync and verify."""
-        get = self.get or _ray_get
         path = tmp_dir / info.file
         digest = hashlib.sha256()
         t0 = time.perf_counter()
-        offsets = deque(range(0, info.bytes, CHUNK_BYTES))
-        inflight: deque = deque()
+        pieces = [(off, min(CHUNK_BYTES, info.bytes - off))
+                  for off in range(0, info.bytes, CHUNK_BYTES)]  # fmt: skip
         done = 0
         try:
             with open(path, "wb") as f:
-                while offsets or inflight:
-                    while offsets and len(inflight) < _IN_FLIGHT:
-                        off = offsets.popleft()
-                        n = min(CHUNK_BYTES, info.bytes - off)
-                        inflight.append((n, src.actor.read_chunk.remote(step, info.file, off, n)))
-                    n, ref = inflight.popleft()
-                    data = get(ref, timeout=120)
+                for data in self._pieces(step, info.file, src, pieces):
                     if save_id in self._cancelled:
                         raise CheckpointError(f"the save of step {step} was abandoned")
-                    if len(data) != n:
-                        raise CheckpointError(f"{info.file}: got {len(data)} bytes, asked {n}")
+                    n = len(data)
                     f.write(data)
                     digest.update(data)
                     done += n
@@ -189,6 +193,41 @@ class SiteStore:
                 f"{info.file} of step {step} arrived on {self.site} with sha256 "
                 f"{digest.hexdigest()[:16]}…, the writer's is {info.sha256[:16]}…"
             )
+
+    def _pieces(
+        self, step: int, file: str, src: ShardSource, pieces: list[tuple[int, int]]
+    ) -> Iterator[bytes]:
+        """The pieces of ``file``, in order: over the holder's chunk server when it has one
+        (the data plane), else through Ray actor calls; ``_IN_FLIGHT`` asked ahead."""
+        client = None
+        if src.address is not None:
+            try:
+                client = ChunkClient(tuple(src.address))
+            except ChunkError:
+                client = None  # unreachable (another network?): Ray still reaches it
+        via = self._via.setdefault(step, {})
+        if client is not None:
+            try:
+                for data in client.read_all(step, file, pieces, _IN_FLIGHT):
+                    via["data_plane"] = via.get("data_plane", 0) + len(data)
+                    yield data
+            except ChunkError as exc:
+                raise CheckpointError(f"{file} of step {step}: {exc}") from None
+            finally:
+                client.close()
+            return
+        get = self.get or _ray_get
+        todo, inflight = deque(pieces), deque()
+        while todo or inflight:
+            while todo and len(inflight) < _IN_FLIGHT:
+                off, n = todo.popleft()
+                inflight.append((n, src.actor.read_chunk.remote(step, file, off, n)))
+            n, ref = inflight.popleft()
+            data = get(ref, timeout=120)
+            if len(data) != n:
+                raise CheckpointError(f"{file}: got {len(data)} bytes, asked {n}")
+            via["ray"] = via.get("ray", 0) + n
+            yield data
 
     # -- copies already on this site -----------------------------------------------------------
     def _remember(self, path: Path, step: int, num_stages: int) -> None:
@@ -237,21 +276,36 @@ class SiteStore:
         have = self.root / step_dirname(step)
         if any(c.step == step for c in self.holdings()):
             return str(have)
-        doc = (self.get or _ray_get)(source.manifest.remote(step), timeout=60)
+        get = self.get or _ray_get
+        doc = get(source.manifest.remote(step), timeout=60)
+        try:  # the copy crosses sites: over the data plane when the source's server answers
+            address = get(source.chunk_address.remote(), timeout=30)
+        except Exception:
+            address = None
         save_id = f"copy-{step}-{time.time_ns()}"
         writer = self._writer(step, save_id)
         try:
             for e in doc["stages"]:
                 info = ShardInfo(e["stage"], e["file"], e["sha256"], e["bytes"],
                                  e.get("tensors", 0), 0.0)  # fmt: skip
-                self._pull(step, save_id, writer.tmp_dir, ShardSource(e["stage"], source, None),
-                           info)  # fmt: skip
+                src = ShardSource(e["stage"], source, None, address)
+                self._pull(step, save_id, writer.tmp_dir, src, info)
                 writer.add_shard(info)
             manifest = {k: v for k, v in doc.items() if k not in _RESERVED}
             return self.commit(step, save_id, manifest, int(doc["num_stages"]))["path"]
         except BaseException:
             self.abort(step, save_id)
             raise
+
+
+def node_ip() -> str:
+    """This node's address for peers (Ray's view of it), or loopback outside Ray."""
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:  # outside Ray (tests)
+        return "127.0.0.1"
 
 
 def _ray_get(ref: Any, timeout: float) -> Any:

@@ -35,6 +35,7 @@ from geopipe.runtime.handoff import Restore, restore_boundary
 from geopipe.runtime.links import StageLinks, WanPeer
 from geopipe.runtime.shards import ShardWriter, load_stage
 from geopipe.runtime.snapshots import BoundaryKeeper
+from geopipe.transport.bulk import ChunkServer
 
 __all__ = ["SNAPSHOTS_KEPT", "StageSpec", "StageWorker", "WanPeer"]
 
@@ -82,6 +83,7 @@ class StageWorker:
         self.boundaries = BoundaryKeeper(SNAPSHOTS_KEPT)
         self.shards = ShardWriter()
         self._fault: Fault | None = None
+        self._chunks: ChunkServer | None = None  # started when a store first asks
         self._configure(spec)
 
     def _configure(self, spec: StageSpec) -> None:
@@ -291,6 +293,13 @@ class StageWorker:
 
     def release_shard(self, step: int) -> None:
         self.shards.release(step)
+
+    def chunk_address(self) -> tuple[str, int]:
+        """This replica's chunk server: another site's store reads the in-memory shard
+        through it, over the data plane (:mod:`geopipe.transport.bulk`)."""
+        if self._chunks is None:
+            self._chunks = ChunkServer(self.read_chunk, _local_ip())
+        return self._chunks.address
 
     def read_chunk(self, step: int, file: str, offset: int, size: int) -> bytes:
         """A piece of this replica's in-memory shard of ``step`` (per-site checkpoint copies:

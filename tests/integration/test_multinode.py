@@ -119,8 +119,13 @@ def test_runs_on_two_nodes_and_survives_losing_a_site(two_nodes, tmp_path):
     storage = next(x for x in lines if x.get("event") == "checkpoint_storage")
     assert storage["mode"] == "per-site" and storage["warning"] is None
     assert storage["dirs"] == {"east": str(east_dir), "west": str(west_dir)}
-    # Before the loss: each site committed a complete copy on its own, recording both.
+    # Before the loss: each site committed a complete copy on its own, recording both;
+    # the shards crossing sites came over the data plane (the writers' chunk servers),
+    # those of a site's own stages through Ray, not both ways.
     assert every in seen["east"] and every in seen["west"]
+    first = next(x for x in lines if x.get("event") == "checkpoint" and x["step"] == every)
+    for site, via in first["transferred"].items():
+        assert via.get("data_plane", 0) > 0 and via.get("ray", 0) > 0, (site, via)
     assert set(seen["manifest"]["copies"]) == {"east", "west"}
     failure = [x for x in lines if x.get("event") == "failure"]
     assert len(failure) == 1 and failure[0]["lost_sites"] == ["west"]

@@ -1,0 +1,157 @@
+"""Bulk reads over one TCP stream: the data plane for checkpoint copies between sites.
+
+A site's checkpoint store copies each shard from the actor holding it (a stage replica's
+in-memory shard, or another site's committed copy). Through Ray, each 4 MiB piece would be
+an actor call whose reply goes through the object store and is pulled — several round
+trips per piece over a long link, and bulk bytes on Ray's control plane, which the runtime
+keeps for control (see :mod:`geopipe.transport.direct`). Here the holder runs a
+:class:`ChunkServer` (a thread, plain sockets) and the store reads pieces with a
+:class:`ChunkClient` over one connection: requests are pipelined, so the link stays busy
+while the store writes, and pacing stays with the reader. This module knows nothing of Ray;
+the runtime exchanges the server's address over Ray calls.
+
+Wire format (little endian): a request is ``u32 length`` + JSON ``{"step", "file",
+"offset", "size"}``; the reply is ``u8 status`` (0 ok, 1 error) + ``u64 length`` + that many
+bytes (the data, or a UTF-8 error message). Nothing read from the network is unpickled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import struct
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
+
+from geopipe.transport.direct import _advertised_host, set_congestion
+
+__all__ = ["ChunkClient", "ChunkError", "ChunkServer"]
+
+_REQ = struct.Struct("<I")
+_REP = struct.Struct("<BQ")
+_MAX_REQUEST = 4096
+_MAX_REPLY = 1 << 30
+
+Reader = Callable[[int, str, int, int], bytes]  # (step, file, offset, size) -> bytes
+
+
+class ChunkError(OSError):
+    """The server could not serve a piece (its message says why), or the stream broke."""
+
+
+class ChunkServer:
+    """Serves ``read(step, file, offset, size)`` to any number of clients, one thread each."""
+
+    def __init__(self, read: Reader, host: str = "0.0.0.0") -> None:
+        self._read = read
+        self._sock = socket.create_server((host, 0))
+        self.address = (_advertised_host(host), self._sock.getsockname()[1])
+        self._closed = False
+        threading.Thread(target=self._accept, name="chunk-server", daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            set_congestion(conn, "cubic")  # this side sends the bulk: fair to the training's
+            while True:
+                head = _recv(conn, _REQ.size)
+                if head is None:
+                    return
+                (n,) = _REQ.unpack(head)
+                body = _recv(conn, n) if 0 < n <= _MAX_REQUEST else None
+                if body is None:
+                    return  # a broken or hostile request: drop the connection
+                try:
+                    req = json.loads(body)
+                    data = self._read(int(req["step"]), str(req["file"]), int(req["offset"]),
+                                      int(req["size"]))  # fmt: skip
+                    status, payload = 0, bytes(data)
+                except Exception as exc:  # any reason: the client gets it as a message
+                    status, payload = 1, f"{type(exc).__name__}: {exc}".encode()[:4096]
+                try:
+                    conn.sendall(_REP.pack(status, len(payload)) + payload)
+                except OSError:
+                    return
+
+    def close(self) -> None:
+        """Stop accepting (connections being served finish their current reply)."""
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept()
+        with contextlib.suppress(OSError):
+            self._sock.close()
+
+
+class ChunkClient:
+    """One connection to a :class:`ChunkServer`; :meth:`read_all` pipelines requests."""
+
+    def __init__(self, address: tuple[str, int], timeout_s: float = 120.0) -> None:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.settimeout(timeout_s)
+        try:
+            sock.connect(tuple(address))
+        except OSError as exc:
+            sock.close()
+            raise ChunkError(f"cannot reach the chunk server at {address}: {exc}") from None
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._sock = sock
+
+    def read_all(
+        self, step: int, file: str, pieces: list[tuple[int, int]], in_flight: int = 2
+    ) -> Iterator[bytes]:
+        """The bytes of each ``(offset, size)`` piece, in order, ``in_flight`` asked ahead."""
+        todo, asked = deque(pieces), deque()
+        while todo or asked:
+            while todo and len(asked) < in_flight:
+                off, n = todo.popleft()
+                body = json.dumps({"step": step, "file": file, "offset": off, "size": n}).encode()
+                try:
+                    self._sock.sendall(_REQ.pack(len(body)) + body)
+                except OSError as exc:
+                    raise ChunkError(f"chunk request failed: {exc}") from None
+                asked.append(n)
+            n = asked.popleft()
+            head = _recv(self._sock, _REP.size)
+            if head is None:
+                raise ChunkError("the chunk server closed the connection")
+            status, length = _REP.unpack(head)
+            if length > _MAX_REPLY:
+                raise ChunkError(f"chunk reply of {length} bytes is out of bounds")
+            data = _recv(self._sock, length)
+            if data is None:
+                raise ChunkError("the chunk server closed the connection mid-reply")
+            if status:
+                raise ChunkError(data.decode(errors="replace"))
+            if len(data) != n:
+                raise ChunkError(f"{file}: got {len(data)} bytes, asked {n}")
+            yield data
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.close()
+
+
+def _recv(sock: socket.socket, n: int) -> bytes | None:
+    """Exactly ``n`` bytes, or None if the peer closed first."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        try:
+            k = sock.recv_into(view[got:])
+        except (TimeoutError, OSError):
+            return None
+        if k == 0:
+            return None
+        got += k
+    return bytes(buf)
