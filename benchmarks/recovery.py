@@ -408,6 +408,10 @@ def main() -> None:
     if "--hetero-only" in sys.argv:
         _report_hetero(hetero(tmp))
         return
+    if "--replication-only" in sys.argv:
+        stall = replication_stall(tmp)
+        print(json.dumps({k: v for k, v in stall.items() if k != "replication_stall_detail"}))
+        return
     result = chaos_vs_restart(tmp)
     k = result["failed_step"]
     print(

@@ -62,7 +62,11 @@ class ChunkServer:
     def _serve(self, conn: socket.socket) -> None:
         with conn:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            set_congestion(conn, "cubic")  # this side sends the bulk: fair to the training's
+            # This side sends the bulk. TCP-LP yields to other flows (it backs off as soon
+            # as one-way delay grows), so copies would fill only the link's idle time; where
+            # the kernel lacks it (here: reno, bbr, cubic) cubic, fair to the training
+            # stream, with the reader's pacing leaving the activations their share.
+            set_congestion(conn, "lp") or set_congestion(conn, "cubic")
             while True:
                 head = _recv(conn, _REQ.size)
                 if head is None:
