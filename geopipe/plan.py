@@ -145,6 +145,38 @@ class Plan:
     def layers_of(self, k: int, r: int) -> tuple[int, int]:
         return tuple(self.mix[r].partition[k]) if self.mix else tuple(self.partition[k])
 
+    def shared_groups(self) -> dict[str, list[list[tuple[int, int]]]]:
+        """Per site, the actors linked by shared layers (connected components), each in
+        :meth:`actors` order: a layer's gradient is reduced over every actor that runs it,
+        so each group is one ZeRO-1 group ([Note: ZeRO-1 groups of a mixed plan] in
+        geopipe.runtime.sitegroups). Identical pipelines: one group per stage."""
+        out: dict[str, list[list[tuple[int, int]]]] = {}
+        for site in dict.fromkeys(self.site_of(*key) for key in self.actors()):
+            members = [key for key in self.actors() if self.site_of(*key) == site]
+            ranges = [self.layers_of(*key) for key in members]
+            parent = list(range(len(members)))
+            for i, (a, z) in enumerate(ranges):
+                for j in range(i):
+                    b, y = ranges[j]
+                    if a < y and b < z:  # they share a layer: one group
+                        parent[_root(parent, i)] = _root(parent, j)
+            comps: dict[int, list[tuple[int, int]]] = {}
+            for i, key in enumerate(members):
+                comps.setdefault(_root(parent, i), []).append(key)
+            out[site] = sorted(comps.values(), key=lambda g: members.index(g[0]))
+        return out
+
+    def held_layers(self) -> dict[tuple[int, int], tuple[int, int]]:
+        """The layers each actor's engine holds: its group's union (its own, unless a mix
+        cuts its site's layers differently)."""
+        out = {}
+        for groups in self.shared_groups().values():
+            for g in groups:
+                lo = min(self.layers_of(*key)[0] for key in g)
+                hi = max(self.layers_of(*key)[1] for key in g)
+                out.update(dict.fromkeys(g, (lo, hi)))
+        return out
+
     def describe(self) -> str:
         """``2 pipeline(s) × 4 stages``, or for a mix each pipeline's depth."""
         if not self.mix:
@@ -191,3 +223,11 @@ class Plan:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
+
+
+def _root(parent: list[int], i: int) -> int:
+    """Union-find root of ``i`` (with path halving)."""
+    while parent[i] != i:
+        parent[i] = parent[parent[i]]
+        i = parent[i]
+    return i

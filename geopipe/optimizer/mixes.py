@@ -19,8 +19,10 @@ lost one device this finds two pipelines of different depth in the west-heavier 
 [Note: what a mix costs that the prediction leaves out] An actor whose layers are cut
 differently by another pipeline holds its ZeRO-1 group's union of layers (weights and
 gradients; Adam state stays sharded) and reduces it inside its site. The predictions are
-the templates' own (memory per stage); :func:`best_mix` therefore asks a mix to beat the
-best identical pipelines by :data:`MIN_GAIN` before it is chosen.
+the templates' own (memory per stage), so :func:`best_mix` adds what the union costs each
+such actor and drops mixes that would not fit (:func:`union_overflow`), and asks a mix to
+beat the best identical pipelines by :data:`MIN_GAIN` (its wider intra-site reductions are
+not in the time either).
 """
 
 from __future__ import annotations
@@ -31,7 +33,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 
-from geopipe.model.sizes import layer_forward_flops
+from geopipe.model.sizes import (
+    adam_bytes_per_param,
+    elem_bytes,
+    layer_forward_flops,
+    layer_param_counts,
+)
 from geopipe.optimizer.instantiate import Instantiation, instantiate
 from geopipe.optimizer.templates import TemplateSet, Vector, best_uniform, check_batch
 from geopipe.pipeline.partition import balanced_partition
@@ -198,7 +205,9 @@ def best_mix(
             if inst is None or (inst.uniform and equal):
                 tried[split] = None  # identical pipelines, equal shares: best_uniform's
             else:
-                tried[split] = MixChoice(mixed_plan(sts, inst), inst.iteration_time_s, inst)
+                plan = mixed_plan(sts, inst)
+                fits = not union_overflow(sts, plan)
+                tried[split] = MixChoice(plan, inst.iteration_time_s, inst) if fits else None
         return tried[split]
 
     def time_of(split: LayerSplit) -> float:
@@ -228,6 +237,36 @@ def _neighbours(split: LayerSplit) -> list[LayerSplit]:
             if min(counts) >= 1:
                 out.append(tuple((s, n) for (s, _), n in zip(split, counts, strict=True)))
     return out
+
+
+def union_overflow(ts: TemplateSet, plan: Plan) -> list[tuple[int, int]]:
+    """Actors of a mixed ``plan`` that would not fit their device once their engine holds
+    their ZeRO-1 group's union of layers ([Note: what a mix costs that the prediction
+    leaves out]): the template's predicted peak for the stage, plus the weights and
+    gradients of the layers it holds but does not run, plus the change in its Adam shard
+    (the union over the group's size instead of its own layers over the pipelines)."""
+    spec = ts.spec
+    prec = spec.training.precision
+    counts = layer_param_counts(spec.model)
+    held, k = plan.held_layers(), plan.pipelines
+    sizes = {key: len(g) for groups in plan.shared_groups().values() for g in groups
+             for key in g}  # fmt: skip
+    limit = {s.name: s.device_memory_gb * float(1 << 30) for s in spec.sites}
+    over = []
+    for r in range(plan.pipelines):
+        one = plan.pipeline(r)
+        v = tuple(one.stage_sites.count(site) for site in ts.sites)
+        pr = ts.predict(v, k, one.num_microbatches)
+        if pr is None:
+            continue
+        for j, (a, z) in enumerate(one.partition):
+            lo, hi = held[(j, r)]
+            own, union = sum(counts[a:z]), sum(counts[lo:hi])
+            extra = (union - own) * 2 * elem_bytes(prec)
+            extra += adam_bytes_per_param(prec) * (union / sizes[(j, r)] - own / k)
+            if pr.peak_memory_bytes[j] + extra > limit[one.stage_sites[j]]:
+                over.append((j, r))
+    return over
 
 
 def uniform_time(ts: TemplateSet, devices_alive: Mapping[str, int], global_batch: int,

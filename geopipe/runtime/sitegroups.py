@@ -57,37 +57,16 @@ def site_worlds(plan: Plan) -> list[SiteWorld]:
     """The worlds of ``plan``'s sites, in pipeline order of first appearance.
 
     Ranks go stage by stage, pipelines in order (for identical pipelines: ``stage·D + r``,
-    each stage's replicas one group)."""
+    each stage's replicas one group); the groups are :meth:`Plan.shared_groups`."""
+    held = plan.held_layers()
     out = []
-    for site in dict.fromkeys(plan.site_of(k, r) for k, r in plan.actors()):
+    for site, groups in plan.shared_groups().items():
         members = tuple(key for key in plan.actors() if plan.site_of(*key) == site)
-        ranges = [plan.layers_of(*key) for key in members]
-        parent = list(range(len(members)))
-        for i, (a, z) in enumerate(ranges):
-            for j in range(i):
-                b, y = ranges[j]
-                if a < y and b < z:  # they share a layer: merge their groups
-                    parent[_root(parent, i)] = _root(parent, j)
-        comps: dict[int, list[int]] = {}
-        for i in range(len(members)):
-            comps.setdefault(_root(parent, i), []).append(i)
-        groups = tuple(tuple(c) for c in sorted(comps.values()))
-        group_of, hold = {}, {}
-        for g, ranks in enumerate(groups):
-            lo = min(ranges[i][0] for i in ranks)
-            hi = max(ranges[i][1] for i in ranks)
-            for i in ranks:
-                group_of[members[i]], hold[members[i]] = g, (lo, hi)
-        out.append(SiteWorld(site, members, groups, group_of, hold))
+        rank = {key: i for i, key in enumerate(members)}
+        ranks = tuple(tuple(rank[key] for key in g) for g in groups)
+        group_of = {key: g for g, keys in enumerate(groups) for key in keys}
+        out.append(SiteWorld(site, members, ranks, group_of, {k: held[k] for k in members}))
     return out
-
-
-def _root(parent: list[int], i: int) -> int:
-    """Union-find root of ``i`` (with path halving)."""
-    while parent[i] != i:
-        parent[i] = parent[parent[i]]
-        i = parent[i]
-    return i
 
 
 def grad_scale(plan: Plan, key: Key, worlds: list[SiteWorld] | None = None) -> float:

@@ -197,3 +197,46 @@ def test_uneven_devices_at_launch_run_a_mix() -> None:
     assert sorted(plan.site_of(*k) for k in plan.actors()) == ["east"] * 2 + ["west"] * 3
     assert plan.total_microbatches == best.plan.total_microbatches
     assert json.loads(json.dumps(got.summary()))["pipelines"] == 2  # valid JSON, no NaN
+
+
+def test_mixes_whose_unions_overflow_a_device_are_dropped(demo) -> None:
+    """An actor holding its group's union needs the other layers' weights and gradients too
+    (and a different Adam shard): with the east devices just big enough for pipeline 0's
+    first stage alone, that stage overflows once it holds layers 0-5 — checked against the
+    per-actor arithmetic at several device sizes."""
+    import copy as copy_
+
+    from geopipe.model.sizes import layer_param_counts
+    from geopipe.optimizer.mixes import union_overflow
+
+    spec, plan, ts = demo
+    got = best_mix(ts, {"east": 3, "west": 4}, spec.training.global_batch_size,
+                   plan.micro_batch_size, running=plan)  # fmt: skip
+    mix = got.plan
+    assert union_overflow(ts, mix) == []  # 2 GB devices: plenty
+    held, counts = mix.held_layers(), layer_param_counts(spec.model)
+    assert sorted(k for k in mix.actors() if held[k] != mix.layers_of(*k)) == [(0, 0), (1, 0)]
+    size = {k: len(g) for gs in mix.shared_groups().values() for g in gs for k in g}
+    need = {}  # fp32: weights + gradients 8 B, Adam 8 B sharded
+    for r in range(mix.pipelines):
+        one = mix.pipeline(r)
+        v = tuple(one.stage_sites.count(x) for x in ts.sites)
+        pr = ts.predict(v, mix.pipelines, one.num_microbatches)
+        for j, (a, z) in enumerate(one.partition):
+            if one.stage_sites[j] == "east":
+                own, union = sum(counts[a:z]), sum(counts[slice(*held[(j, r)])])
+                extra = 8 * (union - own) + 8 * (union / size[(j, r)] - own / mix.pipelines)
+                need[(j, r)] = (pr.peak_memory_bytes[j], pr.peak_memory_bytes[j] + extra)
+    assert need[(0, 0)][1] > need[(0, 0)][0]  # the union costs pipeline 0's first stage
+    for limit in sorted({own + 1 for own, _ in need.values()}):
+        tight = copy_.copy(ts)
+        east = spec.sites[0].model_copy(update={"device_memory_gb": limit / (1 << 30)})
+        tight.spec = spec.model_copy(update={"sites": [east, *spec.sites[1:]]})
+        want = sorted(k for k, (_, total) in need.items() if total > limit)
+        assert sorted(union_overflow(tight, mix)) == want
+    # just above stage (0, 0)'s own peak it fits alone but not with the union
+    limit = need[(0, 0)][0] + 1
+    tight = copy_.copy(ts)
+    east = spec.sites[0].model_copy(update={"device_memory_gb": limit / (1 << 30)})
+    tight.spec = spec.model_copy(update={"sites": [east, *spec.sites[1:]]})
+    assert (0, 0) in union_overflow(tight, mix)
