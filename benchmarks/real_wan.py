@@ -245,14 +245,15 @@ def headline(per_l: dict[float, dict]) -> dict:
         x, y = _time(r[a]), _time(r[b])
         return y / x if inv else x / y
 
+    issue = [r[0] for r in GEOPIPE_RUNS if r[0] in DEFAULT_RUNS]  # the issue's settings
     errors = [
         abs(r["predicted_s"] / r["iteration_time_s"] - 1)
         for res in per_l.values()
         for k, r in res.items()
-        if k.startswith("geopipe")
+        if k in issue
     ]
     models = [r["model_error"] for res in per_l.values() for k, r in res.items()
-              if k.startswith("geopipe")]  # fmt: skip
+              if k in issue]  # fmt: skip
     l40 = per_l.get(40.0, {})
     bubble = model_bubble = None
     if "geopipe_1f1b" in l40 and "geopipe_lookahead" in l40:
