@@ -294,6 +294,9 @@ def main() -> None:
     ap.add_argument("--no-wan", action="store_true", help="loopback only")
     ap.add_argument("--congestion", default=None,
                     help="senders' TCP congestion control; bbr,cubic: each in turn")  # fmt: skip
+    ap.add_argument("--idle-restart", default=None,
+                    help="net.ipv4.tcp_slow_start_after_idle in both namespaces (the bed sets "
+                    "0); 1,0: each in turn")  # fmt: skip
     a = ap.parse_args()
     if a.role == "recv":
         return _role_recv(a.bind, json.loads(a.plan))
@@ -321,16 +324,20 @@ def main() -> None:
         result["wan_skipped"] = why
     else:
         from geopipe.testbed import BedPlan, running
+        from geopipe.testbed.netns import set_sysctl
 
         plan = BedPlan(("a", "b"), a.latency_ms, WAN_RATE_BPS / 1e6, prefix="gpdc")
         with running(plan):
             ns = (plan.namespace("a"), plan.namespace("b"))
             ips = (plan.address("a"), plan.address("b"))
             key = f"wan_rtt{2 * a.latency_ms:g}ms_200mbit"
-            for cc in (a.congestion or "").split(",") if a.congestion else [None]:
-                k = key + (f"_{cc}" if cc else "")
-                result[k] = run_direct(phases, ns, ips, cc)
-                print(k, json.dumps(result[k]), flush=True)
+            for idle in a.idle_restart.split(",") if a.idle_restart else [None]:
+                for n in ns if idle else ():
+                    set_sysctl(n, "net.ipv4.tcp_slow_start_after_idle", idle)
+                for cc in (a.congestion or "").split(",") if a.congestion else [None]:
+                    k = key + (f"_{cc}" if cc else "") + (f"_ssai{idle}" if idle else "")
+                    result[k] = run_direct(phases, ns, ips, cc)
+                    print(k, json.dumps(result[k]), flush=True)
             if a.gloo:
                 result[key + "_gloo"] = run_gloo(phases, ns, ips)
                 print(key + " gloo", json.dumps(result[key + "_gloo"]), flush=True)

@@ -41,7 +41,11 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 RATE_MBIT = 200.0
 M, MBS, SEQ = 32, 2, 128
 GEOPIPE_RUNS = (("geopipe_1f1b", "1f1b", "none"), ("geopipe_lookahead", "lookahead", "none"),
-                ("geopipe_lookahead_int8", "lookahead", "int8"))  # fmt: skip
+                ("geopipe_lookahead_int8", "lookahead", "int8"),
+                ("geopipe_lookahead_zb", "lookahead-zb", "none"))  # fmt: skip
+# geopipe_lookahead_zb runs only on request (--runs)
+DEFAULT_RUNS = ("torch_1f1b", "torch_gpipe", "geopipe_1f1b", "geopipe_lookahead",
+                "geopipe_lookahead_int8")  # fmt: skip
 CALIBRATION_STEPS = 3
 
 
@@ -74,6 +78,26 @@ def _geopipe_role(address: str, latency_ms: float, steps: int, runs: list[str]) 
         if ray.is_initialized():
             ray.shutdown()
     print("RESULT " + json.dumps(out), flush=True)
+
+
+def model_bubbles(ctl, steps) -> list[float]:
+    """Per step: the simulator's bubble on that step's own measured stage times (sends,
+    snapshot and the rest of the step count as busy there): the fill/drain floor."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from geopipe.optimizer.evaluate import plan_schedule
+    from geopipe.optimizer.simulator import simulate
+    from geopipe.runtime.calibration import measured_stage_times
+
+    out = []
+    for s in steps:
+        rs = [SimpleNamespace(stage=k, breakdown=b, micro_batches=M)
+              for k, b in enumerate(s.breakdown)]  # fmt: skip
+        f, b, end = measured_stage_times(rs, len(rs))
+        costs = replace(ctl.calibrator.costs, fwd_s=tuple(f), bwd_s=tuple(b), step_s=tuple(end))
+        out.append(simulate(plan_schedule(ctl.plan), costs).bubble_ratio)
+    return out
 
 
 def _model_times(ctl, steps) -> list[float]:
@@ -118,7 +142,29 @@ def _summary(ctl, res, events: list[dict]) -> dict:
         "losses": [s.loss for s in res.steps],
         "links_measured": plan_ev.get("links_measured", []),
         "breakdown_s": [{k: round(v, 4) for k, v in p.items()} for p in parts],
+        "bubble_parts": bubble_parts(steps),
+        "model_bubble": statistics.median(model_bubbles(ctl, steps)),
     }
+
+
+def bubble_parts(steps) -> dict[str, float]:
+    """Where the measured bubble (1 − busy / (p · T), busy = forward + backward + optimizer)
+    goes, as fractions of p · T summed over the stages: blocked on arrivals (``recv_wait``:
+    fill, drain, latency not hidden), handing tensors to the links (``send``), waiting for
+    the last sends (``drain``), the recovery snapshot, the rest of the compute thread
+    (``other``), and ``outside``: T minus the stage's own step (a stage whose step starts
+    late or ends early, e.g. the lighter stage). They add up to the bubble."""
+    keys = ("recv_wait", "send", "drain", "snapshot", "other")
+    out = dict.fromkeys((*keys, "outside"), 0.0)
+    total = 0.0
+    for s in steps:
+        total += len(s.breakdown) * s.iteration_time_s
+        for b in s.breakdown:
+            own = sum(b.get(k, 0.0) for k in ("forward", "backward", "optimizer", *keys))
+            out["outside"] += s.iteration_time_s - own
+            for k in keys:
+                out[k] += b.get(k, 0.0)
+    return {k: round(v / total, 4) for k, v in out.items()}
 
 
 # --------------------------------------------------------------------------- driver
@@ -155,7 +201,8 @@ def measure_latency(bed, latency_ms: float, a: argparse.Namespace) -> dict:
     bed.set_link(latency_ms=latency_ms)
     res: dict = {}
     order = [["geopipe_1f1b"], ["torch_1f1b"],
-             ["geopipe_lookahead", "geopipe_lookahead_int8"], ["torch_gpipe"]]  # fmt: skip
+             ["geopipe_lookahead", "geopipe_lookahead_int8", "geopipe_lookahead_zb"],
+             ["torch_gpipe"]]  # fmt: skip
     for group in order:
         runs = [r for r in group if r in a.runs]
         if not runs:
@@ -174,8 +221,8 @@ def measure_latency(bed, latency_ms: float, a: argparse.Namespace) -> dict:
 
 def _brief(res: dict) -> dict:
     """One latency's settings for the JSON line: times, and geopipe's own figures."""
-    keys = ("predicted_s", "model_error", "delta_n", "bubble_ratio", "breakdown_s",
-            "links_measured", "load")  # fmt: skip
+    keys = ("predicted_s", "model_error", "delta_n", "bubble_ratio", "bubble_parts",
+            "model_bubble", "breakdown_s", "links_measured", "load")  # fmt: skip
     out = {}
     for name, r in res.items():
         out[name] = {"time_s": round(_time(r), 4)}
@@ -198,18 +245,21 @@ def headline(per_l: dict[float, dict]) -> dict:
         x, y = _time(r[a]), _time(r[b])
         return y / x if inv else x / y
 
+    issue = [r[0] for r in GEOPIPE_RUNS if r[0] in DEFAULT_RUNS]  # the issue's settings
     errors = [
         abs(r["predicted_s"] / r["iteration_time_s"] - 1)
         for res in per_l.values()
         for k, r in res.items()
-        if k.startswith("geopipe")
+        if k in issue
     ]
     models = [r["model_error"] for res in per_l.values() for k, r in res.items()
-              if k.startswith("geopipe")]  # fmt: skip
+              if k in issue]  # fmt: skip
     l40 = per_l.get(40.0, {})
-    bubble = None
+    bubble = model_bubble = None
     if "geopipe_1f1b" in l40 and "geopipe_lookahead" in l40:
-        bubble = 1 - l40["geopipe_lookahead"]["bubble_ratio"] / l40["geopipe_1f1b"]["bubble_ratio"]
+        la, fb = l40["geopipe_lookahead"], l40["geopipe_1f1b"]
+        bubble = 1 - la["bubble_ratio"] / fb["bubble_ratio"]
+        model_bubble = 1 - la["model_bubble"] / fb["model_bubble"]
     return {
         "parity_1f1b_L0": ratio("geopipe_1f1b", "torch_1f1b", 0.0),
         "parity_1f1b_L40": ratio("geopipe_1f1b", "torch_1f1b", 40.0),
@@ -222,6 +272,8 @@ def headline(per_l: dict[float, dict]) -> dict:
         "max_prediction_error": max(errors) if errors else None,
         "max_model_error": max(models) if models else None,
         "bubble_reduction_L40": bubble,
+        # the same from the simulator on the steps' own stage times (fill/drain only)
+        "bubble_reduction_L40_model": model_bubble,
     }
 
 
@@ -232,8 +284,8 @@ def main() -> None:
     ap.add_argument("--latency-ms", type=float, help=argparse.SUPPRESS)
     ap.add_argument("--steps", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--latencies", default="0,20,40", help="one-way latencies (ms)")
-    ap.add_argument("--runs", default=",".join(["torch_1f1b", "torch_gpipe"]
-                    + [r[0] for r in GEOPIPE_RUNS]), help="settings to run")  # fmt: skip
+    ap.add_argument("--runs", default=",".join(DEFAULT_RUNS),
+                    help="settings to run (also: geopipe_lookahead_zb)")  # fmt: skip
     ap.add_argument("--geopipe-steps", type=int, default=8, help="3 calibrate, the rest count")
     ap.add_argument("--torch-steps", type=int, default=6, help="2 warm up, the rest count")
     ap.add_argument("--quick", action="store_true", help="L ∈ {0, 40}, fewer steps")

@@ -25,7 +25,15 @@ that the rule compares schedules, not the noise of separate calibrations.
 * ``max_prediction_error``: |calibrated prediction / measured − 1| over the lookahead-zb
   settings (each setting's quietest run).
 
-Run: ``.venv/bin/python benchmarks/wsplit.py [--latency-ms L] [--repeats R] ...``
+With ``--testbed`` the link is real networking instead of the runtime's emulator: the
+script brings up its own test bed (geopipe/testbed, namespaces ``gpws-east``/``gpws-west``
+joined only by the user-space forwarder at ``--latency-ms`` one way and
+``--bandwidth-gbps``; a Ray head in east, a raylet in west), runs the same sweep inside
+east's namespace attached to the bed's Ray with ``emulate_links: false`` (every activation,
+gradient and Ray control message crosses the forwarder), and brings the bed down at the
+end, on errors too. Needs root and /dev/net/tun (says so and exits otherwise).
+
+Run: ``.venv/bin/python benchmarks/wsplit.py [--latency-ms L] [--repeats R] [--testbed] ...``
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import replace
@@ -132,6 +141,10 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--max-delta-n", type=int, default=3)
     ap.add_argument("--cap", type=int, default=2, help="upstream in-flight cap (micro-batches)")
+    ap.add_argument("--testbed", action="store_true",
+                    help="over the real-network test bed (root, /dev/net/tun)")  # fmt: skip
+    ap.add_argument("--role", choices=["sweep"], help=argparse.SUPPRESS)
+    ap.add_argument("--address", help=argparse.SUPPRESS)
     ap.add_argument(
         "--max-load", type=float, default=0.0,
         help="before each run, wait (up to 10 min) for the 1-minute load average to fall "
@@ -162,6 +175,8 @@ def sweep(args: argparse.Namespace) -> dict[tuple[str, int], list[dict]]:
                         args.micro_batches, "none", args.micro_batch_size,
                     )  # fmt: skip
                     doc["plan"].update(delta_n=dn, seq_len=args.seq_len)
+                    if args.address:  # inside the test bed: its Ray, its real link
+                        doc["ray"].update(address=args.address, emulate_links=False)
                     doc["model"].update(n_embd=args.n_embd, max_seq_len=args.seq_len)
                     _wait_for_quiet(args.max_load)
                     r = measure(spec_of(doc), name, args.steps, tmp / f"{name}-{dn}-{rep}")
@@ -181,8 +196,39 @@ def sweep(args: argparse.Namespace) -> dict[tuple[str, int], list[dict]]:
     return runs
 
 
+def on_testbed(args: argparse.Namespace) -> None:
+    """Bring up a test bed, run this script's sweep inside east's namespace against the
+    bed's Ray (its output, the JSON line last, passes straight through), and bring the bed
+    down whatever happens."""
+    from geopipe.testbed import BedPlan, BedUnavailable, running
+
+    plan = BedPlan(("east", "west"), args.latency_ms, args.bandwidth_gbps * 1e3,
+                   prefix="gpws", ray=True, cpus_per_site=2)  # fmt: skip
+    argv = [a for a in sys.argv[1:] if a != "--testbed"]
+    try:
+        with running(plan) as bed:
+            p = bed.popen(
+                plan.sites[0],
+                [sys.executable, str(Path(__file__).resolve()), *argv, "--role", "sweep",
+                 "--address", bed.plan.ray_address],
+                cwd=Path(__file__).resolve().parent.parent,
+            )  # fmt: skip
+            try:
+                rc = p.wait()
+            finally:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            if rc != 0:
+                raise SystemExit(f"the sweep inside the test bed exited with status {rc}")
+    except BedUnavailable as exc:
+        print(json.dumps({"benchmark": "wsplit", "skipped": str(exc)}))
+
+
 def main() -> None:
     args = _args()
+    if args.testbed and args.role is None:
+        return on_testbed(args)
     load0 = os.getloadavg()[0]
     runs = sweep(args)
     quietest = {key: min(rs, key=lambda r: r["iteration_time_s"]) for key, rs in runs.items()}
@@ -241,6 +287,8 @@ def main() -> None:
         },
         "max_loss_diff_same_delta_n": max(same_dn),
         "load_before_after": [round(load0, 2), round(os.getloadavg()[0], 2)],
+        "network": "test bed (real TCP through the forwarder)" if args.address else "emulated",
+        "bandwidth_gbps": args.bandwidth_gbps,
         **{k: getattr(args, k) for k in ("latency_ms", "micro_batches", "micro_batch_size",
                                          "n_embd", "seq_len", "repeats", "steps")},
     }  # fmt: skip

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 __all__ = [
+    "TCP_OVERRIDES",
     "add",
     "configure_device",
     "copy_tcp_sysctls",
@@ -23,6 +24,7 @@ __all__ = [
     "exists",
     "listed",
     "pids",
+    "set_sysctl",
     "stop_processes",
     "unavailable",
     "wait_device",
@@ -31,7 +33,13 @@ __all__ = [
 # TCP settings a new namespace would otherwise reset to the kernel's defaults (they are per
 # namespace): the host's buffer limits decide how much of a long fat link one stream fills.
 _TCP_SYSCTLS = ("net.ipv4.tcp_rmem", "net.ipv4.tcp_wmem", "net.core.rmem_max",
-                "net.core.wmem_max", "net.ipv4.tcp_slow_start_after_idle")  # fmt: skip
+                "net.core.wmem_max")  # fmt: skip
+# Set in every namespace whatever the host says. slow_start_after_idle=0: a connection idle
+# for longer than its RTO (a pipeline's gap between steps, a phase change) keeps its
+# congestion window instead of restarting from the initial 10 segments, which on an 80 ms
+# round trip costs ~10 round trips of slow start to refill the 2 MB path (the standard
+# setting for long fat links; measured in benchmarks/README.md, `direct_channel.py`).
+TCP_OVERRIDES = {"net.ipv4.tcp_slow_start_after_idle": "0"}
 
 
 def unavailable() -> str | None:
@@ -65,13 +73,21 @@ def add(ns: str) -> None:
 
 
 def copy_tcp_sysctls(ns: str) -> None:
-    """Give ``ns`` the host's TCP buffer limits (best effort: some are host-wide)."""
+    """Give ``ns`` the host's TCP buffer limits and :data:`TCP_OVERRIDES` (best effort:
+    some are host-wide)."""
     for key in _TCP_SYSCTLS:
         path = Path("/proc/sys") / key.replace(".", "/")
         with contextlib.suppress(OSError):
-            value = " ".join(path.read_text().split())
-            subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-qw", f"{key}={value}"],
-                           check=False, capture_output=True)  # fmt: skip
+            set_sysctl(ns, key, " ".join(path.read_text().split()))
+    for key, value in TCP_OVERRIDES.items():
+        set_sysctl(ns, key, value)
+
+
+def set_sysctl(ns: str, key: str, value: str) -> bool:
+    """``sysctl -w key=value`` inside ``ns``; False when the kernel refused it."""
+    out = subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-qw", f"{key}={value}"],
+                         check=False, capture_output=True)  # fmt: skip
+    return out.returncode == 0
 
 
 def wait_device(ns: str, dev: str, timeout_s: float = 5.0) -> None:

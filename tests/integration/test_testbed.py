@@ -72,6 +72,13 @@ def test_training_across_namespaces_matches_the_emulated_run(tmp_path):
                                    "dashboard": False}}  # fmt: skip
         real = _run(bed.argv("east", []), real_doc, tmp_path / "real", env=bed.env())
         carried = bed.stats()["directions"]
+        idle_restart = [
+            subprocess.run(bed.argv(s, ["sysctl", "-n", "net.ipv4.tcp_slow_start_after_idle"]),
+                           capture_output=True, text=True).stdout.strip()
+            for s in plan.sites
+        ]  # fmt: skip
+    # Long-fat-link TCP: a connection idle between steps keeps its window (the host says 1).
+    assert idle_restart == ["0", "0"]
     assert real["losses"] == pytest.approx(emulated["losses"], abs=1e-6)
     # Each stage ran in its own site's namespace: stage 0 in east, stage 1 in west.
     assert real["ips"] == [plan.address("east"), plan.address("west")]
