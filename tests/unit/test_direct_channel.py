@@ -14,7 +14,8 @@ import torch
 
 from geopipe.transport.channel import Inbox
 from geopipe.transport.codec import CODECS, CorruptPayloadError, decode, make_codec, seal
-from geopipe.transport.direct import DirectReceiver, DirectSender, PeerLostError, _frame
+from geopipe.transport.direct import DirectReceiver, DirectSender, PeerLostError
+from geopipe.transport.frames import encode_frame
 from geopipe.transport.link import LinkParams, MailboxClosedError
 from geopipe.transport.wire import wire_bytes
 
@@ -93,12 +94,12 @@ def test_corrupt_payload_reaches_the_consumer_as_an_error(pair):
     inbox, rx = pair
     good = seal(make_codec("int8").encode(torch.randn(4, 16)))
     with _raw_connect(rx) as s:
-        bad = _frame(("F", 0, 0), good, seq=0, deliver_at=0.0)
+        bad = encode_frame(("F", 0, 0), good, seq=0, deliver_at=0.0)
         payload = bytearray(bad[1])
         payload[3] ^= 0x10  # one bit flipped in flight
         s.sendall(b"".join([bytes(bad[0]), bytes(payload), *map(bytes, bad[2:])]))
         # The stream stays in sync: the next frame on the same connection is fine.
-        s.sendall(b"".join(map(bytes, _frame(("F", 0, 1), good, seq=1, deliver_at=0.0))))
+        s.sendall(b"".join(map(bytes, encode_frame(("F", 0, 1), good, seq=1, deliver_at=0.0))))
         with pytest.raises(CorruptPayloadError):
             inbox.get(("F", 0, 0), timeout=5)
         assert torch.equal(inbox.get(("F", 0, 1), timeout=5), decode(good.enc))
@@ -106,7 +107,7 @@ def test_corrupt_payload_reaches_the_consumer_as_an_error(pair):
 
 def test_corrupt_header_fails_the_inbox(pair):
     inbox, rx = pair
-    frame = _frame(("F", 0, 0), seal(make_codec("none").encode(torch.ones(8))), 0, 0.0)
+    frame = encode_frame(("F", 0, 0), seal(make_codec("none").encode(torch.ones(8))), 0, 0.0)
     head = bytearray(frame[0])
     head[-5] ^= 0x01  # inside the JSON header (the key)
     with _raw_connect(rx) as s:
@@ -226,7 +227,7 @@ def test_unserialisable_key_is_rejected_at_send(pair):
 
 
 def test_header_is_compact_and_not_pickle():
-    frame = _frame(("F", 12, 3), seal(make_codec("none").encode(torch.ones(2, 3))), 5, 0.0)
+    frame = encode_frame(("F", 12, 3), seal(make_codec("none").encode(torch.ones(2, 3))), 5, 0.0)
     head = bytes(frame[0])
     assert len(head) < 160 and b'"key":["F",12,3]' in head
     assert np.frombuffer(frame[1], dtype=np.float32).tolist() == [1.0] * 6
