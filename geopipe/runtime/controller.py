@@ -298,8 +298,11 @@ class Controller:
             results = await_step(flat, refs, hang_s, self.opts.health)
         except (RayActorError, RayTaskError, StepHung, ActorsUnresponsive) as exc:
             return Recovering(step, exc, refs)
-        self._record(step, results)
         nxt = step + 1
+        try:
+            self._record(step, results)
+        except (RayActorError, RayTaskError) as exc:  # an actor died between steps (ΔN)
+            return Recovering(nxt, exc, [a.ping.remote() for a in self.flat_actors()])
         if self._stop_requested:
             return Checkpointing(nxt, final=True, interrupted=True)
         if nxt == total:
