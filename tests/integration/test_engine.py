@@ -97,33 +97,50 @@ def _train_step(
     default); last stage's losses."""
     rank = dist.get_rank()
     replica = rank - stage * replicas
-    prev, nxt = rank - replicas, rank + replicas
     stream = _stream()
-    pending: list[Any] = []  # (work, tensor): a tensor must outlive its isend
-    losses: list[float] = []
-    received: dict[int, torch.Tensor] = {}
-    to_send: dict[int, torch.Tensor | None] = {}  # what the last F / B of mb produced
 
     def batch(mb: int) -> tuple[torch.Tensor, torch.Tensor]:
         idx = global_indices(step, GLOBAL_BATCH, replica, replicas, mb, MBS)
         return stream.batch(idx, SEQ)
 
+    actions = _schedule(schedule, eng.cfg.micro_batches).stages[stage]
+    return run_actions(eng, actions, batch, first=stage == 0, last=stage == N_STAGES - 1,
+                       prev=rank - replicas, nxt=rank + replicas)  # fmt: skip
+
+
+def run_actions(
+    eng: StageEngine,
+    actions: Any,
+    batch: Any,
+    *,
+    first: bool,
+    last: bool,
+    prev: int | None,
+    nxt: int | None,
+) -> list[float]:
+    """Execute one step's ``actions`` of a stage (activations and gradients over gloo
+    send/recv with ranks ``prev``/``nxt``; ``batch(mb)`` gives tokens and targets), then
+    the engine's end of iteration; returns the losses if ``last``."""
+    pending: list[Any] = []  # (work, tensor): a tensor must outlive its isend
+    losses: list[float] = []
+    received: dict[int, torch.Tensor] = {}
+    to_send: dict[int, torch.Tensor | None] = {}  # what the last F / B of mb produced
     hidden = (MBS, SEQ, CFG.n_embd)
-    for action in _schedule(schedule, eng.cfg.micro_batches).stages[stage]:
+    for action in actions:
         mb = action.mb
         if action.kind == Kind.RECV_F or action.kind == Kind.RECV_B:
             received[mb] = torch.empty(hidden)
             dist.recv(received[mb], src=prev if action.kind == Kind.RECV_F else nxt)
         elif action.kind == Kind.F:
-            to_send[mb] = eng.forward(mb, received.pop(mb) if stage else batch(mb)[0])
+            to_send[mb] = eng.forward(mb, batch(mb)[0] if first else received.pop(mb))
         elif action.kind == Kind.B:
-            if stage == N_STAGES - 1:
+            if last:
                 losses.append(eng.backward_last(mb, batch(mb)[1]))
             else:
                 eng.backward(mb, received.pop(mb))
             to_send[mb] = eng.input_grad(mb)
         elif action.kind == Kind.I:
-            if stage == N_STAGES - 1:
+            if last:
                 losses.append(eng.backward_input(mb, targets=batch(mb)[1]))
             else:
                 eng.backward_input(mb, received.pop(mb))
@@ -136,6 +153,7 @@ def _train_step(
             pending.append((dist.isend(tensor, dst=dst), tensor))
     for work, _ in pending:
         work.wait()
+    eng.end_iteration()  # a no-op unless the engine defers its step past the sends
     return losses
 
 

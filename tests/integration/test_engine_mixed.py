@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from _dist_util import free_port, run_ranks
 from test_engine import (
     CFG,
@@ -30,10 +29,11 @@ from test_engine import (
     _reference,
     _rel_diff,
     _stream,
+    run_actions,
 )
 
 from geopipe.model.data import sample_indices
-from geopipe.pipeline.schedule import Kind, one_f_one_b, zb_h1
+from geopipe.pipeline.schedule import one_f_one_b, zb_h1
 from geopipe.plan import PipelineLayout, Plan
 from geopipe.runtime.engine import StageEngine, destroy_process_group, init_process_group
 from geopipe.runtime.sitegroups import grad_scale, site_worlds
@@ -62,44 +62,16 @@ def _mixed_worker(rank: int, port: int, schedule: str) -> dict[str, Any]:
     sched = zb_h1(p, m) if schedule == "zb-h1" and p > 1 else one_f_one_b(p, m)
     prev = world.rank((k - 1, r)) if k > 0 else None
     nxt = world.rank((k + 1, r)) if k < p - 1 else None
-    first, last = k == 0, k == p - 1
     stream = _stream()
     out: dict[str, Any] = {"losses": []}
     for step in range(STEPS):
-        losses, pending, received, to_send = [], [], {}, {}
 
         def batch(mb: int, step: int = step) -> tuple[torch.Tensor, torch.Tensor]:
             idx = sample_indices(step, GLOBAL_BATCH, PLAN.first_microbatch(r) + mb, MBS)
             return stream.batch(idx, SEQ)
 
-        for action in sched.stages[k]:
-            mb = action.mb
-            if action.kind in (Kind.RECV_F, Kind.RECV_B):
-                received[mb] = torch.empty(MBS, SEQ, CFG.n_embd)
-                dist.recv(received[mb], src=prev if action.kind == Kind.RECV_F else nxt)
-            elif action.kind == Kind.F:
-                to_send[mb] = eng.forward(mb, batch(mb)[0] if first else received.pop(mb))
-            elif action.kind == Kind.B:
-                if last:
-                    losses.append(eng.backward_last(mb, batch(mb)[1]))
-                else:
-                    eng.backward(mb, received.pop(mb))
-                to_send[mb] = eng.input_grad(mb)
-            elif action.kind == Kind.I:
-                if last:
-                    losses.append(eng.backward_input(mb, targets=batch(mb)[1]))
-                else:
-                    eng.backward_input(mb, received.pop(mb))
-                to_send[mb] = eng.input_grad(mb)
-            elif action.kind == Kind.W:
-                eng.backward_weight(mb)
-            else:
-                tensor = to_send.pop(mb).contiguous()
-                dst = nxt if action.kind == Kind.SEND_F else prev
-                pending.append((dist.isend(tensor, dst=dst), tensor))
-        for work, _ in pending:
-            work.wait()
-        eng.end_iteration()
+        losses = run_actions(eng, sched.stages[k], batch, first=k == 0, last=k == p - 1,
+                             prev=prev, nxt=nxt)  # fmt: skip
         out["losses"].append(losses)
     out["params"] = {n: q.detach().clone() for n, q in eng.module.named_parameters()}
     out["state"] = eng.full_state()
