@@ -80,44 +80,35 @@ def _geopipe_role(address: str, latency_ms: float, steps: int, runs: list[str]) 
     print("RESULT " + json.dumps(out), flush=True)
 
 
-def model_bubbles(ctl, steps) -> list[float]:
-    """Per step: the simulator's bubble on that step's own measured stage times (sends,
-    snapshot and the rest of the step count as busy there): the fill/drain floor."""
+def _step_costs(ctl, step):
+    """The calibrated costs with ``step``'s own measured stage times (from its breakdown)."""
     from dataclasses import replace
     from types import SimpleNamespace
 
-    from geopipe.optimizer.evaluate import plan_schedule
-    from geopipe.optimizer.simulator import simulate
     from geopipe.runtime.calibration import measured_stage_times
 
-    out = []
-    for s in steps:
-        rs = [SimpleNamespace(stage=k, breakdown=b, micro_batches=M)
-              for k, b in enumerate(s.breakdown)]  # fmt: skip
-        f, b, end = measured_stage_times(rs, len(rs))
-        costs = replace(ctl.calibrator.costs, fwd_s=tuple(f), bwd_s=tuple(b), step_s=tuple(end))
-        out.append(simulate(plan_schedule(ctl.plan), costs).bubble_ratio)
-    return out
+    rs = [SimpleNamespace(stage=k, breakdown=b, micro_batches=M)
+          for k, b in enumerate(step.breakdown)]  # fmt: skip
+    f, b, end = measured_stage_times(rs, len(rs))
+    return replace(ctl.calibrator.costs, fwd_s=tuple(f), bwd_s=tuple(b), step_s=tuple(end))
+
+
+def model_bubbles(ctl, steps) -> list[float]:
+    """Per step: the simulator's bubble on that step's own measured stage times (sends,
+    snapshot and the rest of the step count as busy there): the fill/drain floor."""
+    from geopipe.optimizer.evaluate import plan_schedule
+    from geopipe.optimizer.simulator import simulate
+
+    return [simulate(plan_schedule(ctl.plan), _step_costs(ctl, s)).bubble_ratio for s in steps]
 
 
 def _model_times(ctl, steps) -> list[float]:
     """Per step: the simulator's time for that step's own measured stage times (from its
     breakdown) and the calibrated links — the model's error with the host's load drift
     taken out (the forecast uses the steps before)."""
-    from dataclasses import replace
-    from types import SimpleNamespace
-
     from geopipe.optimizer.refine import predict
-    from geopipe.runtime.calibration import measured_stage_times
 
-    out = []
-    for s in steps:
-        rs = [SimpleNamespace(stage=k, breakdown=b, micro_batches=M)
-              for k, b in enumerate(s.breakdown)]  # fmt: skip
-        f, b, end = measured_stage_times(rs, len(rs))
-        costs = replace(ctl.calibrator.costs, fwd_s=tuple(f), bwd_s=tuple(b), step_s=tuple(end))
-        out.append(predict(ctl.plan, costs))
-    return out
+    return [predict(ctl.plan, _step_costs(ctl, s)) for s in steps]
 
 
 def _summary(ctl, res, events: list[dict]) -> dict:

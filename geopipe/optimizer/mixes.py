@@ -83,10 +83,7 @@ class SplitTemplateSet(TemplateSet):
         self.split = split
         self.layers = dict(split)
         self.predictor.partition_of = self.partition_of
-        flops = tuple(layer_forward_flops(self.spec.model, self.seq_len))
-        self._first = dict(zip(self.layers, itertools.accumulate([0, *self.layers.values()]),
-                               strict=False))  # fmt: skip
-        self._flops = flops
+        self._flops = tuple(layer_forward_flops(self.spec.model, self.seq_len))
 
     def stage_sites(self, v: Vector) -> tuple[str, ...] | None:
         per = dict(zip(self.sites, v, strict=True)) if len(v) == len(self.sites) else {}

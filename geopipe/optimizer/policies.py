@@ -36,7 +36,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from geopipe.optimizer.mixes import MIN_GAIN, best_mix
+from geopipe.optimizer.mixes import MIN_GAIN, best_mix, uniform_time
 from geopipe.optimizer.templates import Template, TemplateSet, best_uniform
 from geopipe.plan import Plan
 
@@ -189,10 +189,8 @@ def best_layout(
     if choice is None:
         return None
     template, d = choice
-    m = global_batch // (d * micro_batch)
-    plan = templates.plan_for(template, d, m)
-    pr = templates.predict(template.stages_per_site, d, m)
-    uniform_s = pr.iteration_time_s if pr is not None else float("inf")
+    plan = templates.plan_for(template, d, global_batch // (d * micro_batch))
+    uniform_s = uniform_time(templates, devices, global_batch, micro_batch)  # memoised choice
     mix = best_mix(templates, devices, global_batch, micro_batch, running=running)
     if mix is not None and mix.iteration_time_s < (1 - MIN_GAIN) * uniform_s:
         first = max(mix.instantiation.pipelines, key=lambda p: p.template.num_stages)

@@ -134,3 +134,13 @@ def shutdown(info: ClusterInfo | None) -> None:
 
     if ray.is_initialized():
         ray.shutdown()
+
+
+def node_ip() -> str:
+    """This node's address for peers (Ray's view of it), or loopback outside Ray (tests)."""
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:  # outside Ray
+        return "127.0.0.1"

@@ -331,14 +331,17 @@ class Controller:
         m = aggregate(results, self.plan.num_stages, tokens)
         self._result.steps.append(m)
         self.reporter.step(m, self.calibrator.predicted_s)
-        if self.plan.heterogeneous:
-            # The calibration model replays one uniform layout; a mix keeps the planner's
-            # prediction (its pipelines' ΔN were chosen with it).
-            self._status(step + 1)
-            self._last_results = results
-            self.checkpoints.poll()
-            return
-        cal = self.calibrator.observe(step, self.plan, results)  # predicts the next step
+        # The calibration model replays one uniform layout; a mix keeps the planner's
+        # prediction (its pipelines' ΔN were chosen with it).
+        if not self.plan.heterogeneous:
+            self._calibrate(step, results)
+        self._status(step + 1)
+        self._last_results = results
+        self.checkpoints.poll()
+
+    def _calibrate(self, step: int, results: list) -> None:
+        """Predict the next step from the measured ones; hand out a re-chosen ΔN."""
+        cal = self.calibrator.observe(step, self.plan, results)
         if cal.event is not None:
             self.reporter.event("calibrated", **cal.event)
         if cal.plan.delta_n != self.plan.delta_n:
@@ -347,9 +350,6 @@ class Controller:
             delta_n = list(cal.plan.delta_n)
             ray.get([a.set_delta_n.remote(delta_n) for a in self.flat_actors()])
         self._set_plan(cal.plan)
-        self._status(step + 1)
-        self._last_results = results
-        self.checkpoints.poll()
 
     def _checkpoint(self, state: Checkpointing) -> State:
         from ray.exceptions import RayActorError, RayTaskError

@@ -139,9 +139,8 @@ class Placement:
         m, t = spec.model, spec.training
         hold, scale, first, stand_in = None, 1.0, None, True
         if full.heterogeneous:
-            worlds = site_worlds(full)
-            hold = next(w.hold[(k, r)] for w in worlds if (k, r) in w.hold)
-            scale = grad_scale(full, (k, r), worlds)
+            hold = full.held_layers()[(k, r)]
+            scale = grad_scale(full, (k, r))
             first = full.first_microbatch(r)
             stand_in = full.layers_of(k, r) == full.layers_of(k, 0)
         model = {

@@ -180,10 +180,8 @@ class Recovery:
     def _covers(self, keys: list[Key]) -> dict[Key, set[int]]:
         """Pipeline 0's stages whose layers each actor's snapshots hold (its ZeRO-1 group's
         layers: in a mixed plan possibly more than its own stage's)."""
-        from geopipe.runtime.sitegroups import site_worlds
-
         plan = self.plan
-        hold = {key: h for w in site_worlds(plan) for key, h in w.hold.items()}
+        hold = plan.held_layers()
         return {key: {j for j, (a, z) in enumerate(plan.partition)
                       if hold[key][0] <= a and z <= hold[key][1]} for key in keys}  # fmt: skip
 

@@ -69,9 +69,7 @@ def site_worlds(plan: Plan) -> list[SiteWorld]:
     return out
 
 
-def grad_scale(plan: Plan, key: Key, worlds: list[SiteWorld] | None = None) -> float:
+def grad_scale(plan: Plan, key: Key) -> float:
     """The factor actor ``key`` applies to its weight gradients (see the module note)."""
-    worlds = worlds if worlds is not None else site_worlds(plan)
-    world = next(w for w in worlds if key in w.group_of)
-    size = len(world.groups[world.group_of[key]])
+    size = next(len(g) for gs in plan.shared_groups().values() for g in gs if key in g)
     return plan.microbatches_of(key[1]) * size / plan.total_microbatches

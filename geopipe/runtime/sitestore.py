@@ -44,6 +44,7 @@ from geopipe.checkpoint.store import (
 )
 from geopipe.checkpoint.writer import CheckpointWriter
 from geopipe.optimizer.restore import SiteCopy
+from geopipe.runtime.cluster import node_ip
 from geopipe.transport.bulk import ChunkClient, ChunkError, ChunkServer
 
 __all__ = ["CHUNK_BYTES", "ShardSource", "SiteStore"]
@@ -296,16 +297,6 @@ class SiteStore:
         except BaseException:
             self.abort(step, save_id)
             raise
-
-
-def node_ip() -> str:
-    """This node's address for peers (Ray's view of it), or loopback outside Ray."""
-    try:
-        import ray
-
-        return ray.util.get_node_ip_address()
-    except Exception:  # outside Ray (tests)
-        return "127.0.0.1"
 
 
 def _ray_get(ref: Any, timeout: float) -> Any:

@@ -30,6 +30,7 @@ from geopipe.model.gpt import GPTConfig, GPTStage
 from geopipe.pipeline.schedule import make_schedule
 from geopipe.plan import Plan
 from geopipe.runtime import linkprobe
+from geopipe.runtime.cluster import node_ip
 from geopipe.runtime.executor import BREAKDOWN, Fault, IterationResult, execute
 from geopipe.runtime.handoff import Restore, restore_boundary
 from geopipe.runtime.links import StageLinks, WanPeer
@@ -116,7 +117,7 @@ class StageWorker:
     # -- wiring ------------------------------------------------------------------------------
     def endpoint(self) -> tuple[str, int]:
         """An address and a free port, for the site's rendezvous (asked of its rank 0)."""
-        ip = _local_ip()
+        ip = node_ip()
         with socket.socket() as s:
             s.bind(("", 0))
             return ip, s.getsockname()[1]
@@ -157,7 +158,7 @@ class StageWorker:
 
     def listen(self) -> tuple[str, int]:
         """Open the receiver of this replica's WAN neighbours; returns its address."""
-        return self.links.listen(_local_ip())
+        return self.links.listen(node_ip())
 
     def probe_link(self, address: tuple[str, int], link: Any, sizes: list[int]) -> dict:
         """Launch-time link probe, upstream side (see :mod:`geopipe.runtime.linkprobe`)."""
@@ -298,7 +299,7 @@ class StageWorker:
         """This replica's chunk server: another site's store reads the in-memory shard
         through it, over the data plane (:mod:`geopipe.transport.bulk`)."""
         if self._chunks is None:
-            self._chunks = ChunkServer(self.read_chunk, _local_ip())
+            self._chunks = ChunkServer(self.read_chunk, node_ip())
         return self._chunks.address
 
     def read_chunk(self, step: int, file: str, offset: int, size: int) -> bytes:
@@ -384,12 +385,3 @@ def _step_of(key: Any) -> int:
     if isinstance(key, tuple) and len(key) > 1 and isinstance(key[1], int):
         return key[1]
     return -1
-
-
-def _local_ip() -> str:
-    try:
-        import ray
-
-        return ray.util.get_node_ip_address()
-    except Exception:  # outside Ray (tests)
-        return "127.0.0.1"
