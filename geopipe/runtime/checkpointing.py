@@ -139,14 +139,10 @@ class CheckpointCoordinator:
 
         ck = self.spec.training.checkpoint
         if self.copies is not None:
-            for site in self.copies.copy_sites():
-                try:
-                    self.copies.store(site)
-                except Exception as exc:  # any reason: say which site
-                    raise LaunchError(
-                        f"training.checkpoint.dir: site {site} cannot use "
-                        f"{self.copies.root(site)}: {str(exc).strip().splitlines()[-1]}"
-                    ) from None
+            try:
+                self.copies.open_stores(self.copies.copy_sites())
+            except CheckpointError as exc:  # a store that cannot start: which site, why
+                raise LaunchError(f"training.checkpoint.dir: {exc}") from None
             warning = None
             if not ck.replicated and len(set(site_actors)) > 1:
                 home = self.copies.copy_sites()[0]

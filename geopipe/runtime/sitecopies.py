@@ -67,6 +67,14 @@ class _Save:
     failed: dict[str, str] = field(default_factory=dict)  # site -> why its copy failed
 
 
+class StoreUnusable(CheckpointError):
+    """A site's checkpoint store could not start (its directory cannot be made, ...)."""
+
+    def __init__(self, site: str, root: Path | str, cause: str) -> None:
+        super().__init__(f"site {site} cannot use {root}: {cause}")
+        self.site = site
+
+
 class SiteCopies:
     """The per-site checkpoint stores of one run, and saving/restoring through them."""
 
@@ -119,12 +127,27 @@ class SiteCopies:
 
     def store(self, site: str) -> Any:
         """The store of ``site``, created beside the site's stage actors when missing."""
+        return self.open_stores([site])[site]
+
+    def open_stores(self, sites: list[str]) -> dict[str, Any]:
+        """The stores of ``sites``, the missing ones created together (each is a new actor
+        process: made one after another they cost a launch one start-up per site)."""
+        import ray
+
+        made = {s: self._create(s) for s in sites if s not in self._stores}
+        for site, handle in made.items():
+            try:
+                ray.get(handle.ping.remote())  # the directory could not be made: fail here
+            except Exception as exc:  # any reason: say which site, and the cause's last line
+                cause = str(exc).strip().splitlines()[-1]
+                raise StoreUnusable(site, self.root(site), cause) from None
+            self._stores[site] = handle
+        return {s: self._stores[s] for s in sites}
+
+    def _create(self, site: str) -> Any:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        handle = self._stores.get(site)
-        if handle is not None:
-            return handle
         node = self._node_of(site)
         if node is None:
             raise CheckpointError(f"no actor runs in site {site}: nowhere to place its store")
@@ -132,7 +155,7 @@ class SiteCopies:
         self._made += 1
         if self._made > len(self.spec.sites):  # a replacement: Ray may still hold the name
             name += f"-{self._made}"
-        handle = (
+        return (
             ray.remote(max_concurrency=4)(SiteStore)
             .options(
                 name=name, namespace=self.spec.ray.namespace, num_cpus=0,
@@ -141,9 +164,6 @@ class SiteCopies:
             )
             .remote(site, str(self.root(site)), self.spec.training.checkpoint.keep)
         )  # fmt: skip
-        ray.get(handle.ping.remote())  # the directory could not be made: fail here
-        self._stores[site] = handle
-        return handle
 
     def live_stores(self, timeout: float = 30.0) -> dict[str, Any]:
         """The stores that answer within ``timeout``. Dead ones are forgotten (re-created on

@@ -129,9 +129,35 @@ def test_kill_9_of_the_launcher_leaves_nothing_behind(tmp_path):
     proc.wait(timeout=30)
     assert wait_no_ray(timeout=20) == []
     doc = yaml.safe_load((ROOT / "clusters" / "local-2dc.yaml").read_text())
-    with socket.socket() as sock:  # nothing listens on the dashboard's port any more
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", doc["ray"].get("dashboard_port", 8265)))
+    port = doc["ray"].get("dashboard_port", 8265)
+    assert wait_port_free(port, timeout=20) == [], "still listening on the dashboard port"
+
+
+def wait_port_free(port: int, timeout: float) -> list[str]:
+    """Wait until a new listener can bind 127.0.0.1:``port``; return who holds it if never
+    (pid and command line of each listening socket on it), so a failure says what leaked."""
+    import psutil
+
+    deadline = time.time() + timeout
+    while True:
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(("127.0.0.1", port))
+                return []
+            except OSError:
+                if time.time() > deadline:
+                    break
+        time.sleep(0.5)
+    holders = []
+    for c in psutil.net_connections(kind="tcp"):
+        if c.laddr and c.laddr.port == port:
+            try:
+                who = " ".join(psutil.Process(c.pid).cmdline()) if c.pid else "?"
+            except psutil.Error:
+                who = "?"
+            holders.append(f"{c.status} pid={c.pid} {who}")
+    return holders or ["bind fails, no socket listed"]
 
 
 @pytest.mark.parametrize(
