@@ -8,6 +8,7 @@ JSON (tuples of str/int/float/bool/None): nothing read from the network is unpic
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import struct
@@ -20,7 +21,14 @@ import numpy as np
 
 from geopipe.transport.codec import CorruptPayloadError, Encoded, Sealed
 
-__all__ = ["StreamCorruptError", "encode_frame", "key_to_json", "read_frame", "sendmsg_all"]
+__all__ = [
+    "StreamCorruptError",
+    "encode_frame",
+    "key_to_json",
+    "read_frame",
+    "send_without_waiting",
+    "sendmsg_all",
+]
 
 _MAGIC = b"GPDC"
 _VERSION = 2
@@ -80,18 +88,31 @@ def sendmsg_all(sock: socket.socket, bufs: list[memoryview]) -> int:
     total = sum(b.nbytes for b in bufs)
     pending = deque(b.cast("B") for b in bufs)
     while pending:
-        n = sock.sendmsg(list(pending)[:512])  # IOV_MAX is 1024
-        while n:
-            head = pending[0]
-            if n >= head.nbytes:
-                n -= head.nbytes
-                pending.popleft()
-            else:
-                pending[0] = head[n:]
-                n = 0
-        while pending and pending[0].nbytes == 0:
-            pending.popleft()
+        _advance(pending, sock.sendmsg(list(pending)[:512]))  # IOV_MAX is 1024
     return total
+
+
+def send_without_waiting(sock: socket.socket, bufs: list[memoryview]) -> list[memoryview]:
+    """Write what the socket's buffer takes now (one non-blocking ``sendmsg``); returns the
+    part not written, empty when all was."""
+    pending = deque(b.cast("B") for b in bufs)
+    with contextlib.suppress(BlockingIOError, InterruptedError):  # the buffer is full
+        _advance(pending, sock.sendmsg(list(pending)[:512], [], socket.MSG_DONTWAIT))
+    return list(pending)
+
+
+def _advance(pending: deque[memoryview], n: int) -> None:
+    """Drop the first ``n`` bytes written from ``pending``."""
+    while n:
+        head = pending[0]
+        if n >= head.nbytes:
+            n -= head.nbytes
+            pending.popleft()
+        else:
+            pending[0] = head[n:]
+            n = 0
+    while pending and pending[0].nbytes == 0:
+        pending.popleft()
 
 
 class StreamCorruptError(CorruptPayloadError):

@@ -13,9 +13,16 @@ import pytest
 import torch
 
 from geopipe.transport.channel import Inbox
-from geopipe.transport.codec import CODECS, CorruptPayloadError, decode, make_codec, seal
+from geopipe.transport.codec import (
+    CODECS,
+    CorruptPayloadError,
+    decode,
+    make_codec,
+    open_sealed,
+    seal,
+)
 from geopipe.transport.direct import DirectReceiver, DirectSender, PeerLostError
-from geopipe.transport.frames import encode_frame
+from geopipe.transport.frames import encode_frame, read_frame
 from geopipe.transport.link import LinkParams, MailboxClosedError
 from geopipe.transport.wire import wire_bytes
 
@@ -192,6 +199,45 @@ def test_dead_peer_makes_a_blocked_flush_raise():
     with pytest.raises(PeerLostError):
         tx.send(("F", 0, 9), big, stream="s")  # later sends fail at once
     tx.close()
+    srv.close()
+
+
+def test_inline_writes_that_fill_the_buffer_stay_in_order():
+    """Small messages sent while nothing is queued are written by the caller's thread (see
+    DirectSender's note); when the socket buffer fills mid-frame the writer thread finishes
+    that frame before any later one, so the peer reads every frame whole and in order."""
+    srv, addr, conns = _silent_peer()
+    tx = DirectSender(addr, "none", "forward")
+    gen = torch.Generator().manual_seed(1)
+    sent = [torch.randn(60_000 + 7 * i, generator=gen) for i in range(120)]  # ~29 MB in all
+    for i, x in enumerate(sent):
+        tx.send(("F", 0, i), x, stream="s")
+        if i < 40:
+            time.sleep(0.002)  # some idle moments: each next send finds the queue empty
+    assert tx.inline_messages >= 1 and tx.inline_partial >= 1
+    with pytest.raises(TimeoutError):
+        tx.flush(timeout=0.3)  # the peer has not read yet: frames wait in order
+    got: list[tuple] = []
+
+    def read() -> None:
+        while (frame := read_frame(conns[0])) is not None:
+            got.append(frame)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    tx.flush(timeout=20)
+    tx.close()
+    reader.join(timeout=20)
+    assert [key for key, *_ in got] == [("F", 0, i) for i in range(len(sent))]
+    assert [seq for _, seq, *_ in got] == list(range(len(sent)))
+    for (_, _, sealed, _, _), x in zip(got, sent, strict=True):
+        assert torch.equal(decode(open_sealed(sealed)), x)
+    codec = make_codec("none")
+    frames = [
+        encode_frame(("F", 0, i), seal(codec.encode(x, key="s", direction="forward")), i, 0, 0)
+        for i, x in enumerate(sent)
+    ]
+    assert tx.bytes_written == sum(b.nbytes for f in frames for b in f)
     srv.close()
 
 
