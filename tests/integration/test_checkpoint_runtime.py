@@ -144,24 +144,25 @@ def test_checkpoint_of_another_model_is_a_clear_error(tmp_path, saved_run):
         ctl.close()
 
 
-def test_resume_on_other_data_is_a_clear_error(tmp_path):
+def test_resume_on_other_data_is_a_clear_error(tmp_path, saved_run):
     """The manifest records the sha256 of the bytes the actors read; resuming on data that
     reads differently (an edited file; another Python's stdlib) is refused, not silently
     continued on other batches."""
+    run = copy_of(saved_run, tmp_path)
+    digest = load_checkpoint(run / "checkpoints" / "step-00000003").manifest["data"]["digest"]
+    assert len(digest) == 64
     corpus = tmp_path / "corpus.txt"
-    corpus.write_text("the quick brown fox jumps over the lazy dog\n" * 200)
-    doc = doc_with_ckpt(1, 1)
+    corpus.write_text("a different corpus\n" * 200)
+    doc = doc_with_ckpt(1, 1, every=1)
     doc["training"]["data"] = str(corpus)
-    _, _, _, ctl = launch(doc, tmp_path / "run", steps=2)
-    manifest = load_checkpoint(tmp_path / "run" / "checkpoints" / "step-00000002").manifest
-    assert manifest["data"]["digest"] == ctl.data_digest and len(ctl.data_digest) == 64
-    corpus.write_text("a different corpus, same path\n" * 200)
-    other = Controller(
-        parse_cluster(doc, "t"), LaunchOptions(run_dir=str(tmp_path / "run"), resume=True)
-    )
+    other = Controller(parse_cluster(doc, "t"), LaunchOptions(run_dir=str(run), resume=True))
     try:
-        with pytest.raises(LaunchError, match=r"checkpoint was trained on data with sha256 "):
+        with pytest.raises(LaunchError) as err:
             other.launch()
+        message = str(err.value)
+        assert f"checkpoint was trained on data with sha256 {digest[:12]}" in message
+        assert f"{corpus}" in message and "now reads as" in message
+        assert f"now reads as {digest[:12]}" not in message
     finally:
         other.close()
 

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import time
 from functools import partial
 from pathlib import Path
 
 import pytest
+import ray
 import torch
 import yaml
 
@@ -27,6 +29,7 @@ from geopipe.runtime.cluster import LaunchError
 from geopipe.runtime.controller import Controller, LaunchOptions
 from geopipe.runtime.engine import lr_factor
 from geopipe.runtime.executor import BREAKDOWN
+from geopipe.runtime.placement import ACTOR_ENV
 
 pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parents[2]
@@ -153,6 +156,14 @@ def test_actors_named_in_state_api_and_metrics_written(tmp_path):
             for r in range(2)
         }
         assert expected <= alive
+
+        # Every stage actor runs with the environment geopipe sets for it (one malloc
+        # arena: [Note: one malloc arena per actor] in geopipe.runtime.placement).
+        def env(_actor) -> dict:
+            return {k: os.environ.get(k) for k in ACTOR_ENV}
+
+        envs = ray.get([a.__ray_call__.remote(env) for row in ctl.actors for a in row])
+        assert envs == [ACTOR_ENV] * 4
         ctl.train()
     finally:
         ctl.close()
