@@ -246,11 +246,17 @@ def headline(per_l: dict[float, dict]) -> dict:
     models = [r["model_error"] for res in per_l.values() for k, r in res.items()
               if k in issue]  # fmt: skip
     l40 = per_l.get(40.0, {})
-    bubble = model_bubble = None
+    bubble = model_bubble = bubble_zb = None
     if "geopipe_1f1b" in l40 and "geopipe_lookahead" in l40:
         la, fb = l40["geopipe_lookahead"], l40["geopipe_1f1b"]
         bubble = 1 - la["bubble_ratio"] / fb["bubble_ratio"]
         model_bubble = 1 - la["model_bubble"] / fb["model_bubble"]
+    if "geopipe_1f1b" in l40 and "geopipe_lookahead_zb" in l40:
+        zb, fb = l40["geopipe_lookahead_zb"], l40["geopipe_1f1b"]
+        bubble_zb = 1 - zb["bubble_ratio"] / fb["bubble_ratio"]
+    zb_errors = [abs(r["geopipe_lookahead_zb"]["predicted_s"]
+                     / r["geopipe_lookahead_zb"]["iteration_time_s"] - 1)
+                 for r in per_l.values() if "geopipe_lookahead_zb" in r]  # fmt: skip
     return {
         "parity_1f1b_L0": ratio("geopipe_1f1b", "torch_1f1b", 0.0),
         "parity_1f1b_L40": ratio("geopipe_1f1b", "torch_1f1b", 40.0),
@@ -265,6 +271,9 @@ def headline(per_l: dict[float, dict]) -> dict:
         "bubble_reduction_L40": bubble,
         # the same from the simulator on the steps' own stage times (fill/drain only)
         "bubble_reduction_L40_model": model_bubble,
+        # look-ahead with split backward (--runs ... geopipe_lookahead_zb): W fills the drain
+        "bubble_reduction_L40_zb": bubble_zb,
+        "max_prediction_error_zb": max(zb_errors) if zb_errors else None,
     }
 
 
