@@ -42,8 +42,10 @@ RATE_MBIT = 200.0
 M, MBS, SEQ = 32, 2, 128
 GEOPIPE_RUNS = (("geopipe_1f1b", "1f1b", "none"), ("geopipe_lookahead", "lookahead", "none"),
                 ("geopipe_lookahead_int8", "lookahead", "int8"),
-                ("geopipe_lookahead_zb", "lookahead-zb", "none"))  # fmt: skip
-# geopipe_lookahead_zb runs only on request (--runs)
+                ("geopipe_lookahead_zb", "lookahead-zb", "none"),
+                ("geopipe_auto", "auto", "none"))  # fmt: skip
+# geopipe_lookahead_zb and geopipe_auto (the planner picks look-ahead or lookahead-zb) run
+# only on request (--runs)
 DEFAULT_RUNS = ("torch_1f1b", "torch_gpipe", "geopipe_1f1b", "geopipe_lookahead",
                 "geopipe_lookahead_int8")  # fmt: skip
 CALIBRATION_STEPS = 3
@@ -72,7 +74,7 @@ def _geopipe_role(address: str, latency_ms: float, steps: int, runs: list[str]) 
             r = out[name]
             print(f"  {name}: {r['iteration_time_s']:.3f} s/step, predicted "
                   f"{r['predicted_s']:.3f} s (model {r['model_error']:.1%} off), bubble "
-                  f"{r['bubble_ratio']:.1%}, ΔN {r['delta_n']}",
+                  f"{r['bubble_ratio']:.1%}, ΔN {r['delta_n']} ({r['schedule']})",
                   file=sys.stderr, flush=True)  # fmt: skip
     finally:
         if ray.is_initialized():
@@ -129,6 +131,7 @@ def _summary(ctl, res, events: list[dict]) -> dict:
         ),
         "bubble_ratio": statistics.median(s.bubble_ratio for s in steps),
         "delta_n": [ctl.plan.delta_n[j] for j in ctl.plan.wan_boundaries],
+        "schedule": ctl.plan.schedule,
         "partition": [list(p) for p in ctl.plan.partition],
         "losses": [s.loss for s in res.steps],
         "links_measured": plan_ev.get("links_measured", []),
@@ -254,6 +257,11 @@ def headline(per_l: dict[float, dict]) -> dict:
     if "geopipe_1f1b" in l40 and "geopipe_lookahead_zb" in l40:
         zb, fb = l40["geopipe_lookahead_zb"], l40["geopipe_1f1b"]
         bubble_zb = 1 - zb["bubble_ratio"] / fb["bubble_ratio"]
+    bubble_auto = None
+    auto_schedule = {f"L{lat:g}": r["geopipe_auto"]["schedule"]
+                     for lat, r in per_l.items() if "geopipe_auto" in r}  # fmt: skip
+    if "geopipe_1f1b" in l40 and "geopipe_auto" in l40:
+        bubble_auto = 1 - l40["geopipe_auto"]["bubble_ratio"] / l40["geopipe_1f1b"]["bubble_ratio"]
     zb_errors = [abs(r["geopipe_lookahead_zb"]["predicted_s"]
                      / r["geopipe_lookahead_zb"]["iteration_time_s"] - 1)
                  for r in per_l.values() if "geopipe_lookahead_zb" in r]  # fmt: skip
@@ -274,6 +282,9 @@ def headline(per_l: dict[float, dict]) -> dict:
         # look-ahead with split backward (--runs ... geopipe_lookahead_zb): W fills the drain
         "bubble_reduction_L40_zb": bubble_zb,
         "max_prediction_error_zb": max(zb_errors) if zb_errors else None,
+        # schedule: auto (the planner keeps lookahead-zb only if predicted >= 2 % faster)
+        "bubble_reduction_L40_auto": bubble_auto,
+        "auto_schedule": auto_schedule,
     }
 
 

@@ -8,7 +8,9 @@ exceeds the compute of one micro-batch. In one process (one embedded Ray):
 * ``ideal``: 1F1B over a zero-latency link (the issue's reference);
 * ``ideal_lookahead``: look-ahead over the zero-latency link. Inter-site messages still
   cost a few milliseconds through Ray, which 1F1B's single extra micro-batch in flight
-  cannot hide, so this is the stricter reference for the synchronous bound.
+  cannot hide, so this is the stricter reference for the synchronous bound;
+* with ``--zb``, also ``lookahead_zb``: look-ahead with split backward over the WAN link
+  (its weight-gradient passes fill the step's fill and drain, which ΔN cannot).
 
 Measured iteration time = median over the steps after calibration (step 0 measures the
 stages and re-chooses ΔN; steps 1-2 measure under it and set the prediction). Prints
@@ -43,7 +45,7 @@ def measure(spec, schedule: str, steps: int, run_dir: Path) -> dict:
         "compute_per_mb_s": cal["forward_s"][0] + cal["backward_s"][0],
         "busy_fraction": [1 - m.bubble_ratio for m in res.steps[3:]],
         "losses": [m.loss for m in res.steps],
-        "allowed_busy_fraction": _allowed_busy(ctl, cal),
+        "allowed_busy_fraction": _allowed_busy(ctl, cal) if schedule != "lookahead-zb" else None,
     }
 
 
@@ -71,6 +73,7 @@ def main() -> None:
     ap.add_argument("--bandwidth-gbps", type=float, default=1.0)
     ap.add_argument("--micro-batches", type=int, default=64)
     ap.add_argument("--micro-batch-size", type=int, default=2)
+    ap.add_argument("--zb", action="store_true", help="also look-ahead with split backward")
     args = ap.parse_args()
     import ray
 
@@ -81,12 +84,15 @@ def main() -> None:
     ideal = spec_of(two_site_doc("wan-ideal", 0.0, 10.0, m, "none", b))
     out: dict[str, dict] = {}
     try:
-        for name, spec, sched in (
+        settings = [
             ("1f1b", wan, "1f1b"),
             ("lookahead", wan, "lookahead"),
             ("ideal", ideal, "1f1b"),
             ("ideal_lookahead", ideal, "lookahead"),
-        ):
+        ]
+        if args.zb:
+            settings.append(("lookahead_zb", wan, "lookahead-zb"))
+        for name, spec, sched in settings:
             out[name] = measure(spec, sched, args.steps, tmp / name)
             r = out[name]
             print(
@@ -133,6 +139,13 @@ def main() -> None:
         "ideal_lookahead_efficiency": (1 - out["ideal_lookahead"]["bubble_ratio"])
         / out["ideal_lookahead"]["allowed_busy_fraction"],
     }
+    if "lookahead_zb" in out:
+        zb = out["lookahead_zb"]
+        result["lookahead_zb"] = {
+            k: zb[k]
+            for k in ("iteration_time_s", "bubble_ratio", "predicted_iteration_time_s", "delta_n")
+        }
+        result["bubble_reduction_zb"] = 1 - zb["bubble_ratio"] / one["bubble_ratio"]
     print(
         f"bound = ideal + RTT = {bound:.3f} s; look-ahead {result['lookahead_over_bound']:+.1%} "
         f"over it ({result['lookahead_over_strict_bound']:+.1%} over the stricter bound); "
@@ -143,6 +156,10 @@ def main() -> None:
         f"{out['ideal']['allowed_busy_fraction']:.1%} ({result['ideal_efficiency']:.1%}); "
         f"with look-ahead on the ideal link {result['ideal_lookahead_efficiency']:.1%}"
     )
+    if "lookahead_zb" in out:
+        print(f"look-ahead with split backward: bubble {one['bubble_ratio']:.1%} -> "
+              f"{out['lookahead_zb']['bubble_ratio']:.1%} ({result['bubble_reduction_zb']:.1%} "
+              f"less), {out['lookahead_zb']['iteration_time_s']:.3f} s/step")  # fmt: skip
     print(json.dumps(result))
 
 

@@ -23,7 +23,7 @@ from geopipe.cli.commands import (
 )
 from geopipe.config import MAX_DELTA_N, MAX_STEPS, ConfigError
 from geopipe.optimizer.errors import PlanningError
-from geopipe.pipeline.schedule import SCHEDULES
+from geopipe.pipeline.schedule import AUTO, SCHEDULES
 from geopipe.transport.wire import CODECS
 
 __all__ = ["EXIT_INTERNAL", "REPORT_TO", "build_parser", "main"]
@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--steps", type=_int_in(1, MAX_STEPS), default=None,
         help="total optimizer steps of the run",
     )  # fmt: skip
-    la.add_argument("--schedule", choices=SCHEDULES, default=None)
+    la.add_argument("--schedule", choices=(*SCHEDULES, AUTO), default=None)
     la.add_argument("--run-dir", default=None, help="where checkpoints, metrics, traces go")
     la.add_argument("--metrics-out", default=None, metavar="FILE.jsonl")
     la.add_argument("--trace", default=None, metavar="FILE", help="measured Chrome trace")

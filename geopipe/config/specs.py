@@ -360,7 +360,10 @@ class GASpec(_Spec):
 
 
 class PlanSpec(_Spec):
-    schedule: Literal["gpipe", "1f1b", "lookahead", "zb-h1", "lookahead-zb"] = "lookahead"
+    schedule: Literal["gpipe", "1f1b", "lookahead", "zb-h1", "lookahead-zb", "auto"] = Field(
+        "lookahead",
+        description="auto: plan look-ahead and look-ahead with split backward, keep the faster",
+    )
     calibrate: bool | None = Field(
         None, description="time the model on this machine before planning (default: local)"
     )

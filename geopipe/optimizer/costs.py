@@ -50,6 +50,15 @@ def activation_bytes(
 # al. (ZB, ICLR 2024) find I ≈ W ≈ F for transformer layers: every matmul's backward is one
 # matmul for the input gradient and one for the weight gradient.
 INPUT_GRAD_SHARE = 0.5
+# What splitting costs on top: I + W = (1 + SPLIT_OVERHEAD) · B on every stage but the first.
+# Measured with the runtime's split (benchmarks/wsplit.py, calibrated stage times over three
+# runs on the test bed and the emulated link): I + W = 29.4 vs B = 26.9 ms and 28.8 vs 26.9
+# ms on the last stage (+8-9 %): W re-enters DeepSpeed's backward with the weight gradients
+# (the hooks and gradient accumulation run a second time), and I's graph walk is separate.
+# The planner's choice between look-ahead and look-ahead with split backward (schedule:
+# auto) hinges on it; calibration replaces it with the measured I and W once a split
+# schedule runs.
+SPLIT_OVERHEAD = 0.09
 
 
 def split_backward(
@@ -60,4 +69,5 @@ def split_backward(
     backward (what the runtime does, as ``torch.distributed.pipelining`` does)."""
     if first:
         return 0.0, bwd_s
-    return share * bwd_s, (1.0 - share) * bwd_s
+    total = (1.0 + SPLIT_OVERHEAD) * bwd_s
+    return share * total, (1.0 - share) * total

@@ -37,6 +37,8 @@ from geopipe.optimizer.simulator import (
 )
 from geopipe.optimizer.steady import IN_ORDER, peak_in_flight, predict
 from geopipe.pipeline.schedule import (
+    AUTO,
+    AUTO_CHOICES,
     LOOKAHEAD_FAMILIES,
     SPLIT_FAMILIES,
     Schedule,
@@ -241,6 +243,8 @@ class Evaluator:
             link_codecs.append(lk.codec if lk else "none")
         codecs = tuple(pl.codecs) if pl.codecs else tuple(dict.fromkeys(link_codecs or ["none"]))
         sched = schedule or pl.schedule
+        if sched == AUTO:  # chosen at the plan level (plan_cluster); templates, fixed
+            sched = AUTO_CHOICES[0]  # evaluations and the like score plain look-ahead
         m = spec.model
         self.space = SearchSpace(
             pipelines=tuple(sorted(self.shapes)),

@@ -14,9 +14,15 @@ from geopipe.optimizer.errors import PlanningError
 from geopipe.optimizer.evaluate import Candidate, Evaluation, Evaluator
 from geopipe.optimizer.exhaustive import exhaustive_search
 from geopipe.optimizer.genetic import SearchResult, genetic_search
+from geopipe.pipeline.schedule import AUTO, AUTO_CHOICES
 from geopipe.transport.wire import CODECS
 
-__all__ = ["PlanReport", "evaluate_fixed", "plan_cluster"]
+__all__ = ["AUTO_MIN_GAIN", "PlanReport", "evaluate_fixed", "plan_cluster"]
+
+# ``schedule: auto`` takes look-ahead with split backward only when it is predicted at least
+# this much faster: the model's error on either schedule is a few per cent, and the plain
+# schedule is the simpler one (no deferred weight gradients held).
+AUTO_MIN_GAIN = 0.02
 
 
 @dataclass
@@ -68,7 +74,19 @@ def _baselines(spec: ClusterSpec, cand: Candidate, record: bool) -> dict[str, Ev
 def plan_cluster(
     spec: ClusterSpec, exhaustive: bool = False, record: bool = False, schedule: str | None = None
 ) -> PlanReport:
-    """Search the plan for ``spec``; baselines run at the best plan's settings."""
+    """Search the plan for ``spec``; baselines run at the best plan's settings.
+
+    ``schedule`` (default: the YAML's) ``auto`` plans each of :data:`AUTO_CHOICES` and keeps
+    the split-backward plan only when it is predicted at least :data:`AUTO_MIN_GAIN` faster
+    (its ``W`` passes fill the fill and drain that ΔN cannot; on a link with little to hide
+    the split only costs its extra backward pass)."""
+    if (schedule or spec.plan.schedule) == AUTO:
+        plain, split = (plan_cluster(spec, exhaustive, record, s) for s in AUTO_CHOICES)
+        faster = split.best.feasible and (
+            not plain.best.feasible
+            or split.best.tokens_per_s >= (1 + AUTO_MIN_GAIN) * plain.best.tokens_per_s
+        )
+        return split if faster else plain
     ev = Evaluator(spec, schedule=schedule)
     if ev.space.size(spec.training.global_batch_size) <= 64:
         result = exhaustive_search(ev)  # tiny spaces: no point in evolving

@@ -62,6 +62,8 @@ from geopipe.pipeline.validation import validate
 from geopipe.pipeline.zerobubble import lookahead_zb, zb_h1
 
 __all__ = [
+    "AUTO",
+    "AUTO_CHOICES",
     "COMPUTE",
     "FUSED_B",
     "FUSED_F",
@@ -164,6 +166,10 @@ def make_schedule(
 
 
 SCHEDULES = ("gpipe", "1f1b", "lookahead", "zb-h1", "lookahead-zb")
+# ``plan.schedule: auto``: the planner plans each of these and keeps the faster (see
+# geopipe.optimizer.planner.plan_cluster); everything after planning sees the one it chose.
+AUTO = "auto"
+AUTO_CHOICES = ("lookahead", "lookahead-zb")
 # Families with a ΔN per boundary (the planner searches it), and with split backwards.
 LOOKAHEAD_FAMILIES = ("lookahead", "lookahead-zb")
 SPLIT_FAMILIES = ("zb-h1", "lookahead-zb")

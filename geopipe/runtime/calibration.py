@@ -319,7 +319,8 @@ class Calibrator:
                 i / (i + w) if i + w > 0 else 0.0 for i, w in zip(*measured, strict=True)
             ]
         if len(self._shares) != plan.num_stages:
-            self._shares = [split_backward(1.0, first=k == 0)[0] for k in range(plan.num_stages)]
+            parts = [split_backward(1.0, first=k == 0) for k in range(plan.num_stages)]
+            self._shares = [i / (i + w) for i, w in parts]
         return self._shares
 
     def _calibrate(

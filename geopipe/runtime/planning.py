@@ -9,6 +9,7 @@ from typing import Any
 from geopipe.config import ClusterSpec, Range
 from geopipe.optimizer.evaluate import Candidate, Evaluation, Evaluator
 from geopipe.optimizer.planner import plan_cluster
+from geopipe.pipeline.schedule import AUTO
 from geopipe.plan import Plan
 from geopipe.runtime.calibration import profile_machine, should_profile
 from geopipe.runtime.cluster import LaunchError
@@ -29,6 +30,9 @@ def plan_run(spec: ClusterSpec, fixed: Plan | None) -> tuple[ClusterSpec, Plan, 
     report = plan_cluster(spec)
     if not report.best.feasible:
         raise LaunchError(f"no feasible plan for {spec.name}: {report.best.reason}")
+    if spec.plan.schedule == AUTO:  # from here on the run is on the schedule chosen
+        chosen = spec.plan.model_copy(update={"schedule": report.best.plan.schedule})
+        spec = spec.model_copy(update={"plan": chosen})
     mixed = mixed_at_launch(spec, report.best)
     if mixed is not None:
         return spec, mixed.plan, mixed

@@ -13,7 +13,6 @@ import pytest
 
 from geopipe.cli import main
 from geopipe.config import ClusterSpec, load_cluster
-from geopipe.optimizer.costs import split_backward
 from geopipe.optimizer.evaluate import Candidate, Evaluator, plan_schedule
 from geopipe.optimizer.memory import inflight_caps, stage_memory
 from geopipe.optimizer.planner import plan_cluster
@@ -102,7 +101,8 @@ def test_split_with_w_right_after_i_is_never_slower_than_lookahead() -> None:
         nb = p - 1
         fwd = tuple(rng.uniform(0.01, 2) for _ in range(p))
         bwd = tuple(rng.uniform(0.01, 4) for _ in range(p))
-        parts = [split_backward(b, k == 0, rng.uniform(0.1, 0.9)) for k, b in enumerate(bwd)]
+        shares = [0.0] + [rng.uniform(0.1, 0.9) for _ in range(p - 1)]  # I + W = B exactly
+        parts = [(x * b, (1 - x) * b) for x, b in zip(shares, bwd, strict=True)]
         c = PipelineCosts(
             fwd, bwd, (0.0,) * p,
             *(tuple(rng.uniform(0, 5) for _ in range(nb)) for _ in range(4)),
