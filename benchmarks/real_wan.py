@@ -195,7 +195,8 @@ def measure_latency(bed, latency_ms: float, a: argparse.Namespace) -> dict:
     bed.set_link(latency_ms=latency_ms)
     res: dict = {}
     order = [["geopipe_1f1b"], ["torch_1f1b"],
-             ["geopipe_lookahead", "geopipe_lookahead_int8", "geopipe_lookahead_zb"],
+             ["geopipe_lookahead", "geopipe_lookahead_int8", "geopipe_lookahead_zb",
+              "geopipe_auto"],
              ["torch_gpipe"]]  # fmt: skip
     for group in order:
         runs = [r for r in group if r in a.runs]
