@@ -397,10 +397,10 @@ class DirectSender:
             bufs = self._encode(key, t, stream, seq, time.monotonic())
             rest = send_without_waiting(sock, bufs)
         except BaseException as exc:
+            self._fail(gen, exc)  # first: the writer must not send a later frame meanwhile
             with self._cond:
                 self._inline = False
                 self._cond.notify_all()
-            self._fail(gen, exc)
             return
         with self._cond:
             self._inline = False
