@@ -62,8 +62,10 @@ class IterationResult:
 # backward (without the optimizer step), optimizer (DeepSpeed's step: ZeRO-1 reduction and
 # Adam), send (handing tensors to the links), recv_wait (blocked on arrivals), drain
 # (waiting at the end for the last sends), snapshot (copying the boundary snapshot), other
-# (the rest: the interpreter, bookkeeping). On the transport's threads, overlapping the
-# above: encode (codec + checksum of sends), decode (checksum + codec of arrivals).
+# (the rest: the interpreter, bookkeeping). Encode (codec + checksum of sends) and decode
+# (checksum + codec of arrivals) mostly run on the transport's threads, overlapping the
+# above; a small send written inline (geopipe.transport.direct) encodes on the compute
+# thread, so its encoding is inside "send" too.
 BREAKDOWN = ("forward", "backward", "optimizer", "send", "recv_wait", "drain", "snapshot",
              "other", "encode", "decode")  # fmt: skip
 _SLOT = {_F: "forward", _B: "backward", _I: "backward", _W: "backward", _SF: "send",

@@ -26,6 +26,7 @@ site's copy.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 import uuid
@@ -134,14 +135,22 @@ class SiteCopies:
         process: made one after another they cost a launch one start-up per site)."""
         import ray
 
-        made = {s: self._create(s) for s in sites if s not in self._stores}
-        for site, handle in made.items():
-            try:
+        made: dict[str, Any] = {}
+        current = sites[0] if sites else ""
+        try:
+            for current in sites:
+                if current not in self._stores:
+                    made[current] = self._create(current)
+            for current, handle in list(made.items()):
                 ray.get(handle.ping.remote())  # the directory could not be made: fail here
-            except Exception as exc:  # any reason: say which site, and the cause's last line
-                cause = str(exc).strip().splitlines()[-1]
-                raise StoreUnusable(site, self.root(site), cause) from None
-            self._stores[site] = handle
+                self._stores[current] = made.pop(current)
+        except Exception as exc:  # any reason: say which site, and the cause's last line
+            failed = current
+            for handle in made.values():  # started, never to be used: no name left taken
+                with contextlib.suppress(Exception):
+                    ray.kill(handle, no_restart=True)
+            lines = str(exc).strip().splitlines() or [type(exc).__name__]
+            raise StoreUnusable(failed, self.root(failed), lines[-1]) from None
         return {s: self._stores[s] for s in sites}
 
     def _create(self, site: str) -> Any:

@@ -375,7 +375,9 @@ class DirectSender:
                 raise PeerLostError("sender is closed")
             # Inline only when every earlier message is written (none queued, being
             # encoded or written): frames must go out in program order.
-            inline = nbytes <= self.INLINE_BYTES and self._unwritten == 0 and not self._inline
+            # Both sizes: a top-k or int8 encoding is small, but computing it is not.
+            small = max(nbytes, t.numel() * t.element_size()) <= self.INLINE_BYTES
+            inline = small and self._unwritten == 0 and not self._inline
             self._unwritten += 1
             if not inline:
                 self._queue.append((key, t, stream, time.monotonic()))
@@ -401,10 +403,12 @@ class DirectSender:
             with self._cond:
                 self._inline = False
                 self._cond.notify_all()
+            if not isinstance(exc, Exception):
+                raise  # KeyboardInterrupt and the like are the caller's, not the link's
             return
         with self._cond:
             self._inline = False
-            if gen == self._gen:
+            if gen == self._gen and self._error is None:
                 total = sum(b.nbytes for b in bufs)
                 self.bytes_written += total - sum(b.nbytes for b in rest)
                 self.inline_messages += 1

@@ -196,3 +196,25 @@ def test_checkpoints_command_lists_status(tmp_path, saved_run):
     assert rows[1]["status"] == rows[3]["status"] == "complete"
     assert rows[2]["status"] == "corrupt"
     assert "stage-0.safetensors" in rows[2]["reason"]
+
+
+def test_a_site_directory_that_cannot_be_made_is_a_clear_error(tmp_path):
+    """Per-site checkpoint directories under a regular file cannot be made: the launch stops
+    with the field and the site named, and no checkpoint store of the run is left alive
+    (they start together, so the other site's was already running)."""
+    from _state import alive_actor_names
+
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where a directory should go")
+    doc = doc_with_ckpt(1, 1)
+    doc["name"] = "unmakeable"
+    doc["training"]["checkpoint"]["dir"] = str(blocker / "{site}")
+    ctl = Controller(parse_cluster(doc, "t"), LaunchOptions(run_dir=str(tmp_path / "run")))
+    try:
+        with pytest.raises(LaunchError, match=r"training\.checkpoint\.dir: site (east|west) "):
+            ctl.launch()
+    finally:
+        ctl.close()
+    stores = [n for n in alive_actor_names() if n.startswith("geopipe/unmakeable/")
+              and n.endswith("checkpoints")]  # fmt: skip
+    assert stores == []
