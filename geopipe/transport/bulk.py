@@ -25,7 +25,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 
-from geopipe.transport.direct import _advertised_host, set_congestion
+from geopipe.transport.sockets import advertised_host, set_congestion, shutdown_socket
 
 __all__ = ["ChunkClient", "ChunkError", "ChunkServer"]
 
@@ -47,7 +47,7 @@ class ChunkServer:
     def __init__(self, read: Reader, host: str = "0.0.0.0") -> None:
         self._read = read
         self._sock = socket.create_server((host, 0))
-        self.address = (_advertised_host(host), self._sock.getsockname()[1])
+        self.address = (advertised_host(host), self._sock.getsockname()[1])
         self._closed = False
         threading.Thread(target=self._accept, name="chunk-server", daemon=True).start()
 
@@ -90,10 +90,7 @@ class ChunkServer:
     def close(self) -> None:
         """Stop accepting (connections being served finish their current reply)."""
         self._closed = True
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept()
-        with contextlib.suppress(OSError):
-            self._sock.close()
+        shutdown_socket(self._sock)  # wakes the thread blocked in accept()
 
 
 class ChunkClient:

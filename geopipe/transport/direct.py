@@ -91,6 +91,12 @@ from geopipe.transport.frames import (
     sendmsg_all,
 )
 from geopipe.transport.link import LinkEmulator, LinkParams
+from geopipe.transport.sockets import (
+    advertised_host,
+    set_congestion,
+    shutdown_socket,
+    tune_stream,
+)
 from geopipe.transport.wire import wire_bytes
 
 __all__ = ["DirectReceiver", "DirectSender", "PeerLostError"]
@@ -105,21 +111,7 @@ class PeerLostError(ConnectionError):
     """The connection to the peer failed; queued messages were dropped (not delivered)."""
 
 
-# --------------------------------------------------------------------------- sockets
-
-
-def _tune(sock: socket.socket, user_timeout_s: float) -> None:
-    """No Nagle (frames are written whole, so it would only delay a frame's tail by up to
-    an RTT); keep-alive and a user timeout so a vanished peer fails the connection. Buffer
-    sizes are left to the kernel: setting SO_SNDBUF/SO_RCVBUF disables autotuning."""
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    if hasattr(socket, "TCP_USER_TIMEOUT"):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(user_timeout_s * 1000))
-    if hasattr(socket, "TCP_KEEPIDLE"):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, max(1, int(user_timeout_s / 3)))
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, max(1, int(user_timeout_s / 9)))
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+# --------------------------------------------------------------------------- congestion
 
 
 # [Note: cubic, not the host's default]
@@ -137,40 +129,6 @@ def _tune(sock: socket.socket, user_timeout_s: float) -> None:
 # evenly paced 128 KiB at 15 or 100 ms gaps: the same 46.6 ms either way). Pipeline traffic
 # is many small, latency-bound messages, so cubic; set it to "" to keep the host's choice.
 CONGESTION = "cubic"
-
-
-def set_congestion(sock: socket.socket, algorithm: str) -> bool:
-    """Use ``algorithm`` on ``sock`` if the kernel lets us (an algorithm outside
-    ``net.ipv4.tcp_allowed_congestion_control`` needs CAP_NET_ADMIN); False otherwise, and
-    the host's default stays."""
-    if not algorithm or not hasattr(socket, "TCP_CONGESTION"):
-        return False
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, algorithm.encode())
-    except OSError:
-        return False
-    return True
-
-
-def _advertised_host(bound: str) -> str:
-    """An address a peer can dial when bound to the wildcard (best effort; pass your own)."""
-    if bound not in ("0.0.0.0", ""):
-        return bound
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(("10.255.255.255", 1))  # no packet is sent; picks the outbound address
-            return s.getsockname()[0]
-    except OSError:
-        return "127.0.0.1"
-
-
-def _shutdown(sock: socket.socket | None) -> None:
-    """Unblock any thread in send/recv on ``sock`` and release it."""
-    if sock is None:
-        return
-    with contextlib.suppress(OSError):
-        sock.shutdown(socket.SHUT_RDWR)
-    sock.close()
 
 
 # --------------------------------------------------------------------------- receiver
@@ -201,7 +159,7 @@ class DirectReceiver:
         self._closed = False
         self._listener = socket.create_server((host, port), backlog=8)
         bound_host, bound_port = self._listener.getsockname()[:2]
-        self.address: tuple[str, int] = (advertise_host or _advertised_host(bound_host), bound_port)
+        self.address: tuple[str, int] = (advertise_host or advertised_host(bound_host), bound_port)
         self._accepter = threading.Thread(target=self._accept, name="direct-accept", daemon=True)
         self._accepter.start()
 
@@ -216,7 +174,7 @@ class DirectReceiver:
                     conn.close()
                     return
                 self._conns.add(conn)
-            _tune(conn, _USER_TIMEOUT_S)
+            tune_stream(conn, _USER_TIMEOUT_S)
             threading.Thread(
                 target=self._serve, args=(conn,), name="direct-recv", daemon=True
             ).start()
@@ -263,9 +221,9 @@ class DirectReceiver:
         with self._lock:
             self._closed = True
             conns = list(self._conns)
-        _shutdown(self._listener)
+        shutdown_socket(self._listener)
         for c in conns:
-            _shutdown(c)
+            shutdown_socket(c)
         self._accepter.join(timeout=5)
 
 
@@ -356,7 +314,7 @@ class DirectSender:
                     raise PeerLostError(f"cannot connect to {address}: {exc}") from exc
                 time.sleep(0.05)
         sock.settimeout(None)
-        _tune(sock, self._user_timeout_s)
+        tune_stream(sock, self._user_timeout_s)
         return sock
 
     def send(self, key: Hashable, tensor: torch.Tensor, stream: str) -> int:
@@ -526,7 +484,7 @@ class DirectSender:
             self._unwritten = 0
             self._error = None
             self._cond.notify_all()
-        _shutdown(old)  # unblocks the writer if it was stuck on the old peer
+        shutdown_socket(old)  # unblocks the writer if it was stuck on the old peer
 
     def close(self) -> None:
         """Stop the threads and drop the connection. Call `flush` first for a graceful end:
@@ -539,7 +497,7 @@ class DirectSender:
             self._cond.wait_for(lambda: not (self._writing or self._inline), timeout=0.2)
             sock, stuck = self._sock, self._writing
         if stuck:
-            _shutdown(sock)  # the writer is blocked on a peer that does not read
+            shutdown_socket(sock)  # the writer is blocked on a peer that does not read
         else:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_WR)  # FIN after the buffered frames
