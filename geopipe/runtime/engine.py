@@ -433,9 +433,11 @@ class StageEngine:
             root, scale = state
             self.engine.backward(root * self._scale, scale_wrt_gas=scale)
         else:
-            grads = self.store.weight_gradients(mb)
+            # [Note: W accumulates in place]: the sums are handed over, not added again
+            grads = self.store.weight_gradients(mb, self._scale)
             surrogate = weight_surrogate(self.store.params, grads)
-            self.engine.backward(surrogate * self._scale, scale_wrt_gas=False)
+            del grads  # autograd adopts only an otherwise unreferenced tensor
+            self.engine.backward(surrogate, scale_wrt_gas=False)
         self._step()
         self._done(mb)
 

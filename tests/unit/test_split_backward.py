@@ -61,6 +61,33 @@ def test_input_then_weight_gradients_equal_a_full_backward(last: bool) -> None:
         store.weight_gradients(7)  # consumed
 
 
+def test_weight_gradients_accumulate_in_place_and_are_adopted() -> None:
+    # [Note: W accumulates in place]: W adds scale x the micro-batch's gradients into the
+    # gradients already accumulated, in their own buffers, and autograd adopts those
+    # buffers from the surrogate without a copy.
+    stage = _stage(1, 3)
+    store = WeightGradStore(stage)
+    x0, g_out = torch.randn(2, 16, CFG.n_embd), torch.randn(2, 16, CFG.n_embd)
+    _, want = _reference(stage, x0, lambda out: (out * g_out).sum())
+    names = [n for n, p in stage.named_parameters() if p.requires_grad]
+    before = {n: torch.randn_like(p) for n, p in stage.named_parameters()}
+    for n, p in stage.named_parameters():
+        p.grad = before[n].clone()
+    buffers = {n: p.grad.data_ptr() for n, p in stage.named_parameters()}
+    x = x0.clone().requires_grad_(True)
+    with store.forward(3):
+        out = stage(x)
+    store.input_backward(3, out, g_out, x)
+    grads = store.weight_gradients(3, scale=0.5)
+    assert all(p.grad is None for p in stage.parameters())  # taken, to be handed back
+    surrogate = weight_surrogate(store.params, grads)
+    del grads
+    surrogate.backward()
+    for name, p in zip(names, store.params, strict=True):
+        assert torch.allclose(p.grad, before[name] + 0.5 * want[name], rtol=0, atol=1e-6), name
+        assert p.grad.data_ptr() == buffers[name], f"{name}'s gradient was copied, not adopted"
+
+
 def test_store_forgets_full_backwards_and_records_only_inside_forward() -> None:
     stage = _stage(1, 3)
     store = WeightGradStore(stage)
