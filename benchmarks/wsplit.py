@@ -66,7 +66,15 @@ def measure(spec, schedule: str, steps: int, run_dir: Path) -> dict:
     sched = plan_schedule(plan)
     model = plan_memory(ctl.spec, plan, sched.peak_held(W_HELD_FRACTION))
     cal = [e for e in events if e["event"] == "calibrated"][-1]
+    stages = range(len(measured[0].breakdown))
+    parts = sorted({k for m in measured for b in m.breakdown for k in b})
+    breakdown = [  # per stage: median seconds per step of each part of the compute thread
+        {k: round(statistics.median(m.breakdown[s].get(k, 0.0) for m in measured), 4)
+         for k in parts}
+        for s in stages
+    ]  # fmt: skip
     return {
+        "breakdown_s": breakdown,
         "iteration_time_s": statistics.median(m.iteration_time_s for m in measured),
         "calibrated_prediction_s": ctl.calibrator.predicted_s,
         "in_flight": sched.max_in_flight[0],
@@ -131,7 +139,7 @@ def _pct(x: float | None) -> str:
 
 def _args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=9)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--latency-ms", type=float, default=5.0)
     ap.add_argument("--bandwidth-gbps", type=float, default=1.0)
@@ -187,9 +195,11 @@ def sweep(args: argparse.Namespace) -> dict[tuple[str, int], list[dict]]:
                         f"holds {r['in_flight']} mb: "
                         f"{r['measured_activation_bytes'] / 2**20:.1f} MiB measured, "
                         f"{r['predicted_activation_bytes'] / 2**20:.1f} MiB modelled; "
-                        f"load {os.getloadavg()[0]:.1f}",
+                        f"load {os.getloadavg()[0]:.1f}\n      per stage, s/step: "
+                        + "; ".join(", ".join(f"{k} {v:.3f}" for k, v in b.items() if v)
+                                    for b in r["breakdown_s"]),
                         flush=True,
-                    )
+                    )  # fmt: skip
     finally:
         if ray.is_initialized():
             ray.shutdown()

@@ -51,14 +51,15 @@ def activation_bytes(
 # matmul for the input gradient and one for the weight gradient.
 INPUT_GRAD_SHARE = 0.5
 # What splitting costs on top: I + W = (1 + SPLIT_OVERHEAD) · B on every stage but the first.
-# Measured with the runtime's split (benchmarks/wsplit.py, calibrated stage times over three
-# runs on the test bed and the emulated link): I + W = 29.4 vs B = 26.9 ms and 28.8 vs 26.9
-# ms on the last stage (+8-9 %): W re-enters DeepSpeed's backward with the weight gradients
-# (the hooks and gradient accumulation run a second time), and I's graph walk is separate.
-# The planner's choice between look-ahead and look-ahead with split backward (schedule:
-# auto) hinges on it; calibration replaces it with the measured I and W once a split
-# schedule runs.
-SPLIT_OVERHEAD = 0.09
+# Measured with the runtime's split (benchmarks/wsplit.py on the test bed, the last stage's
+# calibrated times, median over the kept runs): I + W = 1.018-1.024 × B in three runs, 1.096
+# in a fourth, once W adds into the accumulated gradients in place ([Note: W accumulates in
+# place] in geopipe.runtime.backward; before, +8-9 %: a second accumulation pass). What is
+# left is W's own entry into DeepSpeed's backward (its hooks run twice per micro-batch) and
+# I's separate graph walk. The planner's choice between look-ahead and look-ahead with split
+# backward (schedule: auto) hinges on it; calibration replaces it with the measured I and W
+# once a split schedule runs.
+SPLIT_OVERHEAD = 0.03
 
 
 def split_backward(

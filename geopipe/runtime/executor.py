@@ -14,6 +14,7 @@ The list is exactly what the planner simulated (:mod:`geopipe.pipeline.schedule`
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from collections.abc import Callable
@@ -25,7 +26,7 @@ import torch
 from geopipe.pipeline.schedule import Kind
 from geopipe.runtime.links import StageLinks
 
-__all__ = ["BREAKDOWN", "Fault", "IterationResult", "execute"]
+__all__ = ["BREAKDOWN", "FOREGROUND", "Fault", "IterationResult", "execute"]
 
 _F, _B, _SF, _RF, _SB, _RB, _I, _W = (int(k) for k in Kind)
 
@@ -65,12 +66,32 @@ class IterationResult:
 # (the rest: the interpreter, bookkeeping). Encode (codec + checksum of sends) and decode
 # (checksum + codec of arrivals) mostly run on the transport's threads, overlapping the
 # above; a small send written inline (geopipe.transport.direct) encodes on the compute
-# thread, so its encoding is inside "send" too.
-BREAKDOWN = ("forward", "backward", "optimizer", "send", "recv_wait", "drain", "snapshot",
-             "other", "encode", "decode")  # fmt: skip
+# thread, so its encoding is inside "send" too. gc (Python's cyclic garbage collector,
+# which pauses every thread) falls inside whichever of the above it interrupted.
+FOREGROUND = ("forward", "backward", "optimizer", "send", "recv_wait", "drain", "snapshot")
+BREAKDOWN = (*FOREGROUND, "other", "encode", "decode", "gc")
 _SLOT = {_F: "forward", _B: "backward", _I: "backward", _W: "backward", _SF: "send",
          _SB: "send", _RF: "recv_wait", _RB: "recv_wait"}  # fmt: skip
 _COMPUTE = (_F, _B, _I, _W)
+
+
+class _GcClock:
+    """Seconds this process spent in Python's cyclic garbage collector (any thread): a
+    collection pauses every thread holding the GIL, inside whatever part it hit."""
+
+    def __init__(self) -> None:
+        self.total_s = 0.0
+        self._t0 = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.total_s += time.perf_counter() - self._t0
+
+
+_GC = _GcClock()
+gc.callbacks.append(_GC)
 
 
 @dataclass(frozen=True)
@@ -115,7 +136,7 @@ def execute(
     outs: dict[int, torch.Tensor] = {}
     sends = [i for i, (c, _) in enumerate(program) if c in (_SF, _SB)]
     spent = dict.fromkeys(BREAKDOWN, 0.0)
-    opt0, enc0, dec0 = engine.optimizer_s, links.encode_s(), links.inbox.decode_s
+    opt0, enc0, dec0, gc0 = engine.optimizer_s, links.encode_s(), links.inbox.decode_s, _GC.total_s
     engine.meter.reset_peak()
     for i, (c, mb) in enumerate(program):
         if fault is not None and fault.step == step and sends and i == sends[-1]:
@@ -164,6 +185,7 @@ def execute(
     spent["optimizer"] = engine.optimizer_s - opt0
     spent["encode"] = links.encode_s() - enc0
     spent["decode"] = links.inbox.decode_s - dec0
+    spent["gc"] = _GC.total_s - gc0
     res.breakdown = spent
     res.peak_activation_bytes = engine.meter.peak
     res.optimizer_steps = engine.step_count

@@ -10,6 +10,7 @@ schedule, with the gradient of the mean loss over the global batch.
 from __future__ import annotations
 
 import copy
+import gc
 import math
 import os
 import time
@@ -28,7 +29,7 @@ from geopipe.model.sizes import num_layers
 from geopipe.runtime.cluster import LaunchError
 from geopipe.runtime.controller import Controller, LaunchOptions
 from geopipe.runtime.engine import lr_factor
-from geopipe.runtime.executor import BREAKDOWN
+from geopipe.runtime.executor import BREAKDOWN, FOREGROUND
 from geopipe.runtime.placement import ACTOR_ENV
 
 pytestmark = pytest.mark.ray
@@ -164,6 +165,11 @@ def test_actors_named_in_state_api_and_metrics_written(tmp_path):
 
         envs = ray.get([a.__ray_call__.remote(env) for row in ctl.actors for a in row])
         assert envs == [ACTOR_ENV] * 4
+        # ... and with what exists once it is built frozen out of the collector's scans
+        # ([Note: garbage collection off the step] in geopipe.runtime.stage).
+        frozen = ray.get([a.__ray_call__.remote(lambda _a: gc.get_freeze_count())
+                          for row in ctl.actors for a in row])  # fmt: skip
+        assert min(frozen) > 10_000, frozen
         ctl.train()
     finally:
         ctl.close()
@@ -178,7 +184,7 @@ def test_actors_named_in_state_api_and_metrics_written(tmp_path):
         assert len(x["breakdown"]) == 2
         for part in x["breakdown"]:
             assert set(part) == set(BREAKDOWN) and min(part.values()) >= 0
-            foreground = sum(part[k] for k in BREAKDOWN[:-3])
+            foreground = sum(part[k] for k in FOREGROUND)
             assert foreground <= x["iteration_time_s"] + 1e-3
             assert part["forward"] > 0 and part["backward"] > 0 and part["optimizer"] > 0
             assert part["encode"] > 0 and part["decode"] > 0
