@@ -75,6 +75,22 @@ __all__ = [
 ]
 
 
+# [Note: the step after the sends]
+# Inside the last backward, DeepSpeed's step (the ZeRO-1 reduction and Adam) runs before
+# that backward's input gradient can be sent, so every stage but the first delayed its
+# upstream neighbour's last gradient by its own optimizer step — in every schedule without
+# a split backward, and down the whole pipeline in series. The simulator (rightly) puts the
+# step after the pipeline, so look-ahead ran 5-14 % above its calibrated prediction, on the
+# real-network test bed and on the emulated link alike, while lookahead-zb, whose last `I`
+# sends before its `W` steps, was within 1-4 % (benchmarks/wsplit.py; stage 0 waited
+# 0.07-0.10 s per step for its last gradients against lookahead-zb's 0.02-0.04 s; the step
+# is 0.04 s and spikes to 0.13 s). With ``defer_step`` the boundary is DeepSpeed's
+# unmanaged mode: backward only accumulates, ``end_iteration`` (after the step's sends)
+# reduces and steps. It is also what a mixed plan needs: its ZeRO-1 group may span stages
+# of one pipeline, and a downstream stage blocked in the all-reduce would never send the
+# upstream one its last gradient.
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Optimizer and accumulation settings of one stage replica.
@@ -100,9 +116,8 @@ class EngineConfig:
     # A mixed plan's factor on this replica's weight gradients (1 for identical pipelines;
     # [Note: gradient scale of a mixed plan] in geopipe.runtime.sitegroups).
     grad_scale: float = 1.0
-    # Reduce and step once after the iteration's sends instead of inside the last backward:
-    # a mixed plan's ZeRO-1 group may span stages of one pipeline, and a downstream stage
-    # blocked in the all-reduce would never send the upstream one its last gradient.
+    # Reduce and step once after the iteration's sends instead of inside the last backward
+    # (the runtime always does: [Note: the step after the sends]).
     defer_step: bool = False
 
     def __post_init__(self) -> None:

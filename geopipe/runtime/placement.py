@@ -166,7 +166,7 @@ class Placement:
             "warmup_steps": t.warmup_steps, "total_steps": max(self.lr_horizon, t.steps),
             "micro_batches": plan.num_microbatches, "seed": t.seed,
             "micro_batch_size": plan.micro_batch_size, "grad_scale": scale,
-            "defer_step": full.heterogeneous,
+            "defer_step": True,  # [Note: the step after the sends] in geopipe.runtime.engine
         }  # fmt: skip
         return StageSpec(
             run=spec.name, stage=k, replica=r, plan=plan.to_dict(), model=model,

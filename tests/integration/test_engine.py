@@ -399,3 +399,37 @@ def test_split_backward_pipeline_matches_reference() -> None:
     _report("2x2 ZeRO-1 lookahead-zb", _check_parity(ranks, ref, replicas=2))
     # the meter saw the deferred micro-batches' graphs held on the last stage
     assert all(r["peak_activation_bytes"] > 0 for r in ranks)
+
+
+def _deferred_step_worker(rank: int, port: int) -> dict:
+    """The last stage alone (its input a leaf): every micro-batch's backward, then the step."""
+    init_process_group(rank, 1, HOST, port, timeout_s=60)
+    cfg = dataclasses.replace(PLAIN_CFG, defer_step=True)
+    eng = StageEngine(CFG, LAYERS[1], [[0]], 0, cfg)
+    before = _params(eng)
+    stream = _stream()
+    grads_ready, moved_early = [], []
+    for mb in range(cfg.micro_batches):
+        _, y = stream.batch(global_indices(0, GLOBAL_BATCH, 0, 1, mb, MBS), SEQ)
+        eng.forward(
+            mb, torch.randn(MBS, SEQ, CFG.n_embd, generator=torch.Generator().manual_seed(mb))
+        )
+        eng.backward_last(mb, y)
+        grads_ready.append(eng.input_grad(mb) is not None)
+        moved_early.append(_max_diff(_params(eng), before))
+    eng.end_iteration()
+    out = {"grads_ready": grads_ready, "moved_early": moved_early,
+           "moved": _max_diff(_params(eng), before), "steps": eng.step_count}  # fmt: skip
+    eng.destroy()
+    destroy_process_group()
+    return out
+
+
+def test_deferred_step_leaves_the_last_gradient_free_to_go() -> None:
+    # [Note: the step after the sends]: with defer_step the boundary micro-batch's backward
+    # only accumulates, so its input gradient can be sent before DeepSpeed reduces and
+    # steps; end_iteration then takes the one optimizer step.
+    (r,) = run_ranks(_deferred_step_worker, 1, free_port())
+    assert all(r["grads_ready"])
+    assert max(r["moved_early"]) == 0.0
+    assert r["moved"] > 1e-4 and r["steps"] == 1
