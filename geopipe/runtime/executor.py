@@ -39,7 +39,7 @@ class IterationResult:
     replica: int
     step: int
     losses: list[float]  # per micro-batch, last stage only
-    busy_s: float  # forward + backward (the last backward includes the optimizer step)
+    busy_s: float  # forward + backward + the optimizer step (wherever it ran)
     wait_s: float  # blocked in receives
     duration_s: float
     start: float  # time.monotonic() at the start, for aligning measured timelines
@@ -72,7 +72,6 @@ FOREGROUND = ("forward", "backward", "optimizer", "send", "recv_wait", "drain", 
 BREAKDOWN = (*FOREGROUND, "other", "encode", "decode", "gc")
 _SLOT = {_F: "forward", _B: "backward", _I: "backward", _W: "backward", _SF: "send",
          _SB: "send", _RF: "recv_wait", _RB: "recv_wait"}  # fmt: skip
-_COMPUTE = (_F, _B, _I, _W)
 
 
 class _GcClock:
@@ -168,9 +167,7 @@ def execute(
             res.wan_bytes += links.send_backward(("B", step, mb), engine.input_grad(mb))
         t1 = time.monotonic()
         spent[_SLOT[c]] += t1 - t0
-        if c in _COMPUTE:
-            res.busy_s += t1 - t0
-        elif c in (_RF, _RB):
+        if c in (_RF, _RB):
             res.wait_s += t1 - t0
         if record:
             res.events.append((Kind(c).name, mb, t0 - t_start, t1 - t_start))
@@ -186,6 +183,9 @@ def execute(
     spent["encode"] = links.encode_s() - enc0
     spent["decode"] = links.inbox.decode_s - dec0
     spent["gc"] = _GC.total_s - gc0
+    # busy: the compute ops and the optimizer step, whether the last backward ran it or
+    # end_iteration did after the sends ([Note: the step after the sends] in .engine)
+    res.busy_s = spent["forward"] + spent["backward"] + spent["optimizer"]
     res.breakdown = spent
     res.peak_activation_bytes = engine.meter.peak
     res.optimizer_steps = engine.step_count
