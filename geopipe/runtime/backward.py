@@ -138,6 +138,9 @@ class WeightGradStore:
         them (set to None): see [Note: W accumulates in place]."""
         calls = self._calls.pop(mb, ())
         others = self._other_grads.pop(mb)
+        for mod, _, g in calls:  # before any gradient is taken: nothing is lost on error
+            if g is None:
+                raise RuntimeError(f"no output gradient reached {mod} in micro-batch {mb}'s I")
         out: dict[int, Tensor] = {}
 
         def taken(p: Tensor) -> Tensor | None:
@@ -147,8 +150,6 @@ class WeightGradStore:
 
         with torch.no_grad():  # the inputs are part of the freed graph: no autograd here
             for mod, inp, g in calls:
-                if g is None:
-                    raise RuntimeError(f"no output gradient reached {mod} in micro-batch {mb}'s I")
                 g2, x2 = g.reshape(-1, g.shape[-1]).t(), inp.reshape(-1, inp.shape[-1])
                 acc = taken(mod.weight)
                 if acc is None:
@@ -172,8 +173,9 @@ class WeightGradStore:
 
 
 class _InjectGrads(torch.autograd.Function):
-    """A zero scalar whose backward hands each parameter a given gradient (times the
-    incoming one, which is 1 unless a loss scaler multiplied it)."""
+    """A zero scalar whose backward hands each parameter a given gradient. The gradients
+    are accumulated sums ([Note: W accumulates in place]), so the incoming gradient must be
+    1: a loss scaler's factor would rescale every earlier micro-batch again."""
 
     @staticmethod
     def forward(ctx: Any, grads: tuple[Tensor | None, ...], *params: Tensor) -> Tensor:
@@ -184,7 +186,7 @@ class _InjectGrads(torch.autograd.Function):
     def backward(ctx: Any, out: Tensor) -> tuple[Tensor | None, ...]:
         grads, ctx.grads = ctx.grads, ()
         if out.item() != 1.0:
-            grads = tuple(None if g is None else g * out for g in grads)
+            raise RuntimeError(f"the weight-gradient surrogate was scaled by {out.item()}")
         return (None, *grads)
 
 

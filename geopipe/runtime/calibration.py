@@ -138,14 +138,14 @@ def measured_stage_times(
 def measured_split_times(
     results: list[IterationResult], num_stages: int
 ) -> tuple[list[float], list[float]] | None:
-    """Mean ``I`` and ``W`` seconds per stage from recorded events (each step's last ``W``,
-    which carries the optimizer step, left out), or None without any ``I`` event."""
+    """Mean ``I`` and ``W`` seconds per stage from recorded events, or None without any
+    ``I`` event. (No ``W`` carries the optimizer step: the runtime steps after the sends,
+    [Note: the step after the sends] in :mod:`geopipe.runtime.engine`.)"""
     inp: list[list[float]] = [[] for _ in range(num_stages)]
     wgt: list[list[float]] = [[] for _ in range(num_stages)]
     for r in results:
         inp[r.stage] += [t1 - t0 for kind, _, t0, t1 in r.events if kind == "I"]
-        w = [t1 - t0 for kind, _, t0, t1 in r.events if kind == "W"]
-        wgt[r.stage] += w[:-1] if len(w) > 1 else w
+        wgt[r.stage] += [t1 - t0 for kind, _, t0, t1 in r.events if kind == "W"]
     if not any(inp):
         return None
     return (

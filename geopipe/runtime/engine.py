@@ -439,7 +439,8 @@ class StageEngine:
 
     def backward_weight(self, mb: int) -> None:
         """``W`` of micro-batch ``mb``: its weight gradients into DeepSpeed's accumulation (and,
-        at the accumulation boundary, the ZeRO-1 reduction and optimizer step)."""
+        without ``defer_step``, at the accumulation boundary the ZeRO-1 reduction and
+        optimizer step)."""
         if mb not in self._weight_pending:
             raise KeyError(f"micro-batch {mb} has no input-gradient pass awaiting W")
         kind, *state = self._weight_pending.pop(mb)

@@ -177,8 +177,9 @@ def execute(
     t0 = time.monotonic()
     links.finish()
     spent["drain"] = time.monotonic() - t0
-    spent["backward"] -= engine.optimizer_s - opt0  # the step the last backward triggered
-    engine.end_iteration()  # or, in a mixed plan, the deferred step (after the sends)
+    # an engine without defer_step stepped inside its last backward: that is not backward
+    spent["backward"] -= engine.optimizer_s - opt0
+    engine.end_iteration()  # the runtime's deferred step, after the sends
     spent["optimizer"] = engine.optimizer_s - opt0
     spent["encode"] = links.encode_s() - enc0
     spent["decode"] = links.inbox.decode_s - dec0

@@ -1,7 +1,7 @@
 """Per-step metrics: a JSONL file, Ray metrics for the dashboard, and measured timelines.
 
-The figures come from the stage actors' own clocks: busy time (forward + backward,
-including the optimizer step the last backward triggers) and the iteration's duration. The
+The figures come from the stage actors' own clocks: busy time (forward + backward + the
+optimizer step, which runs after the step's sends) and the iteration's duration. The
 bubble ratio uses the planner's definition, ``1 − Σ_stages busy / (p × iteration)``, with
 each stage's busy time averaged over its replicas.
 """

@@ -381,6 +381,11 @@ class StageWorker:
             self.engine.destroy()
             self.engine = None
         destroy_process_group()
+        # The old engine sits in reference cycles (module hooks) that were frozen after its
+        # setup: collect them now, not only at the next setup ([Note: garbage collection
+        # off the step]).
+        gc.unfreeze()
+        gc.collect()
 
     def reconfigure(self, spec: StageSpec) -> tuple[int, tuple[int, int]]:
         """Take the stage this new spec describes; the actor and its memory (the boundary
@@ -400,6 +405,11 @@ class StageWorker:
             self.engine.destroy()
             self.engine = None
         destroy_process_group()
+        # The old engine sits in reference cycles (module hooks) that were frozen after its
+        # setup: collect them now, not only at the next setup ([Note: garbage collection
+        # off the step]).
+        gc.unfreeze()
+        gc.collect()
 
 
 def _step_of(key: Any) -> int:

@@ -386,13 +386,16 @@ def test_full_state_reshards_from_two_replicas_to_one(zero1_run: tuple[list[dict
     print(f"2->1 re-shard: next-step diff {worst:.1e}")
 
 
-def test_split_backward_pipeline_matches_reference() -> None:
+@pytest.mark.parametrize("defer", [False, True], ids=["step-in-backward", "step-after-sends"])
+def test_split_backward_pipeline_matches_reference(defer: bool) -> None:
     # lookahead-zb on 2x2 ZeRO-1 with active per-stage clipping: stage 0's W is a full
     # backward (nothing to send upstream), stage 1 splits I/W and defers W; DeepSpeed must
-    # see the gradients a full backward gives ([Note: split backward]).
+    # see the gradients a full backward gives ([Note: split backward]) — also with the
+    # runtime's deferred step ([Note: the step after the sends]).
     assert any(a.kind == Kind.W for a in _schedule("lookahead-zb", 4).stages[1])
+    cfg = dataclasses.replace(ZERO1_CFG, defer_step=defer)
     t0 = time.perf_counter()
-    ranks = run_ranks(_pipeline_worker, 4, free_port(), 2, ZERO1_CFG, 0, "lookahead-zb")
+    ranks = run_ranks(_pipeline_worker, 4, free_port(), 2, cfg, 0, "lookahead-zb")
     print(f"\n2x2 lookahead-zb wall {time.perf_counter() - t0:.1f} s")
     ref = _reference(ZERO1_CFG, STEPS)
     assert max(max(n) for n in ref["norms"]) > ZERO1_CFG.grad_clip

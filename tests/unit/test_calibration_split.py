@@ -27,16 +27,24 @@ def _result(stage: int, events: list[tuple[str, float]], **breakdown: float) -> 
     )  # fmt: skip
 
 
-# stage 0: I ~0 (first stage), W the whole backward; stage 1: I 1.0, W 0.5 then 0.9 (step)
+# stage 0: I ~0 (first stage), W the whole backward; stage 1: I 1.0, W 0.5 then 0.9. No W
+# carries the optimizer step (the runtime steps after the sends), so every W counts.
 R0 = _result(0, [("F", 1.0), ("I", 0.0), ("F", 1.0), ("I", 0.0), ("W", 2.0), ("W", 2.6)],
              forward=2.0, backward=4.0)  # fmt: skip
 R1 = _result(1, [("F", 1.0), ("I", 1.0), ("W", 0.5), ("F", 1.0), ("I", 1.0), ("W", 0.9)],
              forward=2.0, backward=3.0)  # fmt: skip
 
 
-def test_split_times_leave_out_the_last_w() -> None:
+# the same with steady W times: the shares are 0 : 1 and 1 : 0.5
+R0S = _result(0, [("F", 1.0), ("I", 0.0), ("F", 1.0), ("I", 0.0), ("W", 2.0), ("W", 2.0)],
+              forward=2.0, backward=4.0)  # fmt: skip
+R1S = _result(1, [("F", 1.0), ("I", 1.0), ("W", 0.5), ("F", 1.0), ("I", 1.0), ("W", 0.5)],
+              forward=2.0, backward=3.0)  # fmt: skip
+
+
+def test_split_times_average_every_i_and_w() -> None:
     inp, wgt = measured_split_times([R0, R1], 2)
-    assert inp == [0.0, 1.0] and wgt == pytest.approx([2.0, 0.5])
+    assert inp == [0.0, 1.0] and wgt == pytest.approx([2.3, 0.7])
     plain = _result(0, [("F", 1.0), ("B", 2.0)])
     assert measured_split_times([plain], 1) is None
 
@@ -46,7 +54,7 @@ def test_calibrator_splits_the_measured_backward_by_the_recorded_shares() -> Non
     plan = ev.make_plan(Candidate(2, 8, 128, (1,), ("none",), "lookahead-zb"))
     assert plan is not None and plan.num_microbatches == 2
     cal = Calibrator(LOCAL, fixed_plan=True, predicted_s=1.0)
-    out = cal.observe(0, plan, [R0, R1])
+    out = cal.observe(0, plan, [R0S, R1S])
     c = cal.costs
     assert c is not None and out.event is not None
     # per micro-batch backward from the breakdowns, split 0 : 1 and 1 : 0.5

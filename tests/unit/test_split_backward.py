@@ -120,3 +120,10 @@ def test_activation_meter_counts_saved_tensors_and_releases() -> None:
     meter.reset_peak()
     meter.release(1)
     assert meter.current == 0 and meter.peak == sizes[0] + 40
+
+
+def test_a_scaled_weight_surrogate_is_refused() -> None:
+    # W hands over accumulated sums: scaling them would rescale earlier micro-batches too.
+    p = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(RuntimeError, match="scaled by 2"):
+        (weight_surrogate([p], [torch.ones(3)]) * 2).backward()
