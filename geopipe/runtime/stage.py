@@ -372,20 +372,10 @@ class StageWorker:
         """Drop the engine, links and process group (after a failure). A peer blocked in a
         collective with us is *not* released by this (gloo keeps its connections until the
         process exits): the controller replaces such a peer."""
-        from geopipe.runtime.engine import destroy_process_group
-
         self.links.close()
         self.boundaries.after_leave()
         self.shards.forget()
-        if self.engine is not None:
-            self.engine.destroy()
-            self.engine = None
-        destroy_process_group()
-        # The old engine sits in reference cycles (module hooks) that were frozen after its
-        # setup: collect them now, not only at the next setup ([Note: garbage collection
-        # off the step]).
-        gc.unfreeze()
-        gc.collect()
+        self._drop_engine()
 
     def reconfigure(self, spec: StageSpec) -> tuple[int, tuple[int, int]]:
         """Take the stage this new spec describes; the actor and its memory (the boundary
@@ -398,16 +388,19 @@ class StageWorker:
         return before
 
     def shutdown(self) -> None:
+        self.links.inbox.close()
+        self._drop_engine()
+
+    def _drop_engine(self) -> None:
+        """Destroy the engine and the process group, and collect the old engine at once: it
+        sits in reference cycles (module hooks) that were frozen after its setup ([Note:
+        garbage collection off the step])."""
         from geopipe.runtime.engine import destroy_process_group
 
-        self.links.inbox.close()
         if self.engine is not None:
             self.engine.destroy()
             self.engine = None
         destroy_process_group()
-        # The old engine sits in reference cycles (module hooks) that were frozen after its
-        # setup: collect them now, not only at the next setup ([Note: garbage collection
-        # off the step]).
         gc.unfreeze()
         gc.collect()
 
