@@ -40,7 +40,7 @@ from geopipe.optimizer.policies import GrowBack
 from geopipe.plan import Plan
 from geopipe.runtime.calibration import Calibrator
 from geopipe.runtime.chaos import ChaosMonkey
-from geopipe.runtime.checkpointing import CheckpointCoordinator, model_shape
+from geopipe.runtime.checkpointing import CheckpointCoordinator
 from geopipe.runtime.cluster import ClusterInfo, auth_env, check_sites, connect
 from geopipe.runtime.health import (
     ActorsUnresponsive,
@@ -51,6 +51,7 @@ from geopipe.runtime.health import (
 )
 from geopipe.runtime.linkprobe import probe_links
 from geopipe.runtime.metrics import StepMetrics, aggregate, measured_events
+from geopipe.runtime.models import model_manifest
 from geopipe.runtime.placement import Placement
 from geopipe.runtime.recovery import Recovery
 from geopipe.runtime.reporting import Reporter
@@ -414,7 +415,7 @@ class Controller:
             "config_hash": self.spec.digest,
             "plan": self.plan.to_dict(),
             "data": {"seed": t.seed, "step": step, "source": t.data, "digest": self.data_digest},
-            "model": model_shape(self.spec),
+            "model": model_manifest(self.spec),
             "run": self.spec.name,
             "lr": t.lr,
             "steps_total": t.steps,

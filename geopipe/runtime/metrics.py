@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,6 +36,10 @@ class StepMetrics:
     # per stage, the most bytes autograd held for backward at once (max over its replicas;
     # the activation meter of :mod:`geopipe.runtime.backward`)
     peak_activation_bytes: list[int] = field(default_factory=list)
+    lr: float | None = None  # the learning rate this step applied
+    # the whole model's gradient norm: the stages' norms (each over its ZeRO-1 group)
+    # combined in quadrature; a tied embedding's two copies both count
+    grad_norm: float | None = None
 
     def to_json(self) -> dict:
         return {
@@ -47,6 +52,8 @@ class StepMetrics:
             "tokens_per_s": self.tokens_per_s,
             "breakdown": [{k: round(v, 6) for k, v in b.items()} for b in self.breakdown],
             "peak_activation_bytes": self.peak_activation_bytes,
+            "lr": self.lr,
+            "grad_norm": self.grad_norm,
         }
 
 
@@ -75,7 +82,19 @@ def aggregate(results: list[IterationResult], num_stages: int, tokens: int) -> S
         tokens_per_s=tokens / duration if duration > 0 else 0.0,
         breakdown=[_mean_parts(parts[k]) for k in sorted(parts)],
         peak_activation_bytes=[held[k] for k in sorted(held)],
+        lr=next((r.lr for r in results if r.lr is not None), None),
+        grad_norm=_grad_norm(results),
     )
+
+
+def _grad_norm(results: list[IterationResult]) -> float | None:
+    """sqrt of the sum over stages of each stage's squared norm (one replica per stage:
+    the ZeRO-1 reduction made its replicas' gradients equal)."""
+    norms: dict[int, float] = {}
+    for r in results:
+        if r.grad_norm is not None:
+            norms.setdefault(r.stage, r.grad_norm)
+    return math.sqrt(sum(n * n for n in norms.values())) if norms else None
 
 
 def _mean_parts(rows: list[dict[str, float]]) -> dict[str, float]:
