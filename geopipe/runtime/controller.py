@@ -41,7 +41,7 @@ from geopipe.plan import Plan
 from geopipe.runtime.calibration import Calibrator
 from geopipe.runtime.chaos import ChaosMonkey
 from geopipe.runtime.checkpointing import CheckpointCoordinator
-from geopipe.runtime.cluster import ClusterInfo, auth_env, check_sites, connect
+from geopipe.runtime.cluster import ClusterInfo, auth_env, check_precision, check_sites, connect
 from geopipe.runtime.health import (
     ActorsUnresponsive,
     HealthConfig,
@@ -197,6 +197,7 @@ class Controller:
         self.reporter.ray_address = self.cluster.address
         check_sites(self.spec, self.plan, ray.cluster_resources())
         use_gpu = ray.cluster_resources().get("GPU", 0) >= len(self.plan.actors())
+        check_precision(self.spec.training.precision, use_gpu)
         self.placement = Placement(self.spec, self.lr_horizon, use_gpu)
         self.placement.place(self.plan)
         self.placement.wire()
