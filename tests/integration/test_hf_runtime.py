@@ -55,18 +55,20 @@ def hf_doc(model_dir: Path, name: str, steps: int = 3, precision: str = "fp32") 
     """Two sites of one device each, one pipeline of two stages, codec none."""
     site = {"nodes": 1, "devices_per_node": 1, "device_memory_gb": 2, "device_tflops": 0.05,
             "device_efficiency": 0.5, "device_mem_bw_gb_per_s": 10}  # fmt: skip
+    # fmt: off
     return {
         "name": f"hf-{name}-{precision}",
         "ray": {"address": "local", "emulate_links": True},
         "sites": [{"name": "east", **site}, {"name": "west", **site}],
         "links": [{"from": "east", "to": "west", "bandwidth_gbps": 1.0, "latency_ms": 5,
-                   "codec": "none"}],  # fmt: skip
+                   "codec": "none"}],
         "model": {"hf": str(model_dir)},
         "training": {"global_batch_size": 8, "steps": steps, "lr": 0.01, "warmup_steps": 1,
                      "precision": precision, "data": "stdlib", "data_max_bytes": 200_000},
         "plan": {"schedule": "1f1b", "pipelines": 1, "micro_batch_size": 2, "seq_len": 32,
                  "codecs": ["none"], "calibrate": False, "delta_n": 0},
-    }  # fmt: skip
+    }
+    # fmt: on
 
 
 def launch(doc: dict, tmp: Path) -> tuple[Controller, list]:
@@ -131,7 +133,7 @@ def test_bf16_trains_in_bf16_and_halves_activations(tmp_path: Path) -> None:
     model_dir = save_model(tmp_path, "llama-gqa-untied")
     _, fp32 = launch(hf_doc(model_dir, "bf16ref"), tmp_path / "fp32")
     doc = hf_doc(model_dir, "bf16run", precision="bf16")
-    ctl, bf16 = launch(doc, tmp_path / "bf16")
+    _, bf16 = launch(doc, tmp_path / "bf16")
     for a, b in zip(fp32, bf16, strict=True):
         assert abs(a.loss - b.loss) / a.loss < 0.02
     ratio = [b / a for a, b in zip(fp32[-1].peak_activation_bytes,
