@@ -159,6 +159,10 @@ class TokenDataset:
         parts += [f"{s['tokens']}:{s['sha256']}" for s in m["shards"]]
         return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
+    def __reduce__(self) -> tuple[type, tuple[str]]:
+        """Pickle as the path (reopened, and re-checked, on the other side), not the tokens."""
+        return (type(self), (self.source,))
+
     def __len__(self) -> int:
         return self._len
 

@@ -19,7 +19,13 @@ from _tokdata import SMALL_VOCAB, stdlib_sources, train_small_tokenizer
 
 from geopipe.cli import main
 from geopipe.model import prepare
-from geopipe.model.builtin import EOS_TOKEN, STDLIB_BPE_VOCAB, ensure_stdlib_bpe, stdlib_bpe_files
+from geopipe.model.builtin import (
+    EOS_TOKEN,
+    STDLIB_BPE_VOCAB,
+    cache_root,
+    ensure_stdlib_bpe,
+    stdlib_bpe_files,
+)
 from geopipe.model.prepare import OutputExistsError, prepare_data
 from geopipe.model.tokens import DatasetError, TokenDataset, choose_dtype
 
@@ -364,3 +370,11 @@ def test_concurrent_stdlib_bpe_builders_agree(tmp_path: Path) -> None:
     assert len(digests) == 1
     assert TokenDataset(tmp_path / "stdlib-bpe-4096").digest in digests
     assert sorted(p.name for p in tmp_path.iterdir()) == ["stdlib-bpe-4096"]
+
+
+def test_cache_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GEOPIPE_CACHE", str(tmp_path / "env"))
+    assert cache_root() == tmp_path / "env"
+    assert cache_root(tmp_path / "arg") == tmp_path / "arg"
+    monkeypatch.delenv("GEOPIPE_CACHE")
+    assert cache_root() == Path.home() / ".cache" / "geopipe"

@@ -4,6 +4,7 @@ errors for damaged datasets; open_corpus's choice of corpus."""
 from __future__ import annotations
 
 import json
+import pickle
 import shutil
 from pathlib import Path
 
@@ -55,6 +56,14 @@ def test_opens_with_the_manifest_figures(dataset_dir: Path) -> None:
     assert (ds.tokenizer_dir / "tokenizer.json").is_file()
     assert ds.shards[0].dtype == np.dtype("<u2") and not ds.shards[0].flags.writeable
     ds.verify()
+
+
+def test_pickles_as_its_path(dataset_dir: Path) -> None:
+    ds = TokenDataset(dataset_dir)
+    blob = pickle.dumps(ds)
+    assert len(blob) < 1000  # not the tokens
+    back = pickle.loads(blob)
+    assert back.digest == ds.digest and np.array_equal(back.window(0, 500), ds.window(0, 500))
 
 
 def test_window_reads_across_shard_boundaries(dataset_dir: Path) -> None:
