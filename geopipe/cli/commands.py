@@ -21,7 +21,15 @@ from geopipe.cli.render import (
 )
 from geopipe.config import ClusterSpec, load_cluster
 
-__all__ = ["EXIT_USAGE", "cmd_checkpoints", "cmd_launch", "cmd_plan", "cmd_simulate", "cmd_status"]
+__all__ = [
+    "EXIT_USAGE",
+    "cmd_checkpoints",
+    "cmd_launch",
+    "cmd_plan",
+    "cmd_prepare_data",
+    "cmd_simulate",
+    "cmd_status",
+]
 
 EXIT_USAGE = 2
 
@@ -259,3 +267,29 @@ def _pid_alive(pid: int) -> bool:
     except OSError:
         return False
     return True
+
+
+def cmd_prepare_data(args: argparse.Namespace) -> int:
+    """Tokenize the inputs into a token dataset; bad input is one line and exit 2."""
+    import time
+
+    from geopipe.model.prepare import prepare_data
+    from geopipe.model.tokens import DatasetError
+
+    t0 = time.perf_counter()
+    try:
+        m = prepare_data(
+            args.inputs, args.tokenizer, args.out, text_field=args.text_field,
+            processes=args.processes, progress=not args.no_progress, overwrite=args.overwrite,
+        )  # fmt: skip
+    except DatasetError as exc:
+        print(f"geopipe: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    secs = max(time.perf_counter() - t0, 1e-9)
+    mb = m["input_bytes"] / 1e6
+    print(
+        f"{args.out}: {m['documents']:,} documents, {m['token_count']:,} tokens "
+        f"({m['dtype']}, vocab {m['vocab_size']:,}) in {len(m['shards'])} shard(s); "
+        f"{mb:.1f} MB in {secs:.1f} s ({mb / secs:.1f} MB/s)"
+    )
+    return 0
