@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from geopipe.model.stdlib import stdlib_files as _stdlib_files
-from geopipe.model.tokens import TokenDataset, is_token_dataset
+from geopipe.model.tokens import TokenDataset, is_token_dataset, read_manifest
 
 __all__ = [
     "STDLIB_BPE",
@@ -189,6 +189,10 @@ def open_corpus(source: str | Path, max_bytes: int | None = 4_000_000) -> Corpus
         return TokenDataset(ensure_stdlib_bpe())
     if is_token_dataset(source):
         return TokenDataset(source)
+    path = Path(source)
+    if path.is_dir() and any(path.glob("tokens-*.bin")):
+        # Token shards read as text would train on garbage (a missing manifest, not a corpus).
+        read_manifest(path)
     return Corpus(source, max_bytes=max_bytes)
 
 

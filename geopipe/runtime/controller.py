@@ -51,7 +51,7 @@ from geopipe.runtime.health import (
 )
 from geopipe.runtime.linkprobe import probe_links
 from geopipe.runtime.metrics import StepMetrics, aggregate, measured_events
-from geopipe.runtime.models import model_manifest
+from geopipe.runtime.models import check_data_source, model_manifest
 from geopipe.runtime.placement import Placement
 from geopipe.runtime.recovery import Recovery
 from geopipe.runtime.reporting import Reporter
@@ -192,6 +192,7 @@ class Controller:
         self.spec, self.plan, self.predicted = plan_run(self.spec, self.opts.plan)
         self.checkpoints.spec = self.spec
         self.state = Launching()
+        check_data_source(self.spec)
         self.cluster = connect(self.spec)
         self.reporter.dashboard_url = self.cluster.dashboard_url
         self.reporter.ray_address = self.cluster.address

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from geopipe.config import RECOVERY_SNAPSHOTS_KEPT
-from geopipe.model.data import Corpus, TokenStream, sample_indices
+from geopipe.model.data import TokenStream, open_corpus, sample_indices
 from geopipe.model.family import DTYPES, ModelDesc, stage_param_names
 from geopipe.pipeline.schedule import make_schedule
 from geopipe.plan import Plan
@@ -123,7 +123,7 @@ class StageWorker:
         self.layers = tuple(self.plan.partition[self.k])
         self.stream: TokenStream | None = None
         if self.first or self.last:
-            self.stream = TokenStream(Corpus(spec.data, max_bytes=spec.data_max_bytes), spec.seed)
+            self.stream = TokenStream(open_corpus(spec.data, max_bytes=spec.data_max_bytes), spec.seed)
         self.links = StageLinks()
         self.shape = (self.plan.micro_batch_size, self.plan.seq_len, self.model.hidden)
 
