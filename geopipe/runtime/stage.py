@@ -123,7 +123,8 @@ class StageWorker:
         self.layers = tuple(self.plan.partition[self.k])
         self.stream: TokenStream | None = None
         if self.first or self.last:
-            self.stream = TokenStream(open_corpus(spec.data, max_bytes=spec.data_max_bytes), spec.seed)
+            corpus = open_corpus(spec.data, max_bytes=spec.data_max_bytes)
+            self.stream = TokenStream(corpus, spec.seed)
         self.links = StageLinks()
         self.shape = (self.plan.micro_batch_size, self.plan.seq_len, self.model.hidden)
 

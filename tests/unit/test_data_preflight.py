@@ -50,9 +50,10 @@ def test_byte_corpus_passes(tmp_path: Path) -> None:
 
 def test_vocabulary_past_the_model_is_refused(dataset: Path) -> None:
     vocab = TokenDataset(dataset).vocab_size
-    with pytest.raises(LaunchError, match=rf"training\.data: .* vocabulary of {vocab} .* has {vocab - 1}"):
+    want = rf"training\.data: .* vocabulary of {vocab} .* has {vocab - 1}"
+    with pytest.raises(LaunchError, match=want):
         check_data_source(spec_for(str(dataset), vocab=vocab - 1))
-    with pytest.raises(LaunchError, match="vocabulary of 256 .* has 100"):
+    with pytest.raises(LaunchError, match=r"vocabulary of 256 .* has 100"):
         check_data_source(spec_for("stdlib", vocab=100))
 
 
@@ -75,7 +76,7 @@ def test_missing_manifest_is_refused_not_read_as_text(dataset: Path, tmp_path: P
 
 
 def test_missing_path_and_short_corpus(tmp_path: Path) -> None:
-    with pytest.raises(LaunchError, match="training.data: .* does not exist"):
+    with pytest.raises(LaunchError, match=r"training\.data: .* does not exist"):
         check_data_source(spec_for(str(tmp_path / "nope")))
     (tmp_path / "t.txt").write_text("x" * 2000)
     with pytest.raises(LaunchError, match="fewer than one sample"):
