@@ -217,8 +217,8 @@ def _weights(directory: Path) -> dict[str, tuple[int, ...]] | None:
     pickles = [f for f in files if f.endswith(_PICKLE_SUFFIXES) and f not in _NOT_WEIGHTS]
     if pickles:
         raise HFDirError(
-            f"pickle weights are not loaded ({', '.join(pickles[:3])}); save with "
-            "safe_serialization=True"
+            "pickle weights are not loaded; save with safe_serialization=True (found "
+            f"{_names(pickles, 3)})"
         )
     return None
 
