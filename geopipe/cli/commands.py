@@ -17,6 +17,7 @@ from geopipe.cli.render import (
     format_status,
     format_templates,
     json_text,
+    model_summary,
     print_plan,
 )
 from geopipe.config import ClusterSpec, load_cluster
@@ -57,6 +58,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         templates = build_templates(spec, plan=report.best.plan)
     if args.json:
         doc = report.to_json()
+        if spec.model.is_hf:  # the GPT's documents stay as they were
+            doc["model"] = model_summary(spec)
         if templates is not None:
             doc["templates"] = format_templates(templates)
         print(json_text(doc))

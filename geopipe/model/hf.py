@@ -39,6 +39,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from geopipe.model.hfarch import SUPPORTED_FAMILIES
+
 __all__ = [
     "EMBED",
     "HEAD",
@@ -50,7 +52,6 @@ __all__ = [
     "load_stage_weights",
 ]
 
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2")
 EMBED = "model.embed_tokens.weight"
 HEAD = "lm_head.weight"
 
