@@ -15,11 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from _tokdata import stdlib_sources, train_small_tokenizer
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
 from geopipe.config import parse_cluster
-from geopipe.model.data import Corpus, TokenStream, global_indices
+from geopipe.model.data import TokenStream, global_indices, open_corpus
 from geopipe.model.gpt import lm_loss
+from geopipe.model.prepare import prepare_data
 from geopipe.runtime.controller import Controller, LaunchOptions
 from geopipe.runtime.engine import lr_factor
 
@@ -42,10 +44,10 @@ def _ray(ray_cluster):
     yield
 
 
-def save_model(tmp: Path, name: str) -> Path:
+def save_model(tmp: Path, name: str, **override) -> Path:
     cls, extra = FAMILIES[name]
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cls(**SMALL, **extra))
+    model = AutoModelForCausalLM.from_config(cls(**{**SMALL, **extra, **override}))
     out = tmp / f"model-{name}"
     model.save_pretrained(out)
     return out
@@ -71,12 +73,15 @@ def hf_doc(model_dir: Path, name: str, steps: int = 3, precision: str = "fp32") 
     # fmt: on
 
 
-def launch(doc: dict, tmp: Path) -> tuple[Controller, list]:
+def launch(doc: dict, tmp: Path, resume: str | bool = False, state: dict | None = None):
     spec = parse_cluster(doc, "test")
-    ctl = Controller(spec, LaunchOptions(run_dir=str(tmp), progress=False))
+    ctl = Controller(spec, LaunchOptions(run_dir=str(tmp), progress=False, resume=resume))
     try:
         ctl.launch()
-        return ctl, ctl.train().steps
+        steps = ctl.train().steps
+        if state is not None:
+            state.update(ctl.gather_state())
+        return ctl, steps
     finally:
         ctl.close()
 
@@ -92,7 +97,7 @@ def reference(doc: dict, model_dir: Path) -> tuple[list[float], list[float]]:
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, partial(lr_factor, warmup_steps=t.warmup_steps, total_steps=t.steps)
     )
-    stream = TokenStream(Corpus(t.data, max_bytes=t.data_max_bytes), t.seed)
+    stream = TokenStream(open_corpus(t.data, max_bytes=t.data_max_bytes), t.seed)
     b, s = pl.micro_batch_size, pl.seq_len
     micro = t.global_batch_size // b
     tied = model.config.tie_word_embeddings
@@ -115,6 +120,15 @@ def reference(doc: dict, model_dir: Path) -> tuple[list[float], list[float]]:
     return losses, norms
 
 
+@pytest.fixture(scope="module")
+def token_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A prepared dataset (512-token BPE over a few stdlib files), as prepare-data makes it."""
+    tmp = tmp_path_factory.mktemp("tokens")
+    tok = train_small_tokenizer(tmp / "tok", vocab=512)
+    prepare_data(stdlib_sources(6), tok, tmp / "ds", shard_tokens=4_000, progress=False)
+    return tmp / "ds"
+
+
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_hf_family_across_two_sites_matches_transformers(tmp_path: Path, name: str) -> None:
     model_dir = save_model(tmp_path, name)
@@ -127,18 +141,53 @@ def test_hf_family_across_two_sites_matches_transformers(tmp_path: Path, name: s
     assert [m.grad_norm for m in steps] == pytest.approx(ref_norms, rel=1e-4)
 
 
+def test_token_dataset_trains_like_transformers(tmp_path: Path, token_dataset: Path) -> None:
+    """A tied Llama over a prepared token dataset (BPE ids up to 511, several shards):
+    the same batches and losses as `transformers` reading the same dataset."""
+    model_dir = save_model(tmp_path, "llama-gqa-tied", vocab_size=512)
+    doc = hf_doc(model_dir, "tokens")
+    doc["training"]["data"] = str(token_dataset)
+    _, steps = launch(doc, tmp_path / "run")
+    ref_losses, _ = reference(doc, model_dir)
+    assert [m.loss for m in steps] == pytest.approx(ref_losses, abs=1e-5)
+    assert steps[0].loss > 5.0  # ln(512) ≈ 6.2: BPE ids, not bytes
+
+
+def test_bf16_resume_is_exact(tmp_path: Path, token_dataset: Path) -> None:
+    """bf16 with a tied embedding split over two sites, on a token dataset: 4 steps straight
+    == resuming from the step-2 checkpoint for 2 more, losses and final fp32 master
+    weights and Adam state bitwise (the tied head's copy restores from its own tensor)."""
+    model_dir = save_model(tmp_path, "llama-gqa-tied", vocab_size=512)
+    doc = hf_doc(model_dir, "bf16resume", steps=4, precision="bf16")
+    doc["training"]["data"] = str(token_dataset)
+    doc["training"]["checkpoint"] = {"every_steps": 2, "keep": 3}
+    full_state: dict = {}
+    _, full = launch(doc, tmp_path / "a", state=full_state)
+    resumed_state: dict = {}
+    ckpt = tmp_path / "a" / "checkpoints" / "step-00000002"
+    ctl, second = launch(doc, tmp_path / "b", resume=str(ckpt), state=resumed_state)
+    assert ctl.start_step == 2
+    assert [m.loss for m in second] == [m.loss for m in full[2:]]
+    for group in ("params", "exp_avg", "exp_avg_sq"):
+        assert full_state[group].keys() == resumed_state[group].keys()
+        for name, t in full_state[group].items():
+            assert torch.equal(t, resumed_state[group][name]), (group, name)
+
+
 def test_bf16_trains_in_bf16_and_halves_activations(tmp_path: Path) -> None:
-    """The same Llama in bf16: close to fp32 (3 steps: within 2 %), half the activation bytes
-    held per stage (measured by the activation meter), weights really bf16."""
+    """The same Llama in bf16: close to fp32 (3 steps: within 2 %); what crosses the WAN is
+    bf16 (codec none: exactly half fp32's bytes); the activations a stage holds shrink too,
+    though not to half: RMSNorm and the loss upcast to fp32 and keep those copies."""
     model_dir = save_model(tmp_path, "llama-gqa-untied")
     _, fp32 = launch(hf_doc(model_dir, "bf16ref"), tmp_path / "fp32")
     doc = hf_doc(model_dir, "bf16run", precision="bf16")
     _, bf16 = launch(doc, tmp_path / "bf16")
     for a, b in zip(fp32, bf16, strict=True):
-        assert abs(a.loss - b.loss) / a.loss < 0.02
+        assert a.loss != b.loss and abs(a.loss - b.loss) / a.loss < 0.02
+        assert b.wan_bytes * 2 == pytest.approx(a.wan_bytes, rel=0.01)
     ratio = [b / a for a, b in zip(fp32[-1].peak_activation_bytes,
                                    bf16[-1].peak_activation_bytes, strict=True)]  # fmt: skip
-    assert all(0.45 <= r <= 0.55 for r in ratio), ratio
+    assert all(0.45 <= r <= 0.65 for r in ratio), ratio
 
 
 def test_unsupported_precision_on_cpu_is_a_clear_launch_error(tmp_path: Path) -> None:
