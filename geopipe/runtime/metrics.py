@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -139,13 +140,16 @@ def measured_events(results: list[IterationResult]) -> list[_Ev]:
 class MetricsSink:
     """Writes one JSON line per step and mirrors the figures into Ray's metrics."""
 
-    def __init__(self, path: Path | None, run: str, use_ray: bool = True) -> None:
+    def __init__(
+        self, path: Path | None, run: str, use_ray: bool = True, tensorboard: Path | None = None
+    ) -> None:
         self.path = path
         self.run = run
         self._fh = None
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._fh = path.open("a", buffering=1)
+        self._tb = _tensorboard(tensorboard) if tensorboard is not None else None
         self._gauges: dict[str, Any] = {}
         if use_ray:
             try:
@@ -170,6 +174,14 @@ class MetricsSink:
         for key, g in self._gauges.items():
             with contextlib.suppress(Exception):
                 g.set(float(rec[key]), tags={"run": self.run})
+        if self._tb is not None:
+            try:
+                for key in TENSORBOARD_SCALARS:
+                    if rec.get(key) is not None:
+                        self._tb.add_scalar(f"train/{key}", float(rec[key]), m.step)
+            except Exception as exc:  # a full disk must not stop training: say so once
+                print(f"geopipe: warning: TensorBoard logging stopped: {exc}", file=sys.stderr)
+                self._tb = None
 
     def event(self, kind: str, **fields: Any) -> None:
         if self._fh is not None:
@@ -179,3 +191,25 @@ class MetricsSink:
         if self._fh is not None:
             self._fh.close()
             self._fh = None
+        if self._tb is not None:
+            with contextlib.suppress(Exception):
+                self._tb.close()
+            self._tb = None
+
+
+TENSORBOARD_SCALARS = (
+    "loss", "tokens_per_s", "iteration_time_s", "bubble_ratio", "wan_bytes",
+    "predicted_iteration_time_s", "lr", "grad_norm",
+)  # fmt: skip
+
+
+def _tensorboard(logdir: Path) -> Any:
+    """A TensorBoard event writer (torch's SummaryWriter), or None with one warning when
+    it cannot start: the metrics file and Ray's gauges still record everything."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+
+        return SummaryWriter(log_dir=str(logdir), flush_secs=5)
+    except Exception as exc:
+        print(f"geopipe: warning: no TensorBoard logs ({exc})", file=sys.stderr)
+        return None
