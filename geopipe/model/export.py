@@ -190,6 +190,7 @@ def write_model_dir(
             for f in Path(tokenizer_dir).iterdir():
                 if f.is_file():
                     shutil.copy2(f, tmp / f.name)
+        _readable(tmp)
         if out.exists():
             out.rmdir()  # empty (checked above)
         tmp.rename(out)
@@ -197,3 +198,13 @@ def write_model_dir(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _readable(tmp: Path) -> None:
+    """mkdtemp (and safetensors) create owner-only files: give the export the permissions
+    a plain ``mkdir`` and ``open`` would (the umask's)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)
+    for f in tmp.iterdir():
+        f.chmod(0o666 & ~umask)

@@ -86,7 +86,7 @@ def launch(doc: dict, tmp: Path, resume: str | bool = False, state: dict | None 
         ctl.close()
 
 
-def reference(doc: dict, model_dir: Path) -> tuple[list[float], list[float]]:
+def reference(doc: dict, model_dir: Path, trained: list | None = None) -> tuple[list, list]:
     """`transformers` in one process: per-step mean loss and gradient norm (the tied weight
     counted once per copy the pipeline holds, as the runtime reports it)."""
     spec = parse_cluster(doc, "ref")
@@ -117,6 +117,8 @@ def reference(doc: dict, model_dir: Path) -> tuple[list[float], list[float]]:
         opt.step()
         sched.step()
         losses.append(sum(step_losses) / len(step_losses))
+    if trained is not None:
+        trained.append(model)
     return losses, norms
 
 
@@ -141,16 +143,38 @@ def test_hf_family_across_two_sites_matches_transformers(tmp_path: Path, name: s
     assert [m.grad_norm for m in steps] == pytest.approx(ref_norms, rel=1e-4)
 
 
-def test_token_dataset_trains_like_transformers(tmp_path: Path, token_dataset: Path) -> None:
-    """A tied Llama over a prepared token dataset (BPE ids up to 511, several shards):
-    the same batches and losses as `transformers` reading the same dataset."""
+def test_token_dataset_trains_like_transformers_and_exports(
+    tmp_path: Path, token_dataset: Path
+) -> None:
+    """A tied Llama over a prepared token dataset (BPE ids up to 511, several shards): the
+    same losses as `transformers` reading the same dataset; then `geopipe export` of the
+    run loads in `transformers` as the model trained in-process (logits to 1e-4), with the
+    dataset's tokenizer."""
+    from transformers import AutoTokenizer
+
+    from geopipe.cli import main
+
     model_dir = save_model(tmp_path, "llama-gqa-tied", vocab_size=512)
     doc = hf_doc(model_dir, "tokens")
     doc["training"]["data"] = str(token_dataset)
     _, steps = launch(doc, tmp_path / "run")
-    ref_losses, _ = reference(doc, model_dir)
+    trained: list = []
+    ref_losses, _ = reference(doc, model_dir, trained)
     assert [m.loss for m in steps] == pytest.approx(ref_losses, abs=1e-5)
     assert steps[0].loss > 5.0  # ln(512) ≈ 6.2: BPE ids, not bytes
+    assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    untrained = AutoModelForCausalLM.from_pretrained(model_dir)
+    x = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got, want = exported(input_ids=x).logits, trained[0](input_ids=x).logits
+        before = untrained(input_ids=x).logits
+    assert (got - want).abs().max().item() <= 1e-4
+    assert (got - before).abs().max().item() > 1e-2  # it is the trained model
+    tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert tok("def f(): pass")["input_ids"] == AutoTokenizer.from_pretrained(
+        token_dataset / "tokenizer"
+    )("def f(): pass")["input_ids"]
 
 
 def test_bf16_resume_is_exact(tmp_path: Path, token_dataset: Path) -> None:
