@@ -172,9 +172,10 @@ def test_token_dataset_trains_like_transformers_and_exports(
     assert (got - want).abs().max().item() <= 1e-4
     assert (got - before).abs().max().item() > 1e-2  # it is the trained model
     tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
-    assert tok("def f(): pass")["input_ids"] == AutoTokenizer.from_pretrained(
-        token_dataset / "tokenizer"
-    )("def f(): pass")["input_ids"]
+    assert (
+        tok("def f(): pass")["input_ids"]
+        == AutoTokenizer.from_pretrained(token_dataset / "tokenizer")("def f(): pass")["input_ids"]
+    )
 
 
 def test_bf16_resume_is_exact(tmp_path: Path, token_dataset: Path) -> None:
