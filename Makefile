@@ -8,7 +8,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 
-.PHONY: install demo plan test test-fast lint bench clean
+.PHONY: install demo demo-llama plan test test-fast lint bench clean
 
 install: $(VENV)/.installed
 
@@ -21,6 +21,12 @@ $(VENV)/.installed: pyproject.toml
 
 demo: install
 	$(VENV)/bin/geopipe launch clusters/local-2dc.yaml
+
+# A Llama (clusters/models/llama-tiny) on the built-in stdlib-bpe token dataset, in bf16,
+# then exported to runs/llama-tiny-2dc/hf: a directory transformers loads.
+demo-llama: install
+	$(VENV)/bin/geopipe launch clusters/llama-tiny-2dc.yaml
+	$(VENV)/bin/geopipe export runs/llama-tiny-2dc --out runs/llama-tiny-2dc/hf --force
 
 plan: install
 	$(VENV)/bin/geopipe plan clusters/local-2dc.yaml

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from geopipe.cli.render import (
     fmt_time,
@@ -17,11 +18,20 @@ from geopipe.cli.render import (
     format_status,
     format_templates,
     json_text,
+    model_summary,
     print_plan,
 )
 from geopipe.config import ClusterSpec, load_cluster
 
-__all__ = ["EXIT_USAGE", "cmd_checkpoints", "cmd_launch", "cmd_plan", "cmd_simulate", "cmd_status"]
+__all__ = [
+    "EXIT_USAGE",
+    "cmd_checkpoints",
+    "cmd_launch",
+    "cmd_plan",
+    "cmd_prepare_data",
+    "cmd_simulate",
+    "cmd_status",
+]
 
 EXIT_USAGE = 2
 
@@ -49,6 +59,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         templates = build_templates(spec, plan=report.best.plan)
     if args.json:
         doc = report.to_json()
+        if spec.model.is_hf:  # the GPT's documents stay as they were
+            doc["model"] = model_summary(spec)
         if templates is not None:
             doc["templates"] = format_templates(templates)
         print(json_text(doc))
@@ -259,3 +271,122 @@ def _pid_alive(pid: int) -> bool:
     except OSError:
         return False
     return True
+
+
+def cmd_prepare_data(args: argparse.Namespace) -> int:
+    """Tokenize the inputs into a token dataset; bad input is one line and exit 2."""
+    import time
+
+    from geopipe.model.prepare import prepare_data
+    from geopipe.model.tokens import DatasetError
+
+    t0 = time.perf_counter()
+    try:
+        m = prepare_data(
+            args.inputs, args.tokenizer, args.out, text_field=args.text_field,
+            processes=args.processes, progress=not args.no_progress, overwrite=args.overwrite,
+        )  # fmt: skip
+    except DatasetError as exc:
+        print(f"geopipe: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    secs = max(time.perf_counter() - t0, 1e-9)
+    mb = m["input_bytes"] / 1e6
+    print(
+        f"{args.out}: {m['documents']:,} documents, {m['token_count']:,} tokens "
+        f"({m['dtype']}, vocab {m['vocab_size']:,}) in {len(m['shards'])} shard(s); "
+        f"{mb:.1f} MB in {secs:.1f} s ({mb / secs:.1f} MB/s)"
+    )
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """A run's checkpoint as a directory ``transformers`` loads; bad input is one line, exit 2."""
+    from geopipe.checkpoint.store import CheckpointError
+    from geopipe.model.export import ExportError
+    from geopipe.model.tokens import DatasetError
+
+    try:
+        out, note = export_run(args.run_dir, args.out, step=args.step, dtype=args.dtype,
+                               force=args.force, max_shard_bytes=args.max_shard_bytes)  # fmt: skip
+    except (CheckpointError, ExportError, DatasetError, OSError) as exc:
+        print(f"geopipe: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"{out}: {note}")
+    return 0
+
+
+def export_run(
+    run_dir: str, out: str, step: int | None = None, dtype: str | None = None,
+    force: bool = False, max_shard_bytes: int | None = None,
+) -> tuple[str, str]:  # fmt: skip
+    """Export ``run_dir``'s newest complete checkpoint (or ``step``'s) to ``out``; returns
+    (out, a one-line summary). What ``geopipe export`` runs; benchmarks call it too."""
+    import shutil
+    from pathlib import Path
+
+    import torch
+
+    from geopipe.checkpoint.store import CheckpointError, load_checkpoint
+    from geopipe.model.export import DTYPES, SHARD_BYTES, export_model, write_model_dir
+
+    found = _find_checkpoint(Path(run_dir), step)
+    ckpt = load_checkpoint(found)
+    params: dict[str, torch.Tensor] = {}
+    for shard in ckpt.stages:
+        params.update(shard.tensors("params/"))
+    if not params:
+        raise CheckpointError(f"checkpoint {found} holds no parameters")
+    stored = next(iter(params.values())).dtype
+    want = DTYPES[dtype] if dtype else stored
+    manifest = ckpt.manifest
+    config, generation, tensors = export_model(manifest.get("model", {}), params, want)
+    tokenizer = _run_tokenizer(manifest.get("data", {}).get("source"))
+    target = Path(out)
+    if force and target.exists():
+        shutil.rmtree(target)
+    write_model_dir(target, config, generation, tensors, tokenizer,
+                    max_shard_bytes or SHARD_BYTES)  # fmt: skip
+    n = sum(t.numel() for t in tensors.values())
+    kind = config.get("architectures", ["?"])[0]
+    tok = "with the run's tokenizer" if tokenizer else "no tokenizer (byte-level data)"
+    return str(target), (
+        f"{kind} from {found.name}, {n / 1e6:.2f} M parameters in {config['dtype']}, {tok}"
+    )
+
+
+def _find_checkpoint(run_dir: object, step: int | None) -> Path:
+    """The checkpoint directory to export: RUN_DIR may be a run directory (its
+    ``checkpoints/`` or per-site directories), a checkpoints directory or one checkpoint."""
+    from pathlib import Path
+
+    from geopipe.checkpoint.store import CheckpointError, list_checkpoints
+
+    root = Path(str(run_dir))
+    if (root / "manifest.json").is_file():
+        return root
+    roots = list(_checkpoint_dirs(root).values()) or [root / "checkpoints", root]
+    infos = [i for r in roots if Path(r).is_dir() for i in list_checkpoints(r)]
+    complete = sorted((i for i in infos if i.status == "complete"), key=lambda i: i.step)
+    if not complete:
+        raise CheckpointError(f"no complete checkpoint under {root}")
+    if step is None:
+        return complete[-1].path
+    for info in complete:
+        if info.step == step:
+            return info.path
+    have = ", ".join(str(s) for s in sorted({i.step for i in complete}))
+    raise CheckpointError(f"no complete checkpoint of step {step} under {root} (steps: {have})")
+
+
+def _run_tokenizer(source: object) -> object:
+    """The tokenizer directory of the dataset a run trained on (None: bytes, no tokenizer)."""
+    from geopipe.model.data import STDLIB_BPE
+    from geopipe.model.tokens import TokenDataset, is_token_dataset
+
+    if source == STDLIB_BPE:
+        from geopipe.model.builtin import ensure_stdlib_bpe  # cached; rebuilt identically
+
+        return TokenDataset(ensure_stdlib_bpe()).tokenizer_dir
+    if isinstance(source, str) and is_token_dataset(source):
+        return TokenDataset(source).tokenizer_dir
+    return None

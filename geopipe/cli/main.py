@@ -1,4 +1,5 @@
-"""``geopipe`` command line: plan | simulate | launch | status | checkpoints | testbed.
+"""``geopipe`` command line: plan | simulate | launch | status | checkpoints | export |
+prepare-data | testbed.
 
 Errors in user input (a bad YAML, an impossible setting, a file that cannot be written)
 print one clear message and exit with status 2. Anything else escaping a command is a bug
@@ -16,8 +17,10 @@ from collections.abc import Sequence
 from geopipe.cli.commands import (
     EXIT_USAGE,
     cmd_checkpoints,
+    cmd_export,
     cmd_launch,
     cmd_plan,
+    cmd_prepare_data,
     cmd_simulate,
     cmd_status,
 )
@@ -123,6 +126,32 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("run_dir", nargs="?", default=None)
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=cmd_status)
+
+    pd = sub.add_parser("prepare-data", help="tokenize text, JSONL or Parquet into a dataset")
+    pd.add_argument("inputs", nargs="+", metavar="INPUT", help="files or directories")
+    pd.add_argument("--tokenizer", required=True, metavar="DIR", help="a tokenizer directory")
+    pd.add_argument("--out", required=True, metavar="DIR", help="the dataset directory to write")
+    pd.add_argument("--text-field", default="text", help="JSONL field / Parquet column (text)")
+    pd.add_argument(
+        "--processes", type=_POSITIVE, default=None, metavar="N",
+        help="tokenizer processes (default: the CPUs available)",
+    )  # fmt: skip
+    pd.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    pd.add_argument("--no-progress", action="store_true", help="no progress bar")
+    pd.set_defaults(func=cmd_prepare_data)
+
+    ex = sub.add_parser("export", help="a run's checkpoint as a transformers model directory")
+    ex.add_argument("run_dir", help="the run directory (or a checkpoints/ or step directory)")
+    ex.add_argument("--out", required=True, metavar="DIR", help="the directory to write")
+    ex.add_argument("--step", type=int, default=None, help="default: the newest complete one")
+    ex.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
+                    help="default: the checkpoint's own (fp32 master weights)")  # fmt: skip
+    ex.add_argument(
+        "--max-shard-bytes", type=_POSITIVE, default=None, metavar="N",
+        help="split the weights into files of at most N bytes (default 5 GB)",
+    )  # fmt: skip
+    ex.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    ex.set_defaults(func=cmd_export)
 
     tb = sub.add_parser(
         "testbed", help="a real emulated WAN on this host (namespaces; needs root)",

@@ -15,10 +15,12 @@ __all__ = [
     "GiB",
     "fmt_time",
     "format_checkpoints",
+    "format_model",
     "format_simulation",
     "format_status",
     "format_templates",
     "json_text",
+    "model_summary",
     "print_plan",
 ]
 
@@ -67,6 +69,39 @@ def infeasible_note(e: Any) -> str:
     return f"infeasible: {e.reason}"
 
 
+def _count(n: int) -> str:
+    """A parameter count for people: ``8.03 B``, ``124 M``, ``52,480``."""
+    if n >= 10**9:
+        return f"{n / 1e9:.3g} B"
+    if n >= 10**6:
+        return f"{n / 1e6:.3g} M"
+    return f"{n:,}"
+
+
+def model_summary(spec: ClusterSpec) -> dict[str, Any]:
+    """The model `geopipe plan --json` reports for a `transformers` model (``model``)."""
+    from geopipe.model.sizes import param_totals
+
+    m = spec.model
+    return {"family": m.family, "parameters": param_totals(m)[0], "n_layer": m.n_layer,
+            "hidden": m.n_embd, "tie_embeddings": m.tie_embeddings,
+            "pretrained_weights": m.hf_weights}  # fmt: skip
+
+
+def format_model(spec: ClusterSpec) -> str:
+    """One line: ``model: llama, 8.03 B parameters (32 layers, hidden 4096)``."""
+    from geopipe.model.sizes import param_totals
+
+    m = spec.model
+    extra = ", tied embeddings" if m.tie_embeddings else ""
+    if m.is_hf:
+        extra += ", pretrained weights" if m.hf_weights else ", random init"
+    return (
+        f"model: {m.family}, {_count(param_totals(m)[0])} parameters ({m.n_layer} layers, "
+        f"hidden {m.n_embd}{extra})"
+    )
+
+
 def print_plan(spec: ClusterSpec, report: Any, console: Any) -> None:
     """The plan report as rich tables: placement, WAN boundaries, schedules compared."""
     from rich.table import Table
@@ -83,6 +118,7 @@ def print_plan(spec: ClusterSpec, report: Any, console: Any) -> None:
         f"[bold]{spec.name}[/]: {plan.pipelines} pipeline(s) × {plan.num_stages} stages over "
         f"{' → '.join(dict.fromkeys(plan.stage_sites))}"
     )
+    console.print(format_model(spec), highlight=False)
     t = Table(title="placement (each stage's replicas form one ZeRO-1 group in its site)")
     for col in ("stage", "site", "layers", "replicas", "fwd", "bwd", "peak memory", "device"):
         t.add_column(col, justify="right" if col not in ("site", "layers") else "left")

@@ -150,12 +150,21 @@ def _show(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def parse_cluster(data: Any, source: str = "<cluster>") -> ClusterSpec:
-    """Validate a parsed YAML document; raise :class:`ConfigError` listing every problem."""
+def parse_cluster(
+    data: Any, source: str = "<cluster>", base_dir: str | Path | None = None
+) -> ClusterSpec:
+    """Validate a parsed YAML document; raise :class:`ConfigError` listing every problem.
+
+    Relative paths in it (``model.hf``) are taken from ``base_dir``: by default the
+    directory of ``source`` when that names an existing file, else the working directory.
+    """
     if not isinstance(data, dict):
         raise ConfigError(source, [("", "the file must be a mapping of sections (name, sites, …)")])
+    if base_dir is None:
+        src = Path(source)
+        base_dir = src.parent if src.is_file() else Path.cwd()
     try:
-        spec = ClusterSpec.model_validate(data)
+        spec = ClusterSpec.model_validate(data, context={"base_dir": str(base_dir)})
     except ValidationError as exc:
         problems: list[tuple[str, str]] = []
         for err in _matching_branch(exc.errors()):
@@ -246,7 +255,7 @@ def load_cluster(path: str | Path) -> ClusterSpec:
             source,
             [("", f"not UTF-8 text: byte 0x{bad} at offset {exc.start} cannot be decoded")],
         ) from None
-    return parse_cluster(parse_yaml(text, source), source)
+    return parse_cluster(parse_yaml(text, source), source, base_dir=p.parent)
 
 
 def parse_yaml(text: str, source: str = "<cluster>") -> Any:

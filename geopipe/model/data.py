@@ -1,16 +1,16 @@
-"""Deterministic, resumable byte-level token stream (vocab 256).
+"""Deterministic, resumable token stream over a byte corpus (vocab 256) or a token dataset.
 
 Every sample is a pure function of ``(seed, sample_index)`` and every sample index is a pure
 function of ``(step, pipeline, micro_batch)``, so the only data state a run needs to
 checkpoint is ``{"seed", "step", "corpus_digest"}``: resuming at step N reproduces exactly the
-batches an uninterrupted run would have seen, on any node and any pipeline layout.
+batches an uninterrupted run would have seen, on any node and any pipeline layout. The stream
+only needs ``len``, ``window`` and ``digest`` of its corpus, so a prepared
+:class:`~geopipe.model.tokens.TokenDataset` works the same as the byte :class:`Corpus`.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
-import sysconfig
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -18,18 +18,23 @@ from typing import Any
 import numpy as np
 import torch
 
+from geopipe.model.stdlib import stdlib_files as _stdlib_files
+from geopipe.model.tokens import TokenDataset, is_token_dataset, read_manifest
+
 __all__ = [
+    "STDLIB_BPE",
     "VOCAB_SIZE",
     "Corpus",
     "TokenStream",
     "global_indices",
     "micro_batches_per_pipeline",
+    "open_corpus",
     "sample_indices",
 ]
 
-VOCAB_SIZE = 256
+VOCAB_SIZE = 256  # the byte corpus's vocabulary
+STDLIB_BPE = "stdlib-bpe"
 _BINARY_SNIFF = 8192
-_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 
 
 def _is_text(path: Path) -> bool:
@@ -50,17 +55,6 @@ def _read_files(files: list[Path], max_bytes: int | None) -> bytes:
         total += len(data)
     out = b"".join(chunks)
     return out if max_bytes is None else out[:max_bytes]
-
-
-def _stdlib_files() -> list[Path]:
-    """The stdlib's .py files sorted by relative path; third-party site-packages excluded."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files: list[Path] = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        # Prune in place: site-packages can be far larger than the stdlib itself.
-        dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS]
-        files.extend(Path(dirpath, f) for f in filenames if f.endswith(".py"))
-    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
 def _dir_files(root: Path) -> list[Path]:
@@ -109,6 +103,14 @@ class Corpus:
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
 
+    @property
+    def vocab_size(self) -> int:
+        return VOCAB_SIZE
+
+    def window(self, offset: int, n: int) -> np.ndarray:
+        """Bytes ``[offset, offset + n)`` as int64 token ids."""
+        return self.tokens[offset : offset + n].astype(np.int64)
+
     @cached_property
     def digest(self) -> str:
         """sha256 of the bytes, so every node of a multi-node run can check it has the same data."""
@@ -126,7 +128,7 @@ class TokenStream:
     on any node, and after any restart with identical results.
     """
 
-    def __init__(self, corpus: Corpus, seed: int) -> None:
+    def __init__(self, corpus: Corpus | TokenDataset, seed: int) -> None:
         if seed < 0:
             raise ValueError(f"seed must be non-negative, got {seed}")
         self.corpus = corpus
@@ -141,11 +143,11 @@ class TokenStream:
         n = len(self.corpus)
         if n < seq_len + 1:
             raise ValueError(
-                f"corpus {self.corpus.source!r} has {n} bytes but a sample of seq_len "
+                f"corpus {self.corpus.source!r} has {n} tokens but a sample of seq_len "
                 f"{seq_len} needs at least {seq_len + 1}"
             )
         offset = int(np.random.default_rng([self.seed, index]).integers(0, n - seq_len))
-        return self.corpus.tokens[offset : offset + seq_len + 1].astype(np.int64)
+        return self.corpus.window(offset, seq_len + 1)
 
     def batch(self, indices: list[int] | range, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs x (n, seq_len) and next-token targets y (n, seq_len) for the given samples."""
@@ -170,6 +172,28 @@ class TokenStream:
                 f"({state['corpus_digest'][:12]} != {self.corpus.digest[:12]})"
             )
         return int(state["step"])
+
+
+def open_corpus(source: str | Path, max_bytes: int | None = 4_000_000) -> Corpus | TokenDataset:
+    """The corpus a run's ``data`` setting names.
+
+    A directory holding ``manifest.json`` is a prepared :class:`TokenDataset`;
+    ``"stdlib-bpe"`` is the built-in BPE dataset (built and cached on first use); anything
+    else (``"stdlib"``, a text file, a directory of text) is a byte :class:`Corpus` of at
+    most ``max_bytes`` bytes. ``max_bytes`` applies to byte corpora only: a token dataset is
+    used whole.
+    """
+    if str(source) == STDLIB_BPE:
+        from geopipe.model.builtin import ensure_stdlib_bpe  # trains a tokenizer on first use
+
+        return TokenDataset(ensure_stdlib_bpe())
+    if is_token_dataset(source):
+        return TokenDataset(source)
+    path = Path(source)
+    if path.is_dir() and any(path.glob("tokens-*.bin")):
+        # Token shards read as text would train on garbage (a missing manifest, not a corpus).
+        read_manifest(path)
+    return Corpus(source, max_bytes=max_bytes)
 
 
 def micro_batches_per_pipeline(global_batch: int, num_pipelines: int, micro_batch_size: int) -> int:

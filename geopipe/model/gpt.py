@@ -251,6 +251,23 @@ class GPTStage(nn.Module):
         """True if this stage produces logits (it runs the last layer)."""
         return self.active[1] == num_layers(self.cfg)
 
+    def layer_of(self, name: str) -> int:
+        """The global layer of parameter ``name`` (``embed.*``, ``blocks.<i>.*``, ``head.*``)."""
+        head = name.split(".", 1)[0]
+        if head == "embed":
+            return 0
+        if head == "head":
+            return num_layers(self.cfg) - 1
+        return int(name.split(".")[1]) + 1
+
+    def tied_parameter(self) -> None:
+        """The GPT's head is never tied to its embedding (see :class:`Head`)."""
+        return None
+
+    def state_aliases(self) -> dict[str, str]:
+        """No parameter of the GPT stands in for another (see :class:`HFStage`)."""
+        return {}
+
     def forward(self, x: Tensor) -> Tensor:
         """Token ids (B, T) or hidden state (B, T, n_embd) -> hidden state or logits."""
         a, z = self.active
@@ -273,5 +290,7 @@ class GPTStage(nn.Module):
 
 
 def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
-    """Mean next-token cross entropy over all B*T positions."""
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+    """Mean next-token cross entropy over all B*T positions, computed in fp32 whatever the
+    training precision (as `transformers` does: a bf16 softmax over a large vocabulary
+    loses the loss's low bits)."""
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))

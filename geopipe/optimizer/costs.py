@@ -1,4 +1,4 @@
-"""Analytic costs of the GPT layers for the planner: activation and message sizes.
+"""Analytic costs of the model's layers for the planner: activation and message sizes.
 
 Pure arithmetic on :class:`~geopipe.config.ModelSpec`; the simulator, the memory model and
 the partitioner read their numbers from here and from :mod:`geopipe.model.sizes` (parameter
@@ -12,9 +12,15 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from geopipe.model.sizes import elem_bytes, num_layers
+from geopipe.model.sizes import elem_bytes, is_gated, num_layers
 
-__all__ = ["INPUT_GRAD_SHARE", "activation_bytes", "boundary_message_elems", "split_backward"]
+__all__ = [
+    "INPUT_GRAD_SHARE",
+    "activation_bytes",
+    "boundary_message_elems",
+    "gated_block_activation_elems",
+    "split_backward",
+]
 
 
 class _Model(Protocol):
@@ -33,9 +39,10 @@ def activation_bytes(
 ) -> float:
     """Bytes kept for backward by one layer for one micro-batch.
 
-    Per block ~16·b·s·h elements (LN inputs/outputs, qkv, attention output, MLP hidden 4h
-    twice, residuals) with a fused attention kernel that does not store the s×s matrix;
-    the head keeps its logits and their softmax (2·b·s·V).
+    Per GPT block ~16·b·s·h elements (LN inputs/outputs, qkv, attention output, MLP hidden
+    4h twice, residuals) with a fused attention kernel that does not store the s×s matrix;
+    the head keeps its logits and their softmax (2·b·s·V). A gated (Llama-like) block keeps
+    :func:`gated_block_activation_elems` per token.
     """
     e = elem_bytes(precision)
     bsh = micro_batch * seq_len * m.n_embd
@@ -43,7 +50,19 @@ def activation_bytes(
         return float(bsh * e)
     if layer == num_layers(m.n_layer) - 1:
         return float(bsh * e + 2 * micro_batch * seq_len * m.vocab_size * e)
+    if is_gated(m):
+        return float(micro_batch * seq_len * gated_block_activation_elems(m) * e)
     return float(16 * bsh * e)
+
+
+def gated_block_activation_elems(m) -> int:
+    """Elements per token one gated (Llama-like) block keeps for backward, counted as the
+    GPT's are: the block input and the residual (2h), both RMSNorm outputs (2h), the rotated
+    q and k and v (``(H + 2·kv)·hd``), the attention output (``H·hd``, o_proj's input; fused
+    SDPA keeps no s×s matrix), and the MLP's gate, up, SiLU(gate) and product (4·I)."""
+    h, heads = m.n_embd, m.n_head
+    kv, hd = m.n_kv_head or heads, m.head_dim or h // heads
+    return 4 * h + (2 * heads + 2 * kv) * hd + 4 * (m.intermediate_size or 0)
 
 
 # The input-gradient pass's share of a stage's backward when it is split (I + W = B). Qi et

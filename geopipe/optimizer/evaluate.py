@@ -12,11 +12,17 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import lru_cache
+from itertools import pairwise
 
 import numpy as np
 
 from geopipe.config import ClusterSpec, choice_values
-from geopipe.model.sizes import elem_bytes, layer_forward_flops, layer_param_counts
+from geopipe.model.sizes import (
+    elem_bytes,
+    layer_forward_flops,
+    stage_param_count,
+    tied_embedding_elems,
+)
 from geopipe.optimizer.costs import boundary_message_elems, split_backward
 from geopipe.optimizer.errors import PlanningError
 from geopipe.optimizer.memory import (
@@ -306,7 +312,6 @@ class Evaluator:
         spec, model = self.spec, self.spec.model
         b, s, d = plan.micro_batch_size, plan.seq_len, plan.pipelines
         flops = layer_forward_flops(model, s)
-        counts = layer_param_counts(model)
         prec = spec.training.precision
         e = elem_bytes(prec)
         fwd, bwd, step, inp, wgt = [], [], [], [], []
@@ -318,13 +323,17 @@ class Evaluator:
             i, w = split_backward(bwd[-1], first=k == 0)
             inp.append(i)
             wgt.append(w)
-            params = sum(counts[a:z])
+            params = stage_param_count(model, (a, z))
             t = params / d * _ADAM_BYTES_PER_PARAM / (site.device_mem_bw_gb_per_s * 1e9)
             if d > 1:  # ZeRO-1: reduce-scatter gradients, all-gather updated weights
                 moved = 2.0 * (d - 1) / d * params * e * 8
                 t += moved / (site.intra_bandwidth_gbps * 1e9)
                 t += 2 * (d - 1) * site.intra_latency_ms / 1e3
             step.append(t)
+        tie_s = self.tie_exchange(plan)[0]
+        if tie_s:  # both copies wait for the swap before their optimizer step
+            step[0] += tie_s
+            step[-1] += tie_s
         elems = boundary_message_elems(model, b, s)
         raw = elems * e
         ser_f, lat_f, ser_b, lat_b = [], [], [], []
@@ -355,6 +364,39 @@ class Evaluator:
             tuple(fwd), tuple(bwd), tuple(step), tuple(ser_f), tuple(lat_f), tuple(ser_b),
             tuple(lat_b), tuple(inp), tuple(wgt),
         )  # fmt: skip
+
+    def tie_exchange(self, plan: Plan) -> tuple[float, float]:
+        """``(seconds, WAN bytes)`` per iteration of swapping a tied embedding's gradients.
+
+        When the embedding (layer 0) and the head sit on different stages, each holds a copy
+        of the tied matrix, and before the optimizer step the first and the last stage of
+        every pipeline send each other their copy's gradient (``V·h`` elements in the
+        training precision; [Note: tied embeddings across stages] in
+        :mod:`geopipe.model.hf`). Both directions run at once, so the step waits one one-way
+        transfer: latency + bytes / bandwidth, the D pipelines sharing a WAN link as their
+        activations do (and its loss costing retransmissions as theirs). Sites not joined by
+        one link are reached hop by hop along the pipeline's sites (store and forward); two
+        stages in one site use the site's network. The WAN bytes count both directions over
+        every WAN hop, for all D pipelines. Nothing without a tie or with one stage.
+        """
+        elems = tied_embedding_elems(self.spec.model)
+        if not elems or plan.num_stages < 2:
+            return 0.0, 0.0
+        spec = self.spec
+        nbytes = elems * elem_bytes(spec.training.precision)
+        src, dst = plan.stage_sites[0], plan.stage_sites[-1]
+        if src == dst:
+            site = spec.site(src)
+            return site.intra_latency_ms / 1e3 + nbytes * 8 / (site.intra_bandwidth_gbps * 1e9), 0.0
+        lk = spec.link(src, dst)
+        if lk is not None:
+            hops = [lk]
+        else:  # along the pipeline's sites (they form a chain: config.checks)
+            sites = list(dict.fromkeys(plan.stage_sites))
+            hops = [spec.link(x, y) for x, y in pairwise(sites)]
+        d = plan.pipelines
+        seconds = sum(h.latency_s + nbytes * 8 * d / h.bandwidth_bps / (1 - h.loss) for h in hops)
+        return seconds, 2.0 * nbytes * d * len(hops)
 
     # -- evaluation ----------------------------------------------------------------------------
     def host_memory(self, plan: Plan) -> tuple[dict[str, float], dict[str, float]]:
@@ -423,6 +465,7 @@ class Evaluator:
                 for d in ("forward", "backward")
             )
             wan_bytes += per_mb * plan.num_microbatches * plan.pipelines
+        wan_bytes += self.tie_exchange(plan)[1]
         base = Evaluation(
             candidate=c,
             plan=plan,

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from geopipe.config import ClusterSpec
-from geopipe.model.sizes import adam_bytes_per_param, elem_bytes, layer_param_counts
+from geopipe.model.sizes import adam_bytes_per_param, elem_bytes, stage_param_count
 from geopipe.optimizer.costs import activation_bytes
 from geopipe.plan import Plan
 
@@ -72,8 +72,7 @@ def stage_memory(
 ) -> MemoryBreakdown:
     """Peak bytes on one device holding layers ``[a, b)`` as one of ``replicas`` replicas
     with ``in_flight`` micro-batches' worth of activations held."""
-    a, b = layers
-    params = sum(layer_param_counts(model)[a:b])
+    params = stage_param_count(model, layers)
     e = elem_bytes(precision)
     per_mb = _activations_per_micro_batch(model, precision, layers, micro_batch, seq_len)
     return MemoryBreakdown(
@@ -139,5 +138,4 @@ def snapshot_bytes(model, layers: tuple[int, int], kept: int) -> float:
     (unsharded) fp32 weights and both Adam moments, 12 B per parameter, per kept boundary
     (``kept`` is the runtime's choice, passed in from the spec). Independent of precision:
     the snapshots hold the fp32 master state."""
-    a, b = layers
-    return float(sum(layer_param_counts(model)[a:b]) * 12 * kept)
+    return float(stage_param_count(model, layers) * 12 * kept)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from geopipe.config import ClusterSpec, choice_values
-from geopipe.model.sizes import layer_forward_flops, num_layers
+from geopipe.model.sizes import layer_forward_flops
 from geopipe.optimizer.costs import split_backward
 from geopipe.optimizer.refine import measured_costs, pessimistic, predict, refine_delta_n
 from geopipe.optimizer.simulator import PipelineCosts
@@ -58,15 +58,16 @@ def _measure(
     """Median seconds of one forward and one backward of the whole model, one thread."""
     import torch
 
-    from geopipe.model.gpt import GPTConfig, GPTStage
+    from geopipe.model.family import DTYPES, build_stage
+    from geopipe.runtime.models import model_desc
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        m = spec.model
-        cfg = GPTConfig(m.n_layer, m.n_embd, m.n_head, m.vocab_size, m.max_seq_len)
-        model = GPTStage(cfg, 0, num_layers(cfg.n_layer), seed=spec.training.seed)
-        x = torch.randint(0, cfg.vocab_size, (micro_batch, seq_len))
+        desc = model_desc(spec.model)
+        model = build_stage(desc, 0, desc.num_layers, seed=spec.training.seed, load_weights=False)
+        model.to(DTYPES[spec.training.precision])
+        x = torch.randint(0, desc.vocab_size, (micro_batch, seq_len))
         fwd, bwd = [], []
         for _ in range(reps + 1):
             t0 = time.perf_counter()

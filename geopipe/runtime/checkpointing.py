@@ -34,18 +34,11 @@ from geopipe.checkpoint.writer import CheckpointWriter
 from geopipe.config import ClusterSpec
 from geopipe.runtime.cluster import LaunchError
 from geopipe.runtime.health import quiet_get, ref_failed
+from geopipe.runtime.models import model_shape
 from geopipe.runtime.reporting import Reporter
 from geopipe.runtime.sitecopies import SiteCopies
 
-__all__ = ["CheckpointCoordinator", "RestoreFrom", "ResumePoint", "model_shape"]
-
-
-def model_shape(spec: ClusterSpec) -> dict:
-    m = spec.model
-    return {
-        "n_layer": m.n_layer, "n_embd": m.n_embd, "n_head": m.n_head,
-        "vocab_size": m.vocab_size, "max_seq_len": m.max_seq_len,
-    }  # fmt: skip
+__all__ = ["CheckpointCoordinator", "RestoreFrom", "ResumePoint"]
 
 
 @dataclass(frozen=True)

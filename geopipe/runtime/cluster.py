@@ -129,6 +129,17 @@ def check_sites(spec: ClusterSpec, plan: Plan, available: dict[str, float]) -> N
         raise LaunchError("; ".join(missing) + hint)
 
 
+def check_precision(precision: str, use_gpu: bool) -> None:
+    """Refuse a precision the devices cannot train in, before any actor starts: a YAML never
+    silently trains in another precision. DeepSpeed refuses fp16 on a CPU (its dynamic loss
+    scaling needs the accelerator); bf16 and fp32 run on both."""
+    if precision == "fp16" and not use_gpu:
+        raise LaunchError(
+            "training.precision: fp16 needs GPUs (DeepSpeed refuses fp16 on a CPU); "
+            "use bf16 or fp32 on this cluster"
+        )
+
+
 def shutdown(info: ClusterInfo | None) -> None:
     import ray
 

@@ -40,8 +40,8 @@ from geopipe.optimizer.policies import GrowBack
 from geopipe.plan import Plan
 from geopipe.runtime.calibration import Calibrator
 from geopipe.runtime.chaos import ChaosMonkey
-from geopipe.runtime.checkpointing import CheckpointCoordinator, model_shape
-from geopipe.runtime.cluster import ClusterInfo, auth_env, check_sites, connect
+from geopipe.runtime.checkpointing import CheckpointCoordinator
+from geopipe.runtime.cluster import ClusterInfo, auth_env, check_precision, check_sites, connect
 from geopipe.runtime.health import (
     ActorsUnresponsive,
     HealthConfig,
@@ -51,6 +51,7 @@ from geopipe.runtime.health import (
 )
 from geopipe.runtime.linkprobe import probe_links
 from geopipe.runtime.metrics import StepMetrics, aggregate, measured_events
+from geopipe.runtime.models import check_data_source, model_manifest
 from geopipe.runtime.placement import Placement
 from geopipe.runtime.recovery import Recovery
 from geopipe.runtime.reporting import Reporter
@@ -191,11 +192,13 @@ class Controller:
         self.spec, self.plan, self.predicted = plan_run(self.spec, self.opts.plan)
         self.checkpoints.spec = self.spec
         self.state = Launching()
+        check_data_source(self.spec)
         self.cluster = connect(self.spec)
         self.reporter.dashboard_url = self.cluster.dashboard_url
         self.reporter.ray_address = self.cluster.address
         check_sites(self.spec, self.plan, ray.cluster_resources())
         use_gpu = ray.cluster_resources().get("GPU", 0) >= len(self.plan.actors())
+        check_precision(self.spec.training.precision, use_gpu)
         self.placement = Placement(self.spec, self.lr_horizon, use_gpu)
         self.placement.place(self.plan)
         self.placement.wire()
@@ -414,7 +417,7 @@ class Controller:
             "config_hash": self.spec.digest,
             "plan": self.plan.to_dict(),
             "data": {"seed": t.seed, "step": step, "source": t.data, "digest": self.data_digest},
-            "model": model_shape(self.spec),
+            "model": model_manifest(self.spec),
             "run": self.spec.name,
             "lr": t.lr,
             "steps_total": t.steps,

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Literal
@@ -56,7 +57,8 @@ from torch import Tensor, nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from geopipe.checkpoint.format import ADAM_MOMENTS, ADAM_STATE_GROUPS, PARAMS_GROUP
-from geopipe.model.gpt import GPTConfig, GPTStage, lm_loss, num_layers
+from geopipe.model.family import DTYPES, ModelDesc, build_stage
+from geopipe.model.gpt import GPTConfig, lm_loss
 from geopipe.runtime.backward import (
     ActivationMeter,
     WeightGradStore,
@@ -119,6 +121,9 @@ class EngineConfig:
     # Reduce and step once after the iteration's sends instead of inside the last backward
     # (the runtime always does: [Note: the step after the sends]).
     defer_step: bool = False
+    # The training precision ([Note: mixed precision]): weights, activations and gradients
+    # in it, fp32 master weights and Adam state in DeepSpeed's ZeRO-1 optimizer.
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -135,10 +140,28 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.eps must be > 0, got {self.eps}")
         if not (self.grad_scale > 0 and math.isfinite(self.grad_scale)):
             raise ValueError(f"EngineConfig.grad_scale must be > 0, got {self.grad_scale}")
+        if self.precision not in DTYPES:
+            raise ValueError(f"EngineConfig.precision must be one of {sorted(DTYPES)}, "
+                             f"got {self.precision!r}")  # fmt: skip
         if self.lr_schedule not in ("cosine", "constant"):
             raise ValueError(
                 f"EngineConfig.lr_schedule must be 'cosine' or 'constant', got {self.lr_schedule!r}"
             )
+
+
+# [Note: mixed precision]
+# ``bf16``/``fp16`` are DeepSpeed's mixed precision: the stage's module, its activations and
+# its gradients are in the 16-bit type, and the ZeRO-1 optimizer keeps fp32 master weights
+# and Adam moments (12 B per parameter, sharded over the replicas, as the planner's memory
+# model counts). Checkpoints and snapshots hold those fp32 masters, so a resume continues
+# exactly in any precision. fp16 adds DeepSpeed's dynamic loss scaling; DeepSpeed refuses
+# fp16 on a CPU (the launch checks it first and says so).
+def _precision_config(precision: str) -> dict[str, Any]:
+    if precision == "bf16":
+        return {"bf16": {"enabled": True}}
+    if precision == "fp16":
+        return {"fp16": {"enabled": True, "initial_scale_power": 16}}
+    return {}
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str = "cosine") -> float:
@@ -168,18 +191,6 @@ def param_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
     return [g for g in groups if g["params"]]
-
-
-def _runs(name: str, layers: tuple[int, int], cfg: GPTConfig) -> bool:
-    """Whether parameter ``name`` (``embed.*``, ``blocks.<i>.*``, ``head.*``) is in ``layers``."""
-    head = name.split(".", 1)[0]
-    if head == "embed":
-        index = 0
-    elif head == "head":
-        index = num_layers(cfg) - 1
-    else:
-        index = int(name.split(".")[1]) + 1
-    return layers[0] <= index < layers[1]
 
 
 def _adam_partition_states(zero_optimizer: Any) -> list[dict[str, Tensor]]:
@@ -248,7 +259,7 @@ class StageEngine:
 
     def __init__(
         self,
-        model_cfg: GPTConfig,
+        model: ModelDesc | GPTConfig,
         layers: tuple[int, int],
         group_ranks: list[list[int]],
         my_group: int,
@@ -257,6 +268,8 @@ class StageEngine:
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("call init_process_group() before building a StageEngine")
+        if isinstance(model, GPTConfig):  # the built-in GPT given by its shape (tests)
+            model = ModelDesc.from_gpt(model)
         rank, world = dist.get_rank(), dist.get_world_size()
         flat = sorted(r for ranks in group_ranks for r in ranks)
         if flat != list(range(world)):
@@ -269,8 +282,17 @@ class StageEngine:
         # ``hold``: the layers of this replica's ZeRO-1 group when it runs only some of them
         # (a mixed plan: [Note: ZeRO-1 groups of a mixed plan] in geopipe.runtime.sitegroups).
         hold = tuple(layers) if hold is None else tuple(hold)
-        self.module = GPTStage(model_cfg, hold[0], hold[1], seed=cfg.seed, active=tuple(layers))
-        active = {id(p) for n, p in self.module.named_parameters() if _runs(n, layers, model_cfg)}
+        self.module = build_stage(model, hold[0], hold[1], seed=cfg.seed, active=tuple(layers))
+        self.dtype = DTYPES[cfg.precision]
+        self._tied = self.module.tied_parameter()
+        if self._tied is not None and not cfg.defer_step:
+            raise ValueError("a tied embedding split over two stages needs defer_step (its "
+                             "gradients are summed after the step's sends)")  # fmt: skip
+        active = {
+            id(p)
+            for n, p in self.module.named_parameters()
+            if layers[0] <= self.module.layer_of(n) < layers[1]
+        }
         self._idle = [p for p in self.module.parameters() if id(p) not in active]
         self._scale = cfg.grad_scale
 
@@ -309,6 +331,7 @@ class StageEngine:
             "steps_per_print": 2**31 - 1,
             # False: backward never reduces; step() is the boundary (end_iteration).
             "managed_gradient_accumulation": not cfg.defer_step,
+            **_precision_config(cfg.precision),
         }
         # The LR schedule is a plain torch LambdaLR, built by DeepSpeed on its torch optimizer
         # (so it scales the groups ZeRO steps with) and stepped once per optimizer step:
@@ -350,7 +373,7 @@ class StageEngine:
             raise ValueError(f"micro-batch {mb} is already in flight on this stage")
         x = x.to(self.device)
         if not self.module.has_embed:
-            x = x.detach().requires_grad_(True)
+            x = x.to(self.dtype).detach().requires_grad_(True)
         with self.meter.forward(mb), self.store.forward(mb):
             out = self.engine(x)
         self._inputs[mb], self._outputs[mb] = x, out
@@ -466,13 +489,38 @@ class StageEngine:
         self.engine.step()
         self.optimizer_s += time.perf_counter() - t0
 
-    def end_iteration(self) -> None:
+    def end_iteration(self, exchange: Callable[[Tensor], Tensor] | None = None) -> None:
         """After the iteration's sends: the deferred reduction and optimizer step (only
-        with ``defer_step``; otherwise the last backward has already stepped)."""
+        with ``defer_step``; otherwise the last backward has already stepped).
+
+        A stage holding one copy of a tied embedding first adds the other copy's gradient:
+        ``exchange`` sends this copy's and returns the other's ([Note: tied embeddings across
+        stages] in :mod:`geopipe.model.hf`). Both sides add the same two tensors, so the
+        copies receive bitwise-equal gradients."""
+        if self._tied is not None:
+            if exchange is None:
+                raise RuntimeError("this stage holds a tied embedding: end_iteration needs the "
+                                   "exchange with the other copy")  # fmt: skip
+            if self._tied.grad is None:
+                self._tied.grad = torch.zeros_like(self._tied)
+            other = exchange(self._tied.grad.detach())
+            self._tied.grad.add_(other.to(self._tied.grad.dtype))
         if self.cfg.defer_step:
             t0 = time.perf_counter()
             self.engine.step()
             self.optimizer_s += time.perf_counter() - t0
+
+    @property
+    def has_tied(self) -> bool:
+        """Whether this stage holds one copy of an embedding tied to another stage's head."""
+        return self._tied is not None
+
+    def step_stats(self) -> tuple[float, float | None]:
+        """The learning rate of the last optimizer step and this stage's gradient norm
+        (DeepSpeed's, over its ZeRO-1 group; None before the first step)."""
+        lr = float(self.engine.optimizer.param_groups[0]["lr"])
+        norm = self.engine.get_global_grad_norm()
+        return lr, None if norm is None else float(norm)
 
     def input_grad(self, mb: int) -> Tensor | None:
         """Gradient w.r.t. micro-batch ``mb``'s input (None on the first stage); frees ``mb``."""
@@ -536,15 +584,19 @@ class StageEngine:
 
         Every replica of the group loads the same full state and keeps its own shard. Names
         in ``state`` that this stage does not hold are ignored, so a whole-model state can be
-        handed to every stage.
+        handed to every stage. A tied head's copy missing from ``state`` (saved by a layout
+        where one stage held both ends) is taken from the embedding it equals.
         """
-        missing = [n for n, _ in self.module.named_parameters() if n not in state[PARAMS_GROUP]]
+        aliases = self.module.state_aliases()
+        source = {n: n if n in state[PARAMS_GROUP] else aliases.get(n, n)
+                  for n, _ in self.module.named_parameters()}  # fmt: skip
+        missing = [n for n, src in source.items() if src not in state[PARAMS_GROUP]]
         if missing:
             raise KeyError(f"state lacks parameters of this stage: {missing}")
         states = _adam_partition_states(self.engine.optimizer)
         with torch.no_grad():
             for name, p in self.module.named_parameters():
-                value = state[PARAMS_GROUP][name]
+                value = state[PARAMS_GROUP][source[name]]
                 if value.shape != p.shape:
                     raise ValueError(f"{name}: state shape {tuple(value.shape)} != {p.shape}")
                 safe_set_full_fp32_param(p, value.to(self.device, torch.float32))
@@ -553,7 +605,7 @@ class StageEngine:
                 p.copy_(value)
                 for key in ADAM_MOMENTS:
                     safe_set_full_optimizer_state(
-                        p, state[key][name].to(self.device, torch.float32), key
+                        p, state[key][source[name]].to(self.device, torch.float32), key
                     )
         for partition_state in states:
             partition_state["step"].fill_(float(state["step"]))

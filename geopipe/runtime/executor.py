@@ -57,18 +57,23 @@ class IterationResult:
     transport_stamps: dict[str, list[tuple[int, float, float]]] = field(default_factory=dict)
     # where the step's time went on this replica (seconds; see :data:`BREAKDOWN`)
     breakdown: dict[str, float] = field(default_factory=dict)
+    lr: float | None = None  # the learning rate of this step's optimizer step
+    grad_norm: float | None = None  # this stage's gradient norm (over its ZeRO-1 group)
 
 
 # The step-time breakdown. On the compute thread, adding up to ``duration_s``: forward,
 # backward (without the optimizer step), optimizer (DeepSpeed's step: ZeRO-1 reduction and
 # Adam), send (handing tensors to the links), recv_wait (blocked on arrivals), drain
-# (waiting at the end for the last sends), snapshot (copying the boundary snapshot), other
+# (waiting at the end for the last sends), tie_wait (swapping a tied embedding's gradient
+# with the stage holding its other copy), snapshot (copying the boundary snapshot), other
 # (the rest: the interpreter, bookkeeping). Encode (codec + checksum of sends) and decode
 # (checksum + codec of arrivals) mostly run on the transport's threads, overlapping the
 # above; a small send written inline (geopipe.transport.direct) encodes on the compute
 # thread, so its encoding is inside "send" too. gc (Python's cyclic garbage collector,
 # which pauses every thread) falls inside whichever of the above it interrupted.
-FOREGROUND = ("forward", "backward", "optimizer", "send", "recv_wait", "drain", "snapshot")
+FOREGROUND = (
+    "forward", "backward", "optimizer", "send", "recv_wait", "drain", "tie_wait", "snapshot",
+)  # fmt: skip
 BREAKDOWN = (*FOREGROUND, "other", "encode", "decode", "gc")
 _SLOT = {_F: "forward", _B: "backward", _I: "backward", _W: "backward", _SF: "send",
          _SB: "send", _RF: "recv_wait", _RB: "recv_wait"}  # fmt: skip
@@ -115,15 +120,17 @@ def execute(
     record: bool,
     recv_timeout_s: float,
     shape: tuple[int, int, int],
+    dtype: torch.dtype = torch.float32,
     fault: Fault | None = None,
 ) -> IterationResult:
     """Run ``program`` (``(kind, micro-batch)`` pairs) for optimizer step ``step``;
-    ``shape`` is that of an activation (micro-batch, sequence, embedding)."""
+    ``shape`` and ``dtype`` are those of an activation (micro-batch, sequence, embedding)."""
     t_start = time.monotonic()
     links.expect(
         [("F", step, mb) for c, mb in program if c == _RF],
         [("B", step, mb) for c, mb in program if c == _RB],
         shape,
+        dtype,
     )
     res = IterationResult(
         stage=stage, replica=replica, step=step, losses=[], busy_s=0.0, wait_s=0.0,
@@ -179,8 +186,15 @@ def execute(
     spent["drain"] = time.monotonic() - t0
     # an engine without defer_step stepped inside its last backward: that is not backward
     spent["backward"] -= engine.optimizer_s - opt0
-    engine.end_iteration()  # the runtime's deferred step, after the sends
+    t0 = time.monotonic()
+    # the runtime's deferred step, after the sends (a tied embedding's copies first swap
+    # their gradients: [Note: tied embeddings across stages] in geopipe.model.hf)
+    engine.end_iteration(
+        (lambda g: links.exchange_tied(step, g, recv_timeout_s)) if engine.has_tied else None
+    )
+    spent["tie_wait"] = max(0.0, time.monotonic() - t0 - (engine.optimizer_s - opt0))
     spent["optimizer"] = engine.optimizer_s - opt0
+    res.lr, res.grad_norm = engine.step_stats()
     spent["encode"] = links.encode_s() - enc0
     spent["decode"] = links.inbox.decode_s - dec0
     spent["gc"] = _GC.total_s - gc0

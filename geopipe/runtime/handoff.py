@@ -21,7 +21,7 @@ one flat buffer per (sender, receiver) pair, so a transfer is one message, not 3
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,9 +75,16 @@ class Restore:
     fetch: list[tuple[Hashable, list[str]]] = field(default_factory=list)  # (holder, names)
 
 
-def plan_handoff(receivers: Sequence[Receiver], holders: Sequence[Holder]) -> dict:
+def plan_handoff(
+    receivers: Sequence[Receiver],
+    holders: Sequence[Holder],
+    aliases: Mapping[str, str] | None = None,
+) -> dict:
     """``{receiver or holder key: Restore}`` covering every name every receiver needs.
 
+    A name no holder has is taken under its alias when one holds that (a tied head's copy is
+    the embedding, which a layout with one stage holding both ends kept alone); the
+    receiver's :meth:`~geopipe.runtime.engine.StageEngine.load_full_state` resolves it.
     Raises KeyError naming the first parameter no holder has (the caller decides whether
     that means a checkpoint fallback). Deterministic: same inputs, same plan, and the
     pairs' name lists are in the receiver's parameter order on both sides.
@@ -85,10 +92,13 @@ def plan_handoff(receivers: Sequence[Receiver], holders: Sequence[Holder]) -> di
     load: dict[Hashable, int] = {h.key: 0 for h in holders}
     out: dict[Hashable, Restore] = {}
     own_names = {h.key: h.names for h in holders}
+    held = frozenset().union(*own_names.values()) if holders else frozenset()
+    aliases = aliases or {}
     for rc in receivers:
         mine = out.setdefault(rc.key, Restore())
         by_src: dict[Hashable, list[str]] = {}
-        for name, shape in rc.shapes.items():
+        for wanted, shape in rc.shapes.items():
+            name = wanted if wanted in held else aliases.get(wanted, wanted)
             if name in own_names.get(rc.key, ()):
                 mine.own.append(name)
                 continue
@@ -160,6 +170,9 @@ def restore_boundary(
     import torch.distributed as dist
 
     shapes = {n: tuple(p.shape) for n, p in engine.module.named_parameters()}
+    for name, alias in engine.module.state_aliases().items():  # sent under the alias
+        if name in shapes:
+            shapes.setdefault(alias, shapes[name])
     dev = engine.device if dist.get_backend() == "nccl" else torch.device("cpu")
     mine = keeper.state(step) if todo.sends else None
     ops, received, p2p = [], [], 0

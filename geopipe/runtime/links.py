@@ -57,6 +57,7 @@ class StageLinks:
         self.up_recv: P2PReceiver | None = None
         self.down_recv: P2PReceiver | None = None
         self.wan_recv: DirectReceiver | None = None
+        self.tie_send: DirectSender | None = None  # to the other copy of a tied embedding
 
     def listen(self, host: str) -> tuple[str, int]:
         """Open this replica's WAN receiver; its address goes to the WAN neighbours."""
@@ -78,18 +79,40 @@ class StageLinks:
     def connect_down_wan(self, address: tuple[str, int], peer: WanPeer, topk_ratio: float) -> None:
         self.down_send = DirectSender(address, peer.codec, "forward", peer.link, topk_ratio)
 
+    def connect_tie(self, address: tuple[str, int], peer: WanPeer | None) -> None:
+        """The stage holding the other copy of a tied embedding (the first or last stage of
+        this pipeline), reached over the direct channel wherever it is: the exchange is one
+        exact (codec ``none``) message each way per step."""
+        link = peer.link if peer is not None else None
+        self.tie_send = DirectSender(address, "none", "backward", link, 0.0)
+
+    def exchange_tied(self, step: int, grad: torch.Tensor, timeout_s: float) -> torch.Tensor:
+        """Send this copy's gradient of step ``step``; wait for the other copy's."""
+        if self.tie_send is None:
+            raise RuntimeError("no tied-embedding peer to exchange gradients with")
+        key = ("T", step, 0)
+        self.tie_send.send(key, grad, stream="tied")
+        return self.inbox.get(key, timeout=timeout_s)
+
     # -- one iteration -------------------------------------------------------------------------
     def expect(
-        self, recv_forward: list[Hashable], recv_backward: list[Hashable], shape: tuple
+        self,
+        recv_forward: list[Hashable],
+        recv_backward: list[Hashable],
+        shape: tuple,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
         """Start the intra-site receiver threads on this iteration's keys, in program order.
 
-        Keys are ``(direction, step, mb)``; WAN arrivals need no such call (the transport
-        files them in the inbox as they come)."""
+        Keys are ``(direction, step, mb)``; messages are ``shape`` tensors of the training
+        ``dtype``. WAN arrivals need no such call (the transport files them in the inbox as
+        they come)."""
         if self.up_recv is not None:
-            self.up_recv.start([(key, forward_tag(key[2]), shape) for key in recv_forward])
+            fwd = [(key, forward_tag(key[2]), shape) for key in recv_forward]
+            self.up_recv.start(fwd, dtype)
         if self.down_recv is not None:
-            self.down_recv.start([(key, backward_tag(key[2]), shape) for key in recv_backward])
+            bwd = [(key, backward_tag(key[2]), shape) for key in recv_backward]
+            self.down_recv.start(bwd, dtype)
 
     def send_forward(self, key: tuple, tensor: torch.Tensor) -> int:
         """Queue the activation of ``key``; returns its bytes on the WAN (0 inside a site)."""
@@ -100,7 +123,7 @@ class StageLinks:
 
     def finish(self) -> None:
         """Wait until this iteration's sends are out and the receiver threads are done."""
-        for ch in (self.up_send, self.down_send):
+        for ch in (self.up_send, self.down_send, self.tie_send):
             if isinstance(ch, P2PSender):
                 ch.wait_all()
             elif isinstance(ch, DirectSender):
@@ -132,9 +155,10 @@ class StageLinks:
     def close(self) -> None:
         """Fail waiting receives fast; drop the WAN connections (a new layout makes new)."""
         self.inbox.close()
-        for ch in (self.up_send, self.down_send):
+        for ch in (self.up_send, self.down_send, self.tie_send):
             if isinstance(ch, DirectSender):
                 ch.close()
+        self.tie_send = None
         if self.wan_recv is not None:
             self.wan_recv.close()
             self.wan_recv = None

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,6 +37,10 @@ class StepMetrics:
     # per stage, the most bytes autograd held for backward at once (max over its replicas;
     # the activation meter of :mod:`geopipe.runtime.backward`)
     peak_activation_bytes: list[int] = field(default_factory=list)
+    lr: float | None = None  # the learning rate this step applied
+    # the whole model's gradient norm: the stages' norms (each over its ZeRO-1 group)
+    # combined in quadrature; a tied embedding's two copies both count
+    grad_norm: float | None = None
 
     def to_json(self) -> dict:
         return {
@@ -47,6 +53,8 @@ class StepMetrics:
             "tokens_per_s": self.tokens_per_s,
             "breakdown": [{k: round(v, 6) for k, v in b.items()} for b in self.breakdown],
             "peak_activation_bytes": self.peak_activation_bytes,
+            "lr": self.lr,
+            "grad_norm": self.grad_norm,
         }
 
 
@@ -75,7 +83,19 @@ def aggregate(results: list[IterationResult], num_stages: int, tokens: int) -> S
         tokens_per_s=tokens / duration if duration > 0 else 0.0,
         breakdown=[_mean_parts(parts[k]) for k in sorted(parts)],
         peak_activation_bytes=[held[k] for k in sorted(held)],
+        lr=next((r.lr for r in results if r.lr is not None), None),
+        grad_norm=_grad_norm(results),
     )
+
+
+def _grad_norm(results: list[IterationResult]) -> float | None:
+    """sqrt of the sum over stages of each stage's squared norm (one replica per stage:
+    the ZeRO-1 reduction made its replicas' gradients equal)."""
+    norms: dict[int, float] = {}
+    for r in results:
+        if r.grad_norm is not None:
+            norms.setdefault(r.stage, r.grad_norm)
+    return math.sqrt(sum(n * n for n in norms.values())) if norms else None
 
 
 def _mean_parts(rows: list[dict[str, float]]) -> dict[str, float]:
@@ -120,13 +140,16 @@ def measured_events(results: list[IterationResult]) -> list[_Ev]:
 class MetricsSink:
     """Writes one JSON line per step and mirrors the figures into Ray's metrics."""
 
-    def __init__(self, path: Path | None, run: str, use_ray: bool = True) -> None:
+    def __init__(
+        self, path: Path | None, run: str, use_ray: bool = True, tensorboard: Path | None = None
+    ) -> None:
         self.path = path
         self.run = run
         self._fh = None
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._fh = path.open("a", buffering=1)
+        self._tb = _tensorboard(tensorboard) if tensorboard is not None else None
         self._gauges: dict[str, Any] = {}
         if use_ray:
             try:
@@ -151,6 +174,14 @@ class MetricsSink:
         for key, g in self._gauges.items():
             with contextlib.suppress(Exception):
                 g.set(float(rec[key]), tags={"run": self.run})
+        if self._tb is not None:
+            try:
+                for key in TENSORBOARD_SCALARS:
+                    if rec.get(key) is not None:
+                        self._tb.add_scalar(f"train/{key}", float(rec[key]), m.step)
+            except Exception as exc:  # a full disk must not stop training: say so once
+                print(f"geopipe: warning: TensorBoard logging stopped: {exc}", file=sys.stderr)
+                self._tb = None
 
     def event(self, kind: str, **fields: Any) -> None:
         if self._fh is not None:
@@ -160,3 +191,25 @@ class MetricsSink:
         if self._fh is not None:
             self._fh.close()
             self._fh = None
+        if self._tb is not None:
+            with contextlib.suppress(Exception):
+                self._tb.close()
+            self._tb = None
+
+
+TENSORBOARD_SCALARS = (
+    "loss", "tokens_per_s", "iteration_time_s", "bubble_ratio", "wan_bytes",
+    "predicted_iteration_time_s", "lr", "grad_norm",
+)  # fmt: skip
+
+
+def _tensorboard(logdir: Path) -> Any:
+    """A TensorBoard event writer (torch's SummaryWriter), or None with one warning when
+    it cannot start: the metrics file and Ray's gauges still record everything."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+
+        return SummaryWriter(log_dir=str(logdir), flush_secs=5)
+    except Exception as exc:
+        print(f"geopipe: warning: no TensorBoard logs ({exc})", file=sys.stderr)
+        return None

@@ -11,9 +11,11 @@ from __future__ import annotations
 from typing import Any
 
 from geopipe.config import ClusterSpec
+from geopipe.model.family import ModelDesc
 from geopipe.plan import Plan
 from geopipe.runtime.cluster import LaunchError, site_resource
 from geopipe.runtime.links import WanPeer
+from geopipe.runtime.models import model_desc
 from geopipe.runtime.sitegroups import grad_scale, site_worlds
 from geopipe.runtime.stage import StageSpec, StageWorker
 from geopipe.transport.link import LinkParams
@@ -48,6 +50,7 @@ class Placement:
         self._name_of: dict[int, str] = {}  # id(actor handle) -> its Ray actor name
         self.site_rank: dict[int, int] = {}  # id(actor handle) -> rank in its site's world
         self.wan_addresses: dict[tuple[int, int], tuple[str, int]] = {}  # WAN receivers
+        self.model: ModelDesc = model_desc(spec.model)
 
     # -- the actors ----------------------------------------------------------------------------
     def flat(self) -> list[Any]:
@@ -150,33 +153,43 @@ class Placement:
         mixed plan its ZeRO-1 group's layers and gradient scale (:mod:`.sitegroups`)."""
         full, spec = self.plan, self.spec
         plan = full.pipeline(r)
-        m, t = spec.model, spec.training
+        t = spec.training
         hold, scale, first, stand_in = None, 1.0, None, True
         if full.heterogeneous:
             hold = full.held_layers()[(k, r)]
             scale = grad_scale(full, (k, r))
             first = full.first_microbatch(r)
             stand_in = full.layers_of(k, r) == full.layers_of(k, 0)
-        model = {
-            "n_layer": m.n_layer, "n_embd": m.n_embd, "n_head": m.n_head,
-            "vocab_size": m.vocab_size, "block_size": m.max_seq_len,
-        }  # fmt: skip
         engine = {
             "lr": t.lr, "weight_decay": t.weight_decay, "grad_clip": t.grad_clip,
             "warmup_steps": t.warmup_steps, "total_steps": max(self.lr_horizon, t.steps),
             "micro_batches": plan.num_microbatches, "seed": t.seed,
             "micro_batch_size": plan.micro_batch_size, "grad_scale": scale,
             "defer_step": True,  # [Note: the step after the sends] in geopipe.runtime.engine
+            "precision": t.precision,
         }  # fmt: skip
         return StageSpec(
-            run=spec.name, stage=k, replica=r, plan=plan.to_dict(), model=model,
+            run=spec.name, stage=k, replica=r, plan=plan.to_dict(), model=self.model,
             engine=engine, global_batch=t.global_batch_size, seed=t.seed, data=t.data,
             data_max_bytes=t.data_max_bytes, topk_ratio=spec.plan.topk_ratio,
             up_wan=self._wan_peer(plan, k, k - 1) if k > 0 else None,
             down_wan=self._wan_peer(plan, k, k + 1) if k < plan.num_stages - 1 else None,
             recovery_snapshots=t.recovery_snapshots, hold=hold, first_microbatch=first,
-            stand_in_writer=stand_in,
+            stand_in_writer=stand_in, tie_peer=self._tie_peer(plan, k),
         )  # fmt: skip
+
+    def _tie_peer(self, plan: Plan, k: int) -> WanPeer | None:
+        """How the first (last) stage reaches the last (first) one when they hold the two
+        copies of a tied embedding; the link is emulated when their sites differ."""
+        last = plan.num_stages - 1
+        if not self.ties(plan) or k not in (0, last):
+            return None
+        a, b = plan.stage_sites[k], plan.stage_sites[last - k]
+        return WanPeer(codec="none", link=None if a == b else self._link_params(a, b))
+
+    def ties(self, plan: Plan) -> bool:
+        """Whether ``plan``'s pipelines put the two ends of a tied embedding on two stages."""
+        return self.model.tie and plan.num_stages > 1
 
     def _wan_peer(self, plan: Plan, src: int, dst: int) -> WanPeer | None:
         """How stage ``src`` of one pipeline's ``plan`` sends to its neighbour ``dst`` if
@@ -211,7 +224,10 @@ class Placement:
             return any(0 <= j < plan.depth(r) and plan.site_of(j, r) != plan.site_of(k, r)
                        for j in (k - 1, k + 1))  # fmt: skip
 
-        crossing = [key for key in plan.actors() if crosses(*key)]
+        def tie_end(k: int, r: int) -> bool:
+            return self.ties(plan.pipeline(r)) and k in (0, plan.depth(r) - 1)
+
+        crossing = [key for key in plan.actors() if crosses(*key) or tie_end(*key)]
         got = ray.get([self.rows[k][r].listen.remote() for k, r in crossing])
         self.wan_addresses = addr = dict(zip(crossing, got, strict=True))
         calls = []
@@ -227,10 +243,11 @@ class Placement:
                 up = addr[(k - 1, r)] if k > 0 and up_rank is None else None
                 last = k == plan.depth(r) - 1
                 down = addr[(k + 1, r)] if not last and down_rank is None else None
+                tie = addr[(plan.depth(r) - 1 - k, r)] if tie_end(k, r) else None
                 calls.append(
                     self.rows[k][r].setup.remote(
                         master, rank[(k, r)], len(world.members), groups,
-                        world.group_of[(k, r)], up_rank, down_rank, up, down,
+                        world.group_of[(k, r)], up_rank, down_rank, up, down, tie_addr=tie,
                     )
                 )  # fmt: skip
         ray.get(calls)

@@ -353,6 +353,7 @@ class Recovery:
         :func:`geopipe.runtime.handoff.plan_handoff`."""
         import ray
 
+        from geopipe.model.hf import EMBED, HEAD
         from geopipe.runtime.handoff import Holder, Receiver, Restore, plan_handoff
 
         pl = self.placement
@@ -367,7 +368,8 @@ class Recovery:
         ]
         rs = [Receiver(id(a), site[id(a)], pl.site_rank[id(a)], sh)
               for a, sh in zip(flat, shapes, strict=True)]  # fmt: skip
-        todo = plan_handoff(rs, hs)
+        aliases = {HEAD: EMBED} if pl.model.tie else None  # the head's copy of a tie
+        todo = plan_handoff(rs, hs, aliases)
         calls = []
         for a in flat:
             r = todo.get(id(a), Restore())

@@ -70,7 +70,7 @@ class Reporter:
 
     def open(self, metrics_path: Path) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.sink = MetricsSink(metrics_path, self.run)
+        self.sink = MetricsSink(metrics_path, self.run, tensorboard=self.run_dir / "tensorboard")
 
     def event(self, kind: str, **fields: Any) -> None:
         if self.sink is not None:

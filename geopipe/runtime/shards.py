@@ -25,6 +25,7 @@ from typing import Any
 
 from geopipe.checkpoint.format import ADAM_STATE_GROUPS
 from geopipe.checkpoint.store import (
+    PARAMS,
     ShardInfo,
     capture_rng,
     load_checkpoint,
@@ -128,7 +129,9 @@ def load_stage(engine: Any, path: str, stage: int, layers: tuple[int, int], link
     when the checkpoint's stage ``stage`` held exactly these layers (same partition).
     """
     ckpt = load_checkpoint(path, verify=False)  # the controller verified the checksums
-    names = [n for n, _ in engine.module.named_parameters()]
+    saved = {k[len(PARAMS) :] for shard in ckpt.stages for k in shard.keys if k.startswith(PARAMS)}
+    aliases = engine.module.state_aliases()  # a tied head saved only as the embedding
+    names = [n if n in saved else aliases.get(n, n) for n, _ in engine.module.named_parameters()]
     state: dict[str, Any] = load_state_for_layers(ckpt, names)
     meta = ckpt.stages[0].meta
     state["step"], state["lr_step"] = int(meta["adam_step"]), int(meta["lr_step"])

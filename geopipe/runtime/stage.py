@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 from geopipe.config import RECOVERY_SNAPSHOTS_KEPT
-from geopipe.model.data import Corpus, TokenStream, sample_indices
-from geopipe.model.gpt import GPTConfig, GPTStage
+from geopipe.model.data import TokenStream, open_corpus, sample_indices
+from geopipe.model.family import DTYPES, ModelDesc, stage_param_names
 from geopipe.pipeline.schedule import make_schedule
 from geopipe.plan import Plan
 from geopipe.runtime import linkprobe
@@ -56,7 +56,7 @@ class StageSpec:
     stage: int
     replica: int
     plan: dict
-    model: dict  # GPTConfig fields
+    model: ModelDesc
     engine: dict  # EngineConfig fields
     global_batch: int
     seed: int
@@ -65,6 +65,9 @@ class StageSpec:
     topk_ratio: float = 0.01
     up_wan: WanPeer | None = None  # set when the upstream neighbour is in another site
     down_wan: WanPeer | None = None
+    # The other copy of a tied embedding is on another stage of this pipeline (the first or
+    # the last): how its gradient reaches it ([Note: tied embeddings across stages]).
+    tie_peer: WanPeer | None = None
     recv_timeout_s: float = 600.0
     recovery_snapshots: bool = True  # keep boundary snapshots after every step
     # Mixed plans ([Note: heterogeneous plans] in geopipe.plan): the layers this replica's
@@ -114,14 +117,16 @@ class StageWorker:
         self.plan = Plan.from_dict(spec.plan)
         self.k, self.p = spec.stage, self.plan.num_stages
         self.first, self.last = self.k == 0, self.k == self.p - 1
-        self.model_cfg = GPTConfig(**spec.model)
+        self.model = spec.model
+        self.dtype = DTYPES[spec.engine.get("precision", "fp32")]
         self._make_program()
         self.layers = tuple(self.plan.partition[self.k])
         self.stream: TokenStream | None = None
         if self.first or self.last:
-            self.stream = TokenStream(Corpus(spec.data, max_bytes=spec.data_max_bytes), spec.seed)
+            corpus = open_corpus(spec.data, max_bytes=spec.data_max_bytes)
+            self.stream = TokenStream(corpus, spec.seed)
         self.links = StageLinks()
-        self.shape = (self.plan.micro_batch_size, self.plan.seq_len, self.model_cfg.n_embd)
+        self.shape = (self.plan.micro_batch_size, self.plan.seq_len, self.model.hidden)
 
     def _make_program(self) -> None:
         plan = self.plan
@@ -155,6 +160,7 @@ class StageWorker:
         up_addr: tuple[str, int] | None = None,
         down_addr: tuple[str, int] | None = None,
         timeout_s: float = 600.0,
+        tie_addr: tuple[str, int] | None = None,
     ) -> float:
         """Join the site's process group, build the ZeRO-1 engine and the links: p2p ranks
         inside the site, the WAN neighbours' receiver addresses (see :meth:`listen`)."""
@@ -164,7 +170,7 @@ class StageWorker:
         init_process_group(site_rank, site_world, master[0], master[1], timeout_s)
         hold = tuple(self.spec.hold) if self.spec.hold is not None else None
         self.engine = StageEngine(
-            self.model_cfg, self.layers, groups, my_group, EngineConfig(**self.spec.engine), hold
+            self.model, self.layers, groups, my_group, EngineConfig(**self.spec.engine), hold
         )
         s, links = self.spec, self.links
         if up_rank is not None:
@@ -175,6 +181,8 @@ class StageWorker:
             links.connect_down_p2p(down_rank)
         elif down_addr is not None:
             links.connect_down_wan(tuple(down_addr), s.down_wan, s.topk_ratio)
+        if tie_addr is not None:
+            links.connect_tie(tuple(tie_addr), s.tie_peer)
         _settle_heap()
         return time.perf_counter() - t0
 
@@ -205,7 +213,7 @@ class StageWorker:
             self.program, step, self.engine, self.links, self._batch,
             stage=self.k, replica=self.spec.replica, first=self.first, last=self.last,
             record=record, recv_timeout_s=self.spec.recv_timeout_s, shape=self.shape,
-            fault=self._fault,
+            dtype=self.dtype, fault=self._fault,
         )  # fmt: skip
         if self.spec.recovery_snapshots:
             res.breakdown["snapshot"] = self.boundaries.take(step + 1, self.engine)
@@ -303,7 +311,7 @@ class StageWorker:
         """The parameters of this replica's own layers when its engine holds more."""
         if self.spec.hold is None or tuple(self.spec.hold) == self.layers:
             return None
-        return {n for n, _ in GPTStage(self.model_cfg, *self.layers).named_parameters()}
+        return stage_param_names(self.model, *self.layers)
 
     def shard_written(self) -> Any:
         return self.shards.written()

@@ -146,13 +146,18 @@ class P2PReceiver:
         self._thread: threading.Thread | None = None
         self.busy_s = 0.0
 
-    def start(self, expected: Sequence[tuple[Hashable, int, tuple[int, ...]]]) -> None:
-        """Receive ``(key, tag, shape)`` messages in this order on a background thread."""
+    def start(
+        self,
+        expected: Sequence[tuple[Hashable, int, tuple[int, ...]]],
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        """Receive ``(key, tag, shape)`` messages of ``dtype`` in this order on a background
+        thread."""
         self.join()
 
         def run() -> None:
             for key, tag, shape in expected:
-                buf = torch.empty(shape, dtype=torch.float32)
+                buf = torch.empty(shape, dtype=dtype)
                 try:
                     t0 = time.perf_counter()
                     dist.recv(buf, self.src, group=self.group, tag=tag)

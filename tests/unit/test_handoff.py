@@ -123,3 +123,15 @@ def test_random_layouts_are_covered_once_and_pairs_agree():
                 r = next(x for x in receivers if x.site == h.site and x.rank == dst)
                 assert (h.rank, ns) in plan[r.key].recvs
     assert planned > 100  # the loop checked plans, not only errors
+
+
+def test_a_tied_heads_copy_comes_from_the_embedding_under_its_alias():
+    """A layout where one stage held both ends of a tied embedding kept only the embedding;
+    a new head stage receives it under that name (its engine resolves the alias)."""
+    holder = Holder("old", "east", 0, frozenset({"model.embed_tokens.weight", "model.norm.weight"}))
+    head = Receiver("head", "east", 1, {"lm_head.weight": (8, 4), "model.norm.weight": (4,)})
+    with pytest.raises(KeyError, match="lm_head"):
+        plan_handoff([head], [holder])
+    todo = plan_handoff([head], [holder], {"lm_head.weight": "model.embed_tokens.weight"})
+    assert todo["head"].recvs == [(0, ["model.embed_tokens.weight", "model.norm.weight"])]
+    assert todo["old"].sends == [(1, ["model.embed_tokens.weight", "model.norm.weight"])]

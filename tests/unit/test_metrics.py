@@ -34,3 +34,27 @@ def test_aggregate_means_replicas_per_stage_and_keeps_stage_order():
     # the most any replica of the stage held, in stage order
     assert m.peak_activation_bytes == [101, 200]
     assert m.to_json()["peak_activation_bytes"] == [101, 200]
+
+
+def test_tensorboard_gets_every_step_scalar(tmp_path) -> None:
+    """The metrics sink writes TensorBoard event files that TensorBoard's own reader parses:
+    each scalar at each step, the values written."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from geopipe.runtime.metrics import TENSORBOARD_SCALARS, MetricsSink, StepMetrics
+
+    sink = MetricsSink(tmp_path / "m.jsonl", "r", use_ray=False, tensorboard=tmp_path / "tb")
+    for step in range(3):
+        m = StepMetrics(step=step, loss=5.0 - step, iteration_time_s=0.5, tokens=100,
+                        bubble_ratio=0.25, wan_bytes=1000 * (step + 1), tokens_per_s=200.0,
+                        lr=1e-3 * (step + 1), grad_norm=2.0 + step)  # fmt: skip
+        sink.write(m, {"predicted_iteration_time_s": 0.4})
+    sink.close()
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert tags == {f"train/{k}" for k in TENSORBOARD_SCALARS}
+    loss = acc.Scalars("train/loss")
+    assert [(e.step, e.value) for e in loss] == [(0, 5.0), (1, 4.0), (2, 3.0)]
+    assert [e.value for e in acc.Scalars("train/wan_bytes")] == [1000, 2000, 3000]
+    assert [e.value for e in acc.Scalars("train/grad_norm")] == [2.0, 3.0, 4.0]
