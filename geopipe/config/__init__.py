@@ -29,6 +29,7 @@ from geopipe.config.specs import (
     PlanSpec,
     Range,
     RaySpec,
+    SecuritySpec,
     SiteSpec,
     TrainingSpec,
 )
@@ -52,6 +53,7 @@ __all__ = [
     "PlanSpec",
     "Range",
     "RaySpec",
+    "SecuritySpec",
     "SiteSpec",
     "TrainingSpec",
     "choice_values",

@@ -45,6 +45,7 @@ __all__ = [
     "PlanSpec",
     "Range",
     "RaySpec",
+    "SecuritySpec",
     "SiteSpec",
     "TrainingSpec",
 ]
@@ -492,6 +493,24 @@ class PlanSpec(_Spec):
     ga: GASpec = GASpec()
 
 
+class SecuritySpec(_Spec):
+    """How the data plane (activations, gradients, checkpoint copies) protects itself. Every
+    connection is authenticated with the run's secret whatever these say
+    (:mod:`geopipe.transport.security`)."""
+
+    encrypt: bool | None = Field(
+        None,
+        description="TLS 1.3 with a per-run CA on every data-plane connection (default: on, "
+        "except when ray.emulate_links puts every site on this one machine); off is for "
+        "trusted private networks, and launch says so",
+    )
+    listen: Literal["node", "all"] = Field(
+        "node",
+        description="'node': listen on the node's own address (Ray's node IP); 'all': on every "
+        "interface (0.0.0.0)",
+    )
+
+
 class ClusterSpec(_Spec):
     name: RunName
     ray: RaySpec = RaySpec()
@@ -500,6 +519,13 @@ class ClusterSpec(_Spec):
     model: ModelSpec
     training: TrainingSpec
     plan: PlanSpec = PlanSpec()
+    security: SecuritySpec = SecuritySpec()
+
+    @property
+    def encrypted(self) -> bool:
+        """Whether the data plane runs TLS (see :class:`SecuritySpec`)."""
+        enc = self.security.encrypt
+        return (not self.ray.links_emulated) if enc is None else enc
 
     # -- derived views -----------------------------------------------------------------------
     def site(self, name: str) -> SiteSpec:
@@ -525,7 +551,10 @@ class ClusterSpec(_Spec):
         """A hash of the whole validated config (checkpoints record it). The built-in GPT's
         hash leaves out the `transformers`-only model fields, so it is what it was before
         they existed."""
-        exclude = {"model": {"hf", *HF_ONLY_FIELDS}} if not self.model.is_hf else None
+        # How the data plane is protected changes no number a checkpoint holds.
+        exclude: dict = {"security": True}
+        if not self.model.is_hf:
+            exclude["model"] = {"hf", *HF_ONLY_FIELDS}
         doc = self.model_dump(mode="json", by_alias=True, exclude=exclude)
         blob = json.dumps(doc, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]

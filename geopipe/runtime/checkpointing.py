@@ -95,6 +95,7 @@ class CheckpointCoordinator:
         synchronous: bool = False,
         stage_sites: Callable[[], list[str]] = list,
         actor_sites: Callable[[], list[tuple[Any, str]]] | None = None,
+        creds: Any = None,
     ) -> None:
         self.root = Path(spec.training.checkpoint.dir or run_dir / "checkpoints")
         self.reporter = reporter
@@ -105,7 +106,8 @@ class CheckpointCoordinator:
         self.skipped: list[tuple[str, str]] = []  # (checkpoint, why) skipped on resume
         self.copies: SiteCopies | None = None
         if spec.training.checkpoint.per_site:
-            self.copies = SiteCopies(spec, reporter, actors, stage_sites, manifest, actor_sites)
+            self.copies = SiteCopies(spec, reporter, actors, stage_sites, manifest, actor_sites,
+                                     creds)  # fmt: skip
         self.spec = spec
 
     @property

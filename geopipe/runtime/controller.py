@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import sys
 import threading
@@ -68,6 +69,7 @@ from geopipe.runtime.states import (
     Running,
     State,
 )
+from geopipe.transport.security import make_credentials
 
 __all__ = ["Controller", "LaunchOptions", "RunResult", "State"]
 
@@ -134,11 +136,15 @@ class Controller:
         self.state = Planning()
         self.run_dir = run_dir_for(self.spec, opts.run_dir)
         self.reporter = Reporter(self.spec.name, self.run_dir, self.spec.training.steps)
+        # The data plane's secret (and TLS CA): made here, handed to the actors over Ray.
+        self.creds = make_credentials(f"{self.spec.name}-{secrets.token_hex(8)}",
+                                      self.spec.encrypted)  # fmt: skip
         self.checkpoints = CheckpointCoordinator(
             self.spec, self.run_dir, self.reporter, self._rows, self._manifest,
             synchronous=opts.checkpoint_sync,
             stage_sites=lambda: list(self.plan.stage_sites) if self.plan else [],
             actor_sites=lambda: self.placement.actor_sites() if self.placement else [],
+            creds=self.creds,
         )  # fmt: skip
         self.placement = self.recovery = self.calibrator = None
         self.cluster = self.plan = self.predicted = None
@@ -199,7 +205,8 @@ class Controller:
         check_sites(self.spec, self.plan, ray.cluster_resources())
         use_gpu = ray.cluster_resources().get("GPU", 0) >= len(self.plan.actors())
         check_precision(self.spec.training.precision, use_gpu)
-        self.placement = Placement(self.spec, self.lr_horizon, use_gpu)
+        self._say_security()
+        self.placement = Placement(self.spec, self.lr_horizon, use_gpu, self.creds)
         self.placement.place(self.plan)
         self.placement.wire()
         self.data_digest = self.placement.check_data(self._resume and self._resume.data_digest)
@@ -208,6 +215,8 @@ class Controller:
             self.spec, self.predicted = spec, predicted or self.predicted  # a mix keeps its own
         metrics = Path(self.opts.metrics_out) if self.opts.metrics_out else None
         self.reporter.open(metrics or self.run_dir / "metrics.jsonl")
+        self.reporter.event("security", encrypt=self.creds.encrypt, authenticated=True,
+                            listen=self.spec.security.listen)  # fmt: skip
         self.reporter.event(
             "plan", plan=self.plan.to_dict(), predicted=self.predicted.summary(),
             links_measured=[m.to_dict() for m in self.links_measured],
@@ -411,6 +420,16 @@ class Controller:
             signal.signal(signal.SIGINT, previous)
 
     # -- state of the whole model ---------------------------------------------------------------
+    def _say_security(self) -> None:
+        """The data plane is always authenticated; say when it is not encrypted over a real
+        network (``security.encrypt: false``: a trusted private network)."""
+        if not self.spec.encrypted and not self.spec.ray.links_emulated:
+            print(
+                "geopipe: security.encrypt is off: activations, gradients and checkpoint "
+                "copies cross the network in clear (authenticated, not encrypted)",
+                file=sys.stderr,
+            )
+
     def _manifest(self, step: int) -> dict:
         m, t = self.spec.model, self.spec.training
         return {

@@ -87,8 +87,10 @@ class SiteCopies:
         stage_sites: Callable[[], list[str]],
         manifest: Callable[[int], dict],
         actor_sites: Callable[[], list[tuple[Any, str]]] | None = None,
+        creds: Any = None,
     ) -> None:
         self.spec = spec
+        self.creds = creds  # the run's data-plane credentials, for the stores' chunk servers
         self._actor_sites = actor_sites  # every actor with its site (a mix's rows mix sites)
         self.reporter = reporter
         self._actors = actors
@@ -171,7 +173,8 @@ class SiteCopies:
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
                 runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
             )
-            .remote(site, str(self.root(site)), self.spec.training.checkpoint.keep)
+            .remote(site, str(self.root(site)), self.spec.training.checkpoint.keep, self.creds,
+                    self.spec.security.listen == "all")
         )  # fmt: skip
 
     def live_stores(self, timeout: float = 30.0) -> dict[str, Any]:

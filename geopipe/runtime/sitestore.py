@@ -46,6 +46,7 @@ from geopipe.checkpoint.writer import CheckpointWriter
 from geopipe.optimizer.restore import SiteCopy
 from geopipe.runtime.cluster import node_ip
 from geopipe.transport.bulk import ChunkClient, ChunkError, ChunkServer
+from geopipe.transport.security import RunCredentials
 
 __all__ = ["CHUNK_BYTES", "ShardSource", "SiteStore"]
 
@@ -68,7 +69,10 @@ class ShardSource:
 class SiteStore:
     """The actor body (wrapped with ``ray.remote`` by :mod:`geopipe.runtime.sitecopies`)."""
 
-    def __init__(self, site: str, root: str, keep: int) -> None:
+    def __init__(
+        self, site: str, root: str, keep: int, creds: RunCredentials | None = None,
+        listen_all: bool = False,
+    ) -> None:  # fmt: skip
         # Not at a lower CPU priority (os.nice): tried, it barely moved the replication
         # stall, and under heavy load a niced store did not answer a recovery's questions
         # for seconds.
@@ -76,6 +80,7 @@ class SiteStore:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)  # fails here, at launch, if it cannot
         self.keep = keep
+        self.creds, self.listen_all = creds, listen_all  # the data plane's protection
         self._lock = threading.Lock()
         self._writers: dict[int, tuple[str, CheckpointWriter]] = {}  # step -> (save id, w)
         self._cancelled: set[str] = set()
@@ -87,7 +92,8 @@ class SiteStore:
     def chunk_address(self) -> tuple[str, int]:
         """This store's chunk server (other sites' stores read its copies through it)."""
         if self._server is None:
-            self._server = ChunkServer(self.read_chunk, node_ip())
+            host = "0.0.0.0" if self.listen_all else node_ip()
+            self._server = ChunkServer(self.read_chunk, host, self.creds)
         return self._server.address
 
     def ping(self) -> str:
@@ -203,7 +209,7 @@ class SiteStore:
         client = None
         if src.address is not None:
             try:
-                client = ChunkClient(tuple(src.address))
+                client = ChunkClient(tuple(src.address), creds=self.creds)
             except ChunkError:
                 client = None  # unreachable (another network?): Ray still reaches it
         via = self._via.setdefault(step, {})

@@ -37,10 +37,14 @@ try:
     res = ctl.train()
     ips = [ray.get(row[0].__ray_call__.remote(lambda self: ray.util.get_node_ip_address()))
            for row in ctl.actors]
+    bound = [ray.get(row[0].__ray_call__.remote(
+                 lambda self: self.links.wan_recv._listener.getsockname()[0]))
+             for row in ctl.actors]
     print("RESULT " + json.dumps({
         "losses": [m.loss for m in res.steps], "ips": ips,
         "wan_bytes": sum(m.wan_bytes for m in res.steps),
         "links": [m.to_dict() for m in ctl.links_measured],
+        "encrypt": ctl.creds.encrypt, "bound": bound,
     }), flush=True)
 finally:
     ctl.close()
@@ -82,6 +86,10 @@ def test_training_across_namespaces_matches_the_emulated_run(tmp_path):
     assert real["losses"] == pytest.approx(emulated["losses"], abs=1e-6)
     # Each stage ran in its own site's namespace: stage 0 in east, stage 1 in west.
     assert real["ips"] == [plan.address("east"), plan.address("west")]
+    # Over the real network the data plane ran TLS (emulated on one machine: not), and each
+    # receiver listened on its node's address, not on every interface.
+    assert real["encrypt"] is True and emulated["encrypt"] is False
+    assert real["bound"] == real["ips"]
     # The probe crossed the forwarder: at least the round trip it adds.
     (link,) = real["links"]
     assert link["rtt_ms"] >= 2 * LATENCY_MS

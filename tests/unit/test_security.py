@@ -94,7 +94,7 @@ def test_strangers_get_nothing_and_change_nothing(creds: RunCredentials) -> None
             b"GPAU" + bytes([9]) + os.urandom(32),  # unknown handshake version
         ]
         for payload in attacks:
-            assert stranger(rx.address, payload) in (b"", ) or not creds.encrypt
+            assert stranger(rx.address, payload) in (b"",) or not creds.encrypt
         if not creds.encrypt:  # over TLS a replay cannot even start: it needs the run's cert
             assert len(replayed_handshake(rx.address, creds)) == 32  # a fresh nonce, no more
         with pytest.raises(PeerLostError, match="cannot authenticate"):
