@@ -214,6 +214,10 @@ def _send(sock: socket.socket, data: bytes, deadline: float) -> None:
 
 def _wrap(sock: socket.socket, creds: RunCredentials, server: bool, deadline: float
           ) -> socket.socket:  # fmt: skip
+    # The exchange is a few small writes each way: Nagle plus delayed ACKs would add ~40 ms
+    # to it (measured on loopback). Both data paths run without Nagle anyway.
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     if not creds.encrypt:
         return sock
     sock.settimeout(max(deadline - time.monotonic(), 0.001))
