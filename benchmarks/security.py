@@ -116,7 +116,7 @@ def testbed(steps: int, rounds: int) -> dict:
                 for encrypt in (False, True):
                     p = bed.popen(
                         plan.sites[0],
-                        [sys.executable, __file__, "--role", "--address", plan.ray_address,
+                        [sys.executable, __file__, "--role", "--address", bed.plan.ray_address,
                          "--steps", str(steps), "--encrypt", str(int(encrypt))],
                         stdout=subprocess.PIPE, text=True, cwd=ROOT,
                     )  # fmt: skip

@@ -317,8 +317,6 @@ class DirectSender:
         creds: RunCredentials | None = None,
     ) -> None:
         self._creds = creds
-        # A TLS socket has no non-blocking sendmsg: every frame goes through the writer.
-        self._inline_ok = creds is None or not creds.encrypt
         self._codec_name = codec
         self._codec = make_codec(codec, topk_ratio=topk_ratio)
         self.encode_s = 0.0  # seconds spent encoding (on the encoder thread), cumulative
@@ -393,7 +391,7 @@ class DirectSender:
             # encoded or written): frames must go out in program order.
             # Both sizes: a top-k or int8 encoding is small, but computing it is not.
             small = max(nbytes, t.numel() * t.element_size()) <= self.INLINE_BYTES
-            inline = self._inline_ok and small and self._unwritten == 0 and not self._inline
+            inline = small and self._unwritten == 0 and not self._inline
             self._unwritten += 1
             if not inline:
                 self._queue.append((key, t, stream, time.monotonic()))

@@ -100,7 +100,16 @@ def sendmsg_all(sock: socket.socket, bufs: list[memoryview]) -> int:
 
 def send_without_waiting(sock: socket.socket, bufs: list[memoryview]) -> list[memoryview]:
     """Write what the socket's buffer takes now (one non-blocking ``sendmsg``); returns the
-    part not written, empty when all was."""
+    part not written, empty when all was.
+
+    A TLS socket cannot take a partial non-blocking write and a later retry from another
+    thread (OpenSSL wants the same call repeated), so there the whole frame is written
+    with a blocking ``sendall``: it waits only when the kernel's send buffer (autotuned to
+    megabytes) is full, and the caller writes inline only small frames with nothing queued
+    before them."""
+    if isinstance(sock, ssl.SSLSocket):
+        sendmsg_all(sock, bufs)
+        return []
     pending = deque(b.cast("B") for b in bufs)
     with contextlib.suppress(BlockingIOError, InterruptedError):  # the buffer is full
         _advance(pending, sock.sendmsg(list(pending)[:512], [], socket.MSG_DONTWAIT))
