@@ -30,6 +30,7 @@ import secrets
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -136,9 +137,13 @@ class Controller:
         self.state = Planning()
         self.run_dir = run_dir_for(self.spec, opts.run_dir)
         self.reporter = Reporter(self.spec.name, self.run_dir, self.spec.training.steps)
+        # This launch's identity: in status.json, the metrics and every checkpoint it
+        # writes; recovery restores only checkpoints of its lineage (see launch()).
+        self.run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+        self.lineage: dict[str, int | None] = {self.run_id: None}
         # The data plane's secret (and TLS CA): made here, handed to the actors over Ray.
-        self.creds = make_credentials(f"{self.spec.name}-{secrets.token_hex(8)}",
-                                      self.spec.encrypted)  # fmt: skip
+        self.creds = make_credentials(self.run_id, self.spec.encrypted)
+        self.reporter.run_id = self.run_id
         self.checkpoints = CheckpointCoordinator(
             self.spec, self.run_dir, self.reporter, self._rows, self._manifest,
             synchronous=opts.checkpoint_sync,
@@ -194,6 +199,9 @@ class Controller:
 
         self._resume = self.checkpoints.find_resume(self.opts.resume)
         self.start_step = self._resume.step if self._resume else 0
+        if self._resume is not None:  # the resumed run's checkpoints up to here are ours too
+            self.lineage = self._resume.lineage_for(self.run_id)
+        self.checkpoints.identify(self.run_id, self.lineage, fresh=self._resume is None)
         self.chaos.first_step = self.start_step
         self.spec, self.plan, self.predicted = plan_run(self.spec, self.opts.plan)
         self.checkpoints.spec = self.spec
@@ -218,7 +226,8 @@ class Controller:
         self.reporter.event("security", encrypt=self.creds.encrypt, authenticated=True,
                             listen=self.spec.security.listen)  # fmt: skip
         self.reporter.event(
-            "plan", plan=self.plan.to_dict(), predicted=self.predicted.summary(),
+            "plan", run_id=self.run_id, lineage=self.lineage,
+            plan=self.plan.to_dict(), predicted=self.predicted.summary(),
             links_measured=[m.to_dict() for m in self.links_measured],
         )  # fmt: skip
         sites = self.plan.stage_sites
@@ -434,6 +443,8 @@ class Controller:
         m, t = self.spec.model, self.spec.training
         return {
             "config_hash": self.spec.digest,
+            "run_id": self.run_id,
+            "lineage": self.lineage,
             "plan": self.plan.to_dict(),
             "data": {"seed": t.seed, "step": step, "source": t.data, "digest": self.data_digest},
             "model": model_manifest(self.spec),
