@@ -220,6 +220,10 @@ def format_status(data: dict, state: str) -> str:
     """A run's status file as ``geopipe status`` prints it."""
     run_id = f" (run id {data['run_id']})" if data.get("run_id") else ""
     lines = [f"run {data['run']}{run_id}: {state}, step {data['step']}/{data['steps']}"]
+    wait = data.get("waiting")
+    if state == "waiting" and wait:
+        lines.append(f"waiting for link {wait['link']} (silent {wait['silent_s']:.0f} s of "
+                     f"{wait['limit_s']:.0f} s)")  # fmt: skip
     if data.get("dashboard_url"):
         lines.append(f"Ray dashboard: {data['dashboard_url']}")
     rec = data.get("recoveries") or []

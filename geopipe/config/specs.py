@@ -40,6 +40,7 @@ __all__ = [
     "ClusterSpec",
     "ConfigError",
     "GASpec",
+    "HealthSpec",
     "LinkSpec",
     "ModelSpec",
     "PlanSpec",
@@ -511,6 +512,17 @@ class SecuritySpec(_Spec):
     )
 
 
+class HealthSpec(_Spec):
+    """How long the run waits for a silent site before writing it off."""
+
+    wan_outage_s: float = Field(
+        60.0, ge=1.0, le=86_400.0,
+        description="a site whose every actor stops answering mid-step (a WAN outage or "
+        "partition) is waited for this long, the step paused, before the site-loss path "
+        "re-forms the job without it; WAN blips last seconds to a minute",
+    )  # fmt: skip
+
+
 class ClusterSpec(_Spec):
     name: RunName
     ray: RaySpec = RaySpec()
@@ -520,6 +532,7 @@ class ClusterSpec(_Spec):
     training: TrainingSpec
     plan: PlanSpec = PlanSpec()
     security: SecuritySpec = SecuritySpec()
+    health: HealthSpec = HealthSpec()
 
     @property
     def encrypted(self) -> bool:
@@ -552,7 +565,7 @@ class ClusterSpec(_Spec):
         hash leaves out the `transformers`-only model fields, so it is what it was before
         they existed."""
         # How the data plane is protected changes no number a checkpoint holds.
-        exclude: dict = {"security": True}
+        exclude: dict = {"security": True, "health": True}
         if not self.model.is_hf:
             exclude["model"] = {"hf", *HF_ONLY_FIELDS}
         doc = self.model_dump(mode="json", by_alias=True, exclude=exclude)

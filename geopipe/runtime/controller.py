@@ -32,7 +32,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +69,7 @@ from geopipe.runtime.states import (
     Recovering,
     Running,
     State,
+    Waiting,
 )
 from geopipe.transport.security import make_credentials
 
@@ -133,6 +134,10 @@ class Controller:
 
         self.spec = with_overrides(spec, opts.steps, opts.schedule)
         auth_env(self.spec)  # before anything imports ray: it reads RAY_AUTH_MODE at import
+        if opts.health.wan_outage_s is None:  # the YAML's, unless the caller set one
+            opts = replace(
+                opts, health=replace(opts.health, wan_outage_s=self.spec.health.wan_outage_s)
+            )
         self.opts = opts
         self.state = Planning()
         self.run_dir = run_dir_for(self.spec, opts.run_dir)
@@ -315,8 +320,11 @@ class Controller:
         self.chaos.maybe_strike(step, self._rows(), self.calibrator.predicted_s)
         hang_s = hang_timeout_s(self.calibrator.predicted_s, self.calibrator.calibrated,
                                 self.opts.health)  # fmt: skip
+        site_of = {id(a): s for a, s in self.placement.actor_sites()}
+        sites = [site_of.get(id(a), "?") for a in flat]
         try:
-            results = await_step(flat, refs, hang_s, self.opts.health)
+            results = await_step(flat, refs, hang_s, self.opts.health, sites,
+                                 lambda *e: self._silence(step, sites, *e))  # fmt: skip
         except (RayActorError, RayTaskError, StepHung, ActorsUnresponsive) as exc:
             return Recovering(step, exc, refs)
         nxt = step + 1
@@ -394,6 +402,28 @@ class Controller:
 
     def _set_plan(self, plan: Plan) -> None:
         self.plan = self.placement.plan = plan
+
+    def _silence(self, step: int, sites: list[str], event: str, site: str, secs: float) -> None:
+        """A site went silent mid-step (a WAN outage or partition, as the driver sees it),
+        stays so, or answers again: say which link and for how long, on the console, in the
+        metrics and in status.json (``geopipe status``: waiting for link …)."""
+        others = sorted({s for s in sites if s != site}) or ["driver"]
+        link = f"{','.join(others)}→{site}"
+        limit = self.opts.health.wan_outage_s or 0.0
+        if event == "silent":
+            print(f"geopipe: step {step}: link {link} silent for {secs:.0f} s: waiting up to "
+                  f"{limit:.0f} s (health.wan_outage_s) before writing site {site} off",
+                  file=sys.stderr)  # fmt: skip
+            self.reporter.event("link_silent", step=step, link=link, site=site, silent_s=secs)
+        if event == "healed":
+            print(f"geopipe: step {step}: link {link} answers again after {secs:.0f} s",
+                  file=sys.stderr)  # fmt: skip
+            self.reporter.event("link_healed", step=step, link=link, site=site, silent_s=secs)
+            self.reporter.waiting = None
+            self._status(step)
+            return
+        self.reporter.waiting = {"link": link, "silent_s": round(secs, 1), "limit_s": limit}
+        self._status(step, Waiting(step))
 
     def _status(self, step: int, state: State | None = None) -> None:
         names = self.placement.current_names() if self.placement else []

@@ -65,6 +65,9 @@ class StageLinks:
         self.creds: RunCredentials | None = None
         self.listen_all = False
         self.max_payload: int | None = None
+        # How long a WAN stream may go without the peer acknowledging anything before it
+        # fails: longer than the outage the run waits out (health.wan_outage_s).
+        self.user_timeout_s = 30.0
 
     def listen(self, host: str) -> tuple[str, int]:
         """Open this replica's WAN receiver; its address goes to the WAN neighbours."""
@@ -72,6 +75,7 @@ class StageLinks:
             self.wan_recv = DirectReceiver(
                 self.inbox, host="0.0.0.0" if self.listen_all else host, advertise_host=host,
                 creds=self.creds, max_payload=self.max_payload,
+                user_timeout_s=self.user_timeout_s,
             )  # fmt: skip
         return self.wan_recv.address
 
@@ -85,10 +89,12 @@ class StageLinks:
 
     def connect_up_wan(self, address: tuple[str, int], peer: WanPeer, topk_ratio: float) -> None:
         self.up_send = DirectSender(address, peer.codec, "backward", peer.link, topk_ratio,
+                                    user_timeout_s=self.user_timeout_s,
                                     creds=self.creds)  # fmt: skip
 
     def connect_down_wan(self, address: tuple[str, int], peer: WanPeer, topk_ratio: float) -> None:
         self.down_send = DirectSender(address, peer.codec, "forward", peer.link, topk_ratio,
+                                      user_timeout_s=self.user_timeout_s,
                                       creds=self.creds)  # fmt: skip
 
     def connect_tie(self, address: tuple[str, int], peer: WanPeer | None) -> None:
@@ -96,7 +102,15 @@ class StageLinks:
         this pipeline), reached over the direct channel wherever it is: the exchange is one
         exact (codec ``none``) message each way per step."""
         link = peer.link if peer is not None else None
-        self.tie_send = DirectSender(address, "none", "backward", link, 0.0, creds=self.creds)
+        self.tie_send = DirectSender(
+            address,
+            "none",
+            "backward",
+            link,
+            0.0,
+            user_timeout_s=self.user_timeout_s,
+            creds=self.creds,
+        )
 
     def exchange_tied(self, step: int, grad: torch.Tensor, timeout_s: float) -> torch.Tensor:
         """Send this copy's gradient of step ``step``; wait for the other copy's."""

@@ -180,6 +180,7 @@ class Placement:
             recovery_snapshots=t.recovery_snapshots, hold=hold, first_microbatch=first,
             stand_in_writer=stand_in, tie_peer=self._tie_peer(plan, k),
             creds=self.creds, listen_all=spec.security.listen == "all",
+            wan_outage_s=spec.health.wan_outage_s,
         )  # fmt: skip
 
     def _tie_peer(self, plan: Plan, k: int) -> WanPeer | None:

@@ -82,6 +82,7 @@ class StageSpec:
     # servers listen on every interface rather than the node's address (security.listen).
     creds: RunCredentials | None = None
     listen_all: bool = False
+    wan_outage_s: float = 60.0  # health.wan_outage_s: the WAN streams must outlive it
 
 
 # [Note: garbage collection off the step]
@@ -143,6 +144,7 @@ class StageWorker:
         self.links = StageLinks()
         self.links.creds, self.links.listen_all = spec.creds, spec.listen_all
         self.links.max_payload = max_payload(self.plan, self.model)
+        self.links.user_timeout_s = max(30.0, spec.wan_outage_s + 15.0)
         self.shape = (self.plan.micro_batch_size, self.plan.seq_len, self.model.hidden)
 
     def _make_program(self) -> None:

@@ -163,8 +163,10 @@ class DirectReceiver:
         advertise_host: str | None = None,
         creds: RunCredentials | None = None,
         max_payload: int | None = None,
+        user_timeout_s: float = _USER_TIMEOUT_S,
     ) -> None:
         self.inbox = inbox
+        self.user_timeout_s = user_timeout_s  # keep-alive failure: longer than an outage
         # Stream-level problems (a peer lost mid-frame, a corrupt header), for diagnostics.
         self.errors: list[BaseException] = []
         self.messages = 0
@@ -208,7 +210,7 @@ class DirectReceiver:
         try:
             if self.creds is not None:
                 conn = server_handshake(conn, self.creds, self.link)
-            tune_stream(conn, _USER_TIMEOUT_S)
+            tune_stream(conn, self.user_timeout_s)
             return conn
         except (HandshakeError, OSError, ValueError) as exc:
             self.rejected.reject(peer, exc)
