@@ -162,6 +162,10 @@ def main() -> None:
         print(f"bulk over loopback ({mode}): {out[key]:.0f} MB/s", file=sys.stderr)
     if not a.no_testbed:
         out.update(testbed(a.steps, a.rounds))
+        from outage import measure  # a partition cut and healed on the test bed
+
+        part = measure(15.0)
+        out.update({k: v for k, v in part.items() if k.startswith(("partition_", "outage_s"))})
     out["load_before"], out["load_after"] = round(load0, 2), round(os.getloadavg()[0], 2)
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}))
 

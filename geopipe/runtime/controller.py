@@ -414,11 +414,13 @@ class Controller:
             print(f"geopipe: step {step}: link {link} silent for {secs:.0f} s: waiting up to "
                   f"{limit:.0f} s (health.wan_outage_s) before writing site {site} off",
                   file=sys.stderr)  # fmt: skip
-            self.reporter.event("link_silent", step=step, link=link, site=site, silent_s=secs)
+            self.reporter.event("link_silent", step=step, link=link, site=site, silent_s=secs,
+                                at=time.time())  # fmt: skip
         if event == "healed":
             print(f"geopipe: step {step}: link {link} answers again after {secs:.0f} s",
                   file=sys.stderr)  # fmt: skip
-            self.reporter.event("link_healed", step=step, link=link, site=site, silent_s=secs)
+            self.reporter.event("link_healed", step=step, link=link, site=site, silent_s=secs,
+                                at=time.time())  # fmt: skip
             self.reporter.waiting = None
             self._status(step)
             return
