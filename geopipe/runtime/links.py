@@ -68,6 +68,9 @@ class StageLinks:
         # How long a WAN stream may go without the peer acknowledging anything before it
         # fails: longer than the outage the run waits out (health.wan_outage_s).
         self.user_timeout_s = 30.0
+        # The rotation seed of this replica's WAN codecs (int4h, int2h): a function of the
+        # run's seed and the stage, so a resumed run rotates as the first one did.
+        self.codec_seed = 0
 
     def listen(self, host: str) -> tuple[str, int]:
         """Open this replica's WAN receiver; its address goes to the WAN neighbours."""
@@ -89,13 +92,13 @@ class StageLinks:
 
     def connect_up_wan(self, address: tuple[str, int], peer: WanPeer, topk_ratio: float) -> None:
         self.up_send = DirectSender(address, peer.codec, "backward", peer.link, topk_ratio,
-                                    user_timeout_s=self.user_timeout_s,
-                                    creds=self.creds)  # fmt: skip
+                                    user_timeout_s=self.user_timeout_s, creds=self.creds,
+                                    seed=2 * self.codec_seed + 1)  # fmt: skip
 
     def connect_down_wan(self, address: tuple[str, int], peer: WanPeer, topk_ratio: float) -> None:
         self.down_send = DirectSender(address, peer.codec, "forward", peer.link, topk_ratio,
-                                      user_timeout_s=self.user_timeout_s,
-                                      creds=self.creds)  # fmt: skip
+                                      user_timeout_s=self.user_timeout_s, creds=self.creds,
+                                      seed=2 * self.codec_seed)  # fmt: skip
 
     def connect_tie(self, address: tuple[str, int], peer: WanPeer | None) -> None:
         """The stage holding the other copy of a tied embedding (the first or last stage of

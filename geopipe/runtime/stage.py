@@ -145,6 +145,7 @@ class StageWorker:
         self.links.creds, self.links.listen_all = spec.creds, spec.listen_all
         self.links.max_payload = max_payload(self.plan, self.model)
         self.links.user_timeout_s = max(30.0, spec.wan_outage_s + 15.0)
+        self.links.codec_seed = spec.seed * 1009 + self.k
         self.shape = (self.plan.micro_batch_size, self.plan.seq_len, self.model.hidden)
 
     def _make_program(self) -> None:

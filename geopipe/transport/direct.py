@@ -317,10 +317,12 @@ class DirectSender:
         connect_timeout_s: float = 30.0,
         user_timeout_s: float = _USER_TIMEOUT_S,
         creds: RunCredentials | None = None,
+        seed: int = 0,
     ) -> None:
         self._creds = creds
         self._codec_name = codec
-        self._codec = make_codec(codec, topk_ratio=topk_ratio)
+        # seed: the link's Hadamard rotation (int4h, int2h), stable across runs and resumes
+        self._codec = make_codec(codec, topk_ratio=topk_ratio, seed=seed)
         self.encode_s = 0.0  # seconds spent encoding (on the encoder thread), cumulative
         self._topk_ratio = topk_ratio
         self._direction = direction
