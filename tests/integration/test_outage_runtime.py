@@ -70,8 +70,10 @@ def test_a_short_outage_is_waited_out_with_the_same_losses(tmp_path: Path) -> No
     assert state["step"] == 6
     assert last_loss_per_step(tmp_path / "out") == pytest.approx(calm, abs=1e-6)
     assert events(tmp_path / "out", "failure") == [] == events(tmp_path / "out", "recovered")
-    silent, healed = events(tmp_path / "out", "link_silent"), events(tmp_path / "out",
-                                                                      "link_healed")
+    silent, healed = (
+        events(tmp_path / "out", "link_silent"),
+        events(tmp_path / "out", "link_healed"),
+    )
     assert len(silent) == 1 and silent[0]["link"] == "east→west"
     assert len(healed) == 1 and 5.0 <= healed[0]["silent_s"] <= 20.0
     waits = [w for w in seen[1:] if isinstance(w, dict)]
