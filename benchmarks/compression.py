@@ -1,11 +1,17 @@
-"""WAN compression during real training: codec none vs fp16, bf16, int8, top-k.
+"""WAN compression during real training: codec none vs fp16, bf16, int8, int4, int4h,
+int2h, top-k; and each codec's encode + decode speed.
 
 Two emulated sites, one stage each, the same data and seed for every codec. Reports the
 bytes that crossed the WAN and the final loss (mean of the last 5 steps, to average out
 per-batch noise) per codec. int8 sends 1 byte per element plus one fp32 scale per row of
-``n_embd`` elements: 4 / (1 + 4/256) = 3.94× fewer bytes than fp32 at n_embd = 256.
+``n_embd`` elements: 4 / (1 + 4/256) = 3.94× fewer bytes than fp32 at n_embd = 256; int4
+and int4h 4 bits plus one fp16 scale per 64 elements (7.53×, int4h + an 8-byte seed per
+message), int2h 2 bits (14.2×).
 
-Run: ``.venv/bin/python benchmarks/compression.py [--steps N]``
+``codec_encode_decode_ms_per_mib``: encode + decode of a 4 MiB fp32 tensor ([8, 128, 1024]),
+median of 9, in this process (``--speed-only`` measures just that).
+
+Run: ``.venv/bin/python benchmarks/compression.py [--steps 300] [--speed-only]``
 """
 
 from __future__ import annotations
@@ -18,14 +24,43 @@ from pathlib import Path
 
 from _common import run, spec_of, two_site_doc
 
-CODECS = ("none", "fp16", "bf16", "int8", "topk")
+CODECS = ("none", "fp16", "bf16", "int8", "int4", "int4h", "int2h", "topk")
+
+
+def codec_speed() -> dict[str, float]:
+    """Milliseconds per MiB of fp32 input to encode and decode, per codec."""
+    import time
+
+    import torch
+
+    from geopipe.transport.codec import decode, make_codec
+
+    x = torch.randn(8, 128, 1024, generator=torch.Generator().manual_seed(0))  # 4 MiB
+    mib = x.numel() * 4 / 2**20
+    out = {}
+    for name in CODECS:
+        c = make_codec(name, topk_ratio=0.1, seed=1)
+        times = []
+        for _ in range(9):
+            t0 = time.perf_counter()
+            decode(c.encode(x, key="s", direction="backward"))
+            times.append(time.perf_counter() - t0)
+        out[name] = statistics.median(times) * 1e3 / mib
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--codecs", default=",".join(CODECS))
+    ap.add_argument("--speed-only", action="store_true", help="encode/decode speed only")
     args = ap.parse_args()
+    speed = codec_speed()
+    for name, ms in speed.items():
+        print(f"{name:>6}: encode + decode {ms:.2f} ms per MiB of fp32")
+    if args.speed_only:
+        print(json.dumps({"codec_encode_decode_ms_per_mib": speed}))
+        return
     import ray
 
     tmp = Path(tempfile.mkdtemp(prefix="geopipe-codec-"))
@@ -56,13 +91,15 @@ def main() -> None:
     for r in out.values():
         r["bytes_ratio"] = base["wan_bytes"] / r["wan_bytes"]
         r["loss_delta"] = r["final_loss"] / base["final_loss"] - 1
-    if "int8" in out:
-        result["int8_bytes_ratio"] = out["int8"]["bytes_ratio"]
-        result["int8_loss_delta"] = out["int8"]["loss_delta"]
-        print(
-            f"int8: {result['int8_bytes_ratio']:.3f}x fewer WAN bytes, final loss "
-            f"{result['int8_loss_delta']:+.2%} vs none"
-        )
+    for name in ("int8", "int4", "int4h", "int2h"):
+        if name in out:
+            result[f"{name}_bytes_ratio"] = out[name]["bytes_ratio"]
+            result[f"{name}_loss_delta"] = out[name]["loss_delta"]
+            print(
+                f"{name}: {result[f'{name}_bytes_ratio']:.3f}x fewer WAN bytes, final loss "
+                f"{result[f'{name}_loss_delta']:+.2%} vs none"
+            )
+    result["codec_encode_decode_ms_per_mib"] = speed
     print(json.dumps(result))
 
 

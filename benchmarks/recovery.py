@@ -405,6 +405,11 @@ def hetero(tmp: Path) -> dict:
 
 def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="geopipe-recovery-"))
+    if "--outage" in sys.argv:  # the test bed (root): a 15 s WAN cut, waited out
+        from outage import measure
+
+        print(json.dumps(measure(15.0)))
+        return
     if "--hetero-only" in sys.argv:
         _report_hetero(hetero(tmp))
         return

@@ -71,15 +71,18 @@ __all__ = [
     "PARAMS",
     "CheckpointError",
     "CheckpointInfo",
+    "Lineage",
     "LoadedCheckpoint",
     "ShardInfo",
     "StageShard",
+    "accepts",
     "capture_rng",
     "check_compatible",
     "latest_complete",
     "list_checkpoints",
     "load_checkpoint",
     "load_state_for_layers",
+    "move_aside",
     "prune",
     "restore_rng",
     "step_dirname",
@@ -143,6 +146,24 @@ class CheckpointInfo:
     reason: str | None  # why it is corrupt or partial; None when complete
     time: float  # manifest time if readable, else the directory's mtime
     size_bytes: int
+    run_id: str | None = None  # the run that wrote it (None: unreadable, or written before ids)
+
+
+Lineage = Mapping[str, "int | None"]  # run id -> the newest of its steps this run may use
+
+
+def accepts(lineage: Lineage | None, run_id: str | None, step: int) -> bool:
+    """Whether a checkpoint of ``run_id`` at ``step`` belongs to a run with ``lineage``:
+    its own checkpoints (cap None), and a resumed ancestor's up to the step it resumed
+    from — never another run's, never an ancestor's later ones. ``""`` stands for
+    checkpoints written before runs had ids. No lineage: every checkpoint (tools)."""
+    if lineage is None:
+        return True
+    key = run_id or ""
+    if key not in lineage:
+        return False
+    cap = lineage[key]
+    return cap is None or step <= cap
 
 
 def step_dirname(step: int) -> str:
@@ -464,7 +485,9 @@ def _inspect(path: Path, step: int, verify: bool) -> CheckpointInfo:
                 _open_stage(path, e)
     except CheckpointError as e:
         return CheckpointInfo(path, step, "corrupt", str(e), mtime, size)
-    return CheckpointInfo(path, step, "complete", None, float(doc["time"]), size)
+    run_id = doc.get("run_id")
+    run_id = run_id if isinstance(run_id, str) else None
+    return CheckpointInfo(path, step, "complete", None, float(doc["time"]), size, run_id)
 
 
 def _scan(root: Path) -> Iterator[tuple[Path, int, bool]]:
@@ -501,9 +524,12 @@ def list_checkpoints(root: str | os.PathLike[str], *, verify: bool = False) -> l
 
 
 def latest_complete(
-    root: str | os.PathLike[str], on_skip: Callable[[Path, str], None] | None = None
+    root: str | os.PathLike[str],
+    on_skip: Callable[[Path, str], None] | None = None,
+    lineage: Lineage | None = None,
 ) -> CheckpointInfo | None:
-    """The newest fully verified checkpoint; each newer unusable one is passed to `on_skip`.
+    """The newest fully verified checkpoint (of ``lineage``'s runs, see :func:`accepts`);
+    each newer unusable one is passed to `on_skip`.
 
     `on_skip(path, reason)` defaults to a logged warning, so callers can say e.g.
     "skipping step-00000020: stage-1.safetensors checksum mismatch (...)".
@@ -518,13 +544,17 @@ def latest_complete(
     ):
         info = _inspect(path, step, verify=True)
         if info.status == "complete":
-            return info
+            if accepts(lineage, info.run_id, info.step):
+                return info
+            continue  # another run's: not ours to use, nor to report
         report(path, info.reason or "")
     return None
 
 
-def prune(root: str | os.PathLike[str], keep: int) -> list[Path]:
+def prune(root: str | os.PathLike[str], keep: int, own: str | None = None) -> list[Path]:
     """Delete complete checkpoints older than the newest `keep` verified ones; return them.
+    With ``own`` (a run id) only that run's checkpoints count and go: another run's are
+    never deleted.
 
     Newer checkpoints that fail verification do not count towards `keep`, so the last good one
     survives. Also deletes ``.tmp-*`` dirs older than the newest good checkpoint (killed saves).
@@ -536,7 +566,8 @@ def prune(root: str | os.PathLike[str], keep: int) -> list[Path]:
     infos = list_checkpoints(root)
     good: list[CheckpointInfo] = []
     deleted: list[Path] = []
-    for info in sorted((i for i in infos if i.status == "complete"), key=lambda i: -i.step):
+    mine = [i for i in infos if i.status == "complete" and (own is None or i.run_id == own)]
+    for info in sorted(mine, key=lambda i: -i.step):
         if len(good) < keep:
             if _inspect(info.path, info.step, verify=True).status == "complete":
                 good.append(info)
@@ -552,6 +583,26 @@ def prune(root: str | os.PathLike[str], keep: int) -> list[Path]:
                     if not info.path.exists():
                         deleted.append(info.path)
     return deleted
+
+
+def move_aside(root: str | os.PathLike[str]) -> tuple[Path, str] | None:
+    """Rename a checkpoint directory holding any checkpoint (complete or not) to a sibling
+    ``<name>.prev-<run id>`` (the newest complete one's run, ``unknown`` without one; a
+    numbered suffix if taken), so a fresh run starts empty and nothing is deleted. Returns
+    (new path, run id), or None when there was nothing to move."""
+    root = Path(root)
+    found = list(_scan(root))
+    if not found:
+        return None
+    complete = [i for i in list_checkpoints(root) if i.status == "complete"]
+    run = next((i.run_id for i in reversed(complete) if i.run_id), None) or "unknown"
+    target = root.with_name(f"{root.name}.prev-{run}")
+    n = 1
+    while target.exists():
+        n += 1
+        target = root.with_name(f"{root.name}.prev-{run}-{n}")
+    root.rename(target)
+    return target, run
 
 
 # --------------------------------------------------------------------------------------------

@@ -211,7 +211,8 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([
             {"path": str(i.path), "step": i.step, "status": i.status, "reason": i.reason,
-             "time": i.time, "size_bytes": i.size_bytes, **({"site": s} if s else {})}
+             "time": i.time, "size_bytes": i.size_bytes, "run_id": i.run_id,
+             **({"site": s} if s else {})}
             for s, infos in listed.items() for i in infos or []
         ]))  # fmt: skip
         return 0

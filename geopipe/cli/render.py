@@ -205,17 +205,25 @@ def format_simulation(name: str, s: dict) -> str:
 
 def format_checkpoints(infos: list) -> str:
     """The checkpoint table of ``geopipe checkpoints`` (``infos`` non-empty)."""
-    lines = [f"{'step':>8}  {'time':19}  {'size':>10}  status"]
+    lines = [f"{'step':>8}  {'time':19}  {'size':>10}  {'run':22}  status"]
     for i in infos:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(i.time))
         reason = f" ({i.reason})" if i.reason else ""
-        lines.append(f"{i.step:>8}  {when}  {i.size_bytes / 1e6:>8.2f}MB  {i.status}{reason}")
+        run = getattr(i, "run_id", None) or "-"
+        lines.append(
+            f"{i.step:>8}  {when}  {i.size_bytes / 1e6:>8.2f}MB  {run:22}  {i.status}{reason}"
+        )
     return "\n".join(lines)
 
 
 def format_status(data: dict, state: str) -> str:
     """A run's status file as ``geopipe status`` prints it."""
-    lines = [f"run {data['run']}: {state}, step {data['step']}/{data['steps']}"]
+    run_id = f" (run id {data['run_id']})" if data.get("run_id") else ""
+    lines = [f"run {data['run']}{run_id}: {state}, step {data['step']}/{data['steps']}"]
+    wait = data.get("waiting")
+    if state == "waiting" and wait:
+        lines.append(f"waiting for link {wait['link']} (silent {wait['silent_s']:.0f} s of "
+                     f"{wait['limit_s']:.0f} s)")  # fmt: skip
     if data.get("dashboard_url"):
         lines.append(f"Ray dashboard: {data['dashboard_url']}")
     rec = data.get("recoveries") or []

@@ -40,11 +40,13 @@ __all__ = [
     "ClusterSpec",
     "ConfigError",
     "GASpec",
+    "HealthSpec",
     "LinkSpec",
     "ModelSpec",
     "PlanSpec",
     "Range",
     "RaySpec",
+    "SecuritySpec",
     "SiteSpec",
     "TrainingSpec",
 ]
@@ -492,6 +494,35 @@ class PlanSpec(_Spec):
     ga: GASpec = GASpec()
 
 
+class SecuritySpec(_Spec):
+    """How the data plane (activations, gradients, checkpoint copies) protects itself. Every
+    connection is authenticated with the run's secret whatever these say
+    (:mod:`geopipe.transport.security`)."""
+
+    encrypt: bool | None = Field(
+        None,
+        description="TLS 1.3 with a per-run CA on every data-plane connection (default: on, "
+        "except when ray.emulate_links puts every site on this one machine); off is for "
+        "trusted private networks, and launch says so",
+    )
+    listen: Literal["node", "all"] = Field(
+        "node",
+        description="'node': listen on the node's own address (Ray's node IP); 'all': on every "
+        "interface (0.0.0.0)",
+    )
+
+
+class HealthSpec(_Spec):
+    """How long the run waits for a silent site before writing it off."""
+
+    wan_outage_s: float = Field(
+        60.0, ge=1.0, le=86_400.0,
+        description="a site whose every actor stops answering mid-step (a WAN outage or "
+        "partition) is waited for this long, the step paused, before the site-loss path "
+        "re-forms the job without it; WAN blips last seconds to a minute",
+    )  # fmt: skip
+
+
 class ClusterSpec(_Spec):
     name: RunName
     ray: RaySpec = RaySpec()
@@ -500,6 +531,14 @@ class ClusterSpec(_Spec):
     model: ModelSpec
     training: TrainingSpec
     plan: PlanSpec = PlanSpec()
+    security: SecuritySpec = SecuritySpec()
+    health: HealthSpec = HealthSpec()
+
+    @property
+    def encrypted(self) -> bool:
+        """Whether the data plane runs TLS (see :class:`SecuritySpec`)."""
+        enc = self.security.encrypt
+        return (not self.ray.links_emulated) if enc is None else enc
 
     # -- derived views -----------------------------------------------------------------------
     def site(self, name: str) -> SiteSpec:
@@ -525,7 +564,10 @@ class ClusterSpec(_Spec):
         """A hash of the whole validated config (checkpoints record it). The built-in GPT's
         hash leaves out the `transformers`-only model fields, so it is what it was before
         they existed."""
-        exclude = {"model": {"hf", *HF_ONLY_FIELDS}} if not self.model.is_hf else None
+        # How the data plane is protected changes no number a checkpoint holds.
+        exclude: dict = {"security": True, "health": True}
+        if not self.model.is_hf:
+            exclude["model"] = {"hf", *HF_ONLY_FIELDS}
         doc = self.model_dump(mode="json", by_alias=True, exclude=exclude)
         blob = json.dumps(doc, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]

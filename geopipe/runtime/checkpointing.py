@@ -28,6 +28,7 @@ from geopipe.checkpoint.store import (
     check_compatible,
     latest_complete,
     load_checkpoint,
+    move_aside,
     prune,
 )
 from geopipe.checkpoint.writer import CheckpointWriter
@@ -48,6 +49,18 @@ class ResumePoint:
     path: str
     step: int
     data_digest: str | None  # sha256 of the corpus it was trained on
+    run_id: str | None = None  # the run that wrote it (None: before runs had ids)
+    lineage: dict | None = None  # that run's own lineage (run id -> newest usable step)
+
+    def lineage_for(self, run_id: str) -> dict[str, int | None]:
+        """The lineage of a run resuming from here: its own checkpoints, and its ancestors'
+        (this one's run included) up to the step it resumes from."""
+        out: dict[str, int | None] = {}
+        for rid, cap in (self.lineage or {}).items():
+            out[rid] = self.step if cap is None else min(int(cap), self.step)
+        out[self.run_id or ""] = self.step
+        out[run_id] = None
+        return out
 
 
 @dataclass(frozen=True)
@@ -95,6 +108,7 @@ class CheckpointCoordinator:
         synchronous: bool = False,
         stage_sites: Callable[[], list[str]] = list,
         actor_sites: Callable[[], list[tuple[Any, str]]] | None = None,
+        creds: Any = None,
     ) -> None:
         self.root = Path(spec.training.checkpoint.dir or run_dir / "checkpoints")
         self.reporter = reporter
@@ -105,8 +119,20 @@ class CheckpointCoordinator:
         self.skipped: list[tuple[str, str]] = []  # (checkpoint, why) skipped on resume
         self.copies: SiteCopies | None = None
         if spec.training.checkpoint.per_site:
-            self.copies = SiteCopies(spec, reporter, actors, stage_sites, manifest, actor_sites)
+            self.copies = SiteCopies(spec, reporter, actors, stage_sites, manifest, actor_sites,
+                                     creds)  # fmt: skip
         self.spec = spec
+        # Which checkpoints are this run's (set by the controller at launch): its id, and
+        # its lineage (checkpoint.store.accepts); fresh: a launch without --resume, which
+        # moves another run's checkpoints aside before saving any of its own.
+        self.run_id: str | None = None
+        self.lineage: dict[str, int | None] | None = None
+        self.fresh = False
+
+    def identify(self, run_id: str, lineage: dict[str, int | None], fresh: bool) -> None:
+        self.run_id, self.lineage, self.fresh = run_id, lineage, fresh
+        if self.copies is not None:
+            self.copies.run = {"id": run_id, "lineage": lineage, "fresh": fresh}
 
     @property
     def spec(self) -> ClusterSpec:
@@ -136,6 +162,8 @@ class CheckpointCoordinator:
                 self.copies.open_stores(self.copies.copy_sites())
             except CheckpointError as exc:  # a store that cannot start: which site, why
                 raise LaunchError(f"training.checkpoint.dir: {exc}") from None
+            for site, (path, run) in self.copies.moved_aside.items():
+                self._say_moved(path, run, site)
             warning = None
             if not ck.replicated and len(set(site_actors)) > 1:
                 home = self.copies.copy_sites()[0]
@@ -145,6 +173,10 @@ class CheckpointCoordinator:
                 )
             self._storage_event("per-site", self.copies.roots(), warning)
             return warning
+        if self.fresh:
+            moved = move_aside(self.root)
+            if moved is not None:
+                self._say_moved(*moved, None)
         self.root.mkdir(parents=True, exist_ok=True)
         marker = self.root.absolute() / f".geopipe-probe-{os.getpid()}"
         token = f"{time.time_ns()}"
@@ -165,6 +197,13 @@ class CheckpointCoordinator:
         self._storage_event("shared", {s: str(self.root.absolute()) for s in site_actors},
                             warning)  # fmt: skip
         return warning
+
+    def _say_moved(self, path: Path | str, run: str, site: str | None) -> None:
+        """A fresh launch found another run's checkpoints: they were moved, not adopted."""
+        where = f" (site {site})" if site else ""
+        print(f"geopipe: moved the checkpoints of run {run}{where} to {path}; resume them "
+              f"with --resume {path}/step-…", file=sys.stderr)  # fmt: skip
+        self.reporter.event("checkpoints_moved_aside", run=run, path=str(path), site=site)
 
     def _storage_event(self, mode: str, dirs: dict[str, str], warning: str | None) -> None:
         self.reporter.checkpoint_dirs = dirs
@@ -228,7 +267,7 @@ class CheckpointCoordinator:
             raise
         for a in self._flat():  # the stand-in copies are no longer needed
             a.release_shard.remote(writer.step)
-        deleted = prune(self.root, self.spec.training.checkpoint.keep)
+        deleted = prune(self.root, self.spec.training.checkpoint.keep, own=self.run_id)
         self.reporter.checkpoint = {"step": writer.step, "copies": {"shared": str(path)}}
         self.reporter.event(
             "checkpoint",
@@ -315,7 +354,9 @@ class CheckpointCoordinator:
 
     # -- lookup --------------------------------------------------------------------------------
     def latest(self) -> CheckpointInfo | None:
-        return latest_complete(self.root) if self.root.is_dir() else None
+        if not self.root.is_dir():
+            return None
+        return latest_complete(self.root, lineage=self.lineage)
 
     def newest(self, prefer: list[str]) -> Found | None:
         """The newest checkpoint a recovery can restore: in the shared directory, or the
@@ -364,4 +405,7 @@ class CheckpointCoordinator:
             check_compatible(ckpt.manifest, model_shape(self.spec))
         except CheckpointError as exc:
             raise LaunchError(f"--resume: {exc}") from None
-        return ResumePoint(str(path), ckpt.step, ckpt.manifest.get("data", {}).get("digest"))
+        m = ckpt.manifest
+        lineage = m.get("lineage") if isinstance(m.get("lineage"), dict) else None
+        run_id = m.get("run_id") if isinstance(m.get("run_id"), str) else None
+        return ResumePoint(str(path), ckpt.step, m.get("data", {}).get("digest"), run_id, lineage)

@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +69,9 @@ from geopipe.runtime.states import (
     Recovering,
     Running,
     State,
+    Waiting,
 )
+from geopipe.transport.security import make_credentials
 
 __all__ = ["Controller", "LaunchOptions", "RunResult", "State"]
 
@@ -130,15 +134,27 @@ class Controller:
 
         self.spec = with_overrides(spec, opts.steps, opts.schedule)
         auth_env(self.spec)  # before anything imports ray: it reads RAY_AUTH_MODE at import
+        if opts.health.wan_outage_s is None:  # the YAML's, unless the caller set one
+            opts = replace(
+                opts, health=replace(opts.health, wan_outage_s=self.spec.health.wan_outage_s)
+            )
         self.opts = opts
         self.state = Planning()
         self.run_dir = run_dir_for(self.spec, opts.run_dir)
         self.reporter = Reporter(self.spec.name, self.run_dir, self.spec.training.steps)
+        # This launch's identity: in status.json, the metrics and every checkpoint it
+        # writes; recovery restores only checkpoints of its lineage (see launch()).
+        self.run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+        self.lineage: dict[str, int | None] = {self.run_id: None}
+        # The data plane's secret (and TLS CA): made here, handed to the actors over Ray.
+        self.creds = make_credentials(self.run_id, self.spec.encrypted)
+        self.reporter.run_id = self.run_id
         self.checkpoints = CheckpointCoordinator(
             self.spec, self.run_dir, self.reporter, self._rows, self._manifest,
             synchronous=opts.checkpoint_sync,
             stage_sites=lambda: list(self.plan.stage_sites) if self.plan else [],
             actor_sites=lambda: self.placement.actor_sites() if self.placement else [],
+            creds=self.creds,
         )  # fmt: skip
         self.placement = self.recovery = self.calibrator = None
         self.cluster = self.plan = self.predicted = None
@@ -188,6 +204,9 @@ class Controller:
 
         self._resume = self.checkpoints.find_resume(self.opts.resume)
         self.start_step = self._resume.step if self._resume else 0
+        if self._resume is not None:  # the resumed run's checkpoints up to here are ours too
+            self.lineage = self._resume.lineage_for(self.run_id)
+        self.checkpoints.identify(self.run_id, self.lineage, fresh=self._resume is None)
         self.chaos.first_step = self.start_step
         self.spec, self.plan, self.predicted = plan_run(self.spec, self.opts.plan)
         self.checkpoints.spec = self.spec
@@ -199,7 +218,8 @@ class Controller:
         check_sites(self.spec, self.plan, ray.cluster_resources())
         use_gpu = ray.cluster_resources().get("GPU", 0) >= len(self.plan.actors())
         check_precision(self.spec.training.precision, use_gpu)
-        self.placement = Placement(self.spec, self.lr_horizon, use_gpu)
+        self._say_security()
+        self.placement = Placement(self.spec, self.lr_horizon, use_gpu, self.creds)
         self.placement.place(self.plan)
         self.placement.wire()
         self.data_digest = self.placement.check_data(self._resume and self._resume.data_digest)
@@ -208,8 +228,11 @@ class Controller:
             self.spec, self.predicted = spec, predicted or self.predicted  # a mix keeps its own
         metrics = Path(self.opts.metrics_out) if self.opts.metrics_out else None
         self.reporter.open(metrics or self.run_dir / "metrics.jsonl")
+        self.reporter.event("security", encrypt=self.creds.encrypt, authenticated=True,
+                            listen=self.spec.security.listen)  # fmt: skip
         self.reporter.event(
-            "plan", plan=self.plan.to_dict(), predicted=self.predicted.summary(),
+            "plan", run_id=self.run_id, lineage=self.lineage,
+            plan=self.plan.to_dict(), predicted=self.predicted.summary(),
             links_measured=[m.to_dict() for m in self.links_measured],
         )  # fmt: skip
         sites = self.plan.stage_sites
@@ -297,8 +320,11 @@ class Controller:
         self.chaos.maybe_strike(step, self._rows(), self.calibrator.predicted_s)
         hang_s = hang_timeout_s(self.calibrator.predicted_s, self.calibrator.calibrated,
                                 self.opts.health)  # fmt: skip
+        site_of = {id(a): s for a, s in self.placement.actor_sites()}
+        sites = [site_of.get(id(a), "?") for a in flat]
         try:
-            results = await_step(flat, refs, hang_s, self.opts.health)
+            results = await_step(flat, refs, hang_s, self.opts.health, sites,
+                                 lambda *e: self._silence(step, sites, *e))  # fmt: skip
         except (RayActorError, RayTaskError, StepHung, ActorsUnresponsive) as exc:
             return Recovering(step, exc, refs)
         nxt = step + 1
@@ -377,6 +403,30 @@ class Controller:
     def _set_plan(self, plan: Plan) -> None:
         self.plan = self.placement.plan = plan
 
+    def _silence(self, step: int, sites: list[str], event: str, site: str, secs: float) -> None:
+        """A site went silent mid-step (a WAN outage or partition, as the driver sees it),
+        stays so, or answers again: say which link and for how long, on the console, in the
+        metrics and in status.json (``geopipe status``: waiting for link …)."""
+        others = sorted({s for s in sites if s != site}) or ["driver"]
+        link = f"{','.join(others)}→{site}"
+        limit = self.opts.health.wan_outage_s or 0.0
+        if event == "silent":
+            print(f"geopipe: step {step}: link {link} silent for {secs:.0f} s: waiting up to "
+                  f"{limit:.0f} s (health.wan_outage_s) before writing site {site} off",
+                  file=sys.stderr)  # fmt: skip
+            self.reporter.event("link_silent", step=step, link=link, site=site, silent_s=secs,
+                                at=time.time())  # fmt: skip
+        if event == "healed":
+            print(f"geopipe: step {step}: link {link} answers again after {secs:.0f} s",
+                  file=sys.stderr)  # fmt: skip
+            self.reporter.event("link_healed", step=step, link=link, site=site, silent_s=secs,
+                                at=time.time())  # fmt: skip
+            self.reporter.waiting = None
+            self._status(step)
+            return
+        self.reporter.waiting = {"link": link, "silent_s": round(secs, 1), "limit_s": limit}
+        self._status(step, Waiting(step))
+
     def _status(self, step: int, state: State | None = None) -> None:
         names = self.placement.current_names() if self.placement else []
         self.reporter.status((state or self.state).name, step, self.plan, names)
@@ -411,10 +461,22 @@ class Controller:
             signal.signal(signal.SIGINT, previous)
 
     # -- state of the whole model ---------------------------------------------------------------
+    def _say_security(self) -> None:
+        """The data plane is always authenticated; say when it is not encrypted over a real
+        network (``security.encrypt: false``: a trusted private network)."""
+        if not self.spec.encrypted and not self.spec.ray.links_emulated:
+            print(
+                "geopipe: security.encrypt is off: activations, gradients and checkpoint "
+                "copies cross the network in clear (authenticated, not encrypted)",
+                file=sys.stderr,
+            )
+
     def _manifest(self, step: int) -> dict:
         m, t = self.spec.model, self.spec.training
         return {
             "config_hash": self.spec.digest,
+            "run_id": self.run_id,
+            "lineage": self.lineage,
             "plan": self.plan.to_dict(),
             "data": {"seed": t.seed, "step": step, "source": t.data, "digest": self.data_digest},
             "model": model_manifest(self.spec),

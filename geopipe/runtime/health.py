@@ -7,6 +7,14 @@ Three ways a step can fail, each found as early as it can be:
 * a frozen process or an unreachable node answers no ping: while a step runs, each
   unfinished actor is pinged every ``heartbeat_s`` and one that leaves a ping unanswered
   for ``unresponsive_s`` is lost — control-plane numbers, like Ray's own health checks;
+* unless every unfinished actor of a site is silent at once: that is what a WAN outage or
+  a partition looks like from the driver (both sides alive, nothing passes), and real WAN
+  blips last seconds to a minute. Such a site is *suspected*, not lost: the step waits
+  (no step is lost or half-applied; the data plane's TCP streams ride the outage out),
+  the heartbeats go on, and only after ``wan_outage_s`` of silence is the site written
+  off (the site-loss path). ``on_silence`` hears when a site goes silent, each beat it
+  stays so, and when it answers again. A lone actor frozen in a site of its own looks
+  the same and is waited for as long;
 * a hang (actors answer, the step never ends) after :func:`hang_timeout_s`, which follows
   the measured step time, so a slow WAN gets a long timeout and a fast one a short one.
 """
@@ -14,6 +22,7 @@ Three ways a step can fail, each found as early as it can be:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +35,7 @@ __all__ = [
     "hang_timeout_s",
     "quiet_get",
     "ref_failed",
+    "silent_sites",
 ]
 
 
@@ -36,6 +46,8 @@ class HealthConfig:
     hang_factor: float = 20.0  # a step may take this many predicted steps …
     hang_floor_s: float = 30.0  # … but at least this long once calibrated
     hang_floor_uncalibrated_s: float = 120.0  # … and this long before (warm-up steps)
+    # A whole site silent this long is written off (None: the YAML's health.wan_outage_s).
+    wan_outage_s: float | None = None
 
 
 class ActorsUnresponsive(RuntimeError):
@@ -58,16 +70,35 @@ def hang_timeout_s(predicted_s: float, calibrated: bool, cfg: HealthConfig) -> f
     return max(floor, cfg.hang_factor * predicted_s)
 
 
-def await_step(actors: list[Any], refs: list, hang_s: float, cfg: HealthConfig) -> list:
-    """The step's results (``refs[i]`` is ``actors[i]``'s), failing fast: an actor error as
-    soon as one is known, :class:`ActorsUnresponsive` after ``cfg.unresponsive_s`` of
-    unanswered heartbeats, :class:`StepHung` after ``hang_s``."""
+OnSilence = Callable[[str, str, float], None]  # (event, site, silent seconds)
+
+
+def silent_sites(stale: list[int], pending: list[int], sites: list[str]) -> set[str]:
+    """The sites every pending actor of which is stale (no ping answered): a link down,
+    not a frozen process — those leave their site's other actors answering."""
+    stale_set = set(stale)
+    by_site: dict[str, list[int]] = {}
+    for i in pending:
+        by_site.setdefault(sites[i], []).append(i)
+    return {s for s, members in by_site.items() if all(i in stale_set for i in members)}
+
+
+def await_step(
+    actors: list[Any], refs: list, hang_s: float, cfg: HealthConfig,
+    sites: list[str] | None = None, on_silence: OnSilence | None = None,
+) -> list:  # fmt: skip
+    """The step's results (``refs[i]`` is ``actors[i]``'s, in site ``sites[i]``), failing
+    fast: an actor error as soon as one is known, :class:`ActorsUnresponsive` after
+    ``cfg.unresponsive_s`` of unanswered heartbeats (a whole silent site: after
+    ``cfg.wan_outage_s``), :class:`StepHung` after ``hang_s`` (not counting outages)."""
     import ray
 
     deadline = time.monotonic() + hang_s
     index = {ref: i for i, ref in enumerate(refs)}
     pending = list(refs)
     pings: dict[int, tuple[Any, float]] = {}  # actor index -> (ping in flight, sent at)
+    silent_since: dict[str, float] = {}  # site -> when its first unanswered ping went out
+    outage_s = cfg.wan_outage_s if cfg.wan_outage_s is not None else 60.0
     beat = time.monotonic() + cfg.heartbeat_s
     while pending:
         wait_s = max(0.0, beat - time.monotonic())
@@ -76,19 +107,43 @@ def await_step(actors: list[Any], refs: list, hang_s: float, cfg: HealthConfig) 
         now = time.monotonic()
         if now < beat or not pending:
             continue
+        if silent_since:  # an outage pauses the hang clock
+            deadline += now - (beat - cfg.heartbeat_s)
         beat = now + cfg.heartbeat_s
         if now > deadline:
             raise StepHung(f"step unfinished after {hang_s:.0f} s: a hang")
-        lost = []
-        for i in (index[ref] for ref in pending):
+        stale, sent_at = [], {}
+        waiting = [index[ref] for ref in pending]
+        for i in waiting:
             ping, sent = pings.get(i, (None, now))
             if ping is not None and not ray.wait([ping], timeout=0)[0]:
                 if now - sent > cfg.unresponsive_s:
-                    lost.append(i)
+                    stale.append(i)
+                    sent_at[i] = sent
                 continue
             pings[i] = (actors[i].ping.remote(), now)
+        silent = silent_sites(stale, waiting, sites) if sites else set()
+        for s in list(silent_since):
+            if s not in silent:  # it answers again: the link healed
+                if on_silence is not None:
+                    on_silence("healed", s, now - silent_since.pop(s))
+                else:
+                    silent_since.pop(s)
+        lost = [i for i in stale if sites is None or sites[i] not in silent]
+        for s in sorted(silent):
+            first = s not in silent_since
+            since = silent_since.setdefault(
+                s, min(t for i, t in sent_at.items() if sites and sites[i] == s)
+            )
+            if on_silence is not None:
+                on_silence("silent" if first else "waiting", s, now - since)
+            if now - since > outage_s:  # past the deadline: the site-loss path
+                lost += [i for i in stale if sites and sites[i] == s]
         if lost:
-            raise ActorsUnresponsive(lost, cfg.unresponsive_s)
+            raise ActorsUnresponsive(sorted(lost), cfg.unresponsive_s)
+    for s, since in silent_since.items():  # the step finished: every site answered
+        if on_silence is not None:
+            on_silence("healed", s, time.monotonic() - since)
     return ray.get(refs)
 
 

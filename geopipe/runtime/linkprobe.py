@@ -94,18 +94,22 @@ class LinkMeasurement:
         }
 
 
+BURST_MAX_BYTES = 32 << 20  # the whole burst at most (each message a fraction of it)
+
+
 def _burst(bandwidth_bps: float) -> list[int]:
     """Message sizes of the bulk burst: about half a second of the link, 1–32 MiB."""
-    total = int(min(32 << 20, max(1 << 20, bandwidth_bps / 8 * 0.5)))
+    total = int(min(BURST_MAX_BYTES, max(1 << 20, bandwidth_bps / 8 * 0.5)))
     return [total // BURST_MESSAGES] * BURST_MESSAGES
 
 
 # -- inside the actors -------------------------------------------------------------------------
-def probe(inbox: Any, address: tuple[str, int], link: LinkParams | None, sizes: list[int]) -> dict:
+def probe(inbox: Any, address: tuple[str, int], link: LinkParams | None, sizes: list[int],
+          creds: Any = None) -> dict:  # fmt: skip
     """Upstream side: ping the neighbour at ``address`` and stream the burst. Returns
     ``rtt_s`` (median round trip), and per ping when it was sent and its answer in (this
     clock). The neighbour runs :func:`echo` at the same time."""
-    tx = DirectSender(address, "none", "forward", link)
+    tx = DirectSender(address, "none", "forward", link, creds=creds)
     inbox.watched, inbox.arrived_at = {"probe-pong"}, {}
     try:
         sent, rtts = [], []
@@ -126,11 +130,12 @@ def probe(inbox: Any, address: tuple[str, int], link: LinkParams | None, sizes: 
         tx.close()
 
 
-def echo(inbox: Any, address: tuple[str, int], link: LinkParams | None, sizes: list[int]) -> dict:
+def echo(inbox: Any, address: tuple[str, int], link: LinkParams | None, sizes: list[int],
+         creds: Any = None) -> dict:  # fmt: skip
     """Downstream side: answer the pings, then time the burst's arrivals on this clock
     (stamped by the transport as each message is in, see ``Inbox.watched``). Returns the
     burst's ``arrivals`` and per ping when it was in and its answer sent (this clock)."""
-    tx = DirectSender(address, "none", "backward", link)
+    tx = DirectSender(address, "none", "backward", link, creds=creds)
     inbox.watched, inbox.arrived_at = {"probe-bulk", "probe-ping"}, {}
     try:
         small = torch.zeros(PING_BYTES // 4)

@@ -19,6 +19,7 @@ import torch
 from geopipe.transport.channel import Inbox, P2PReceiver, P2PSender
 from geopipe.transport.direct import DirectReceiver, DirectSender
 from geopipe.transport.link import LinkParams
+from geopipe.transport.security import RunCredentials
 
 __all__ = ["StageLinks", "WanPeer"]
 
@@ -58,11 +59,27 @@ class StageLinks:
         self.down_recv: P2PReceiver | None = None
         self.wan_recv: DirectReceiver | None = None
         self.tie_send: DirectSender | None = None  # to the other copy of a tied embedding
+        # The data plane's protection (set by the stage from its spec): the run's
+        # credentials, listening on every interface or only the node's address, and the
+        # largest payload a frame may announce.
+        self.creds: RunCredentials | None = None
+        self.listen_all = False
+        self.max_payload: int | None = None
+        # How long a WAN stream may go without the peer acknowledging anything before it
+        # fails: longer than the outage the run waits out (health.wan_outage_s).
+        self.user_timeout_s = 30.0
+        # The rotation seed of this replica's WAN codecs (int4h, int2h): a function of the
+        # run's seed and the stage, so a resumed run rotates as the first one did.
+        self.codec_seed = 0
 
     def listen(self, host: str) -> tuple[str, int]:
         """Open this replica's WAN receiver; its address goes to the WAN neighbours."""
         if self.wan_recv is None:
-            self.wan_recv = DirectReceiver(self.inbox, advertise_host=host)
+            self.wan_recv = DirectReceiver(
+                self.inbox, host="0.0.0.0" if self.listen_all else host, advertise_host=host,
+                creds=self.creds, max_payload=self.max_payload,
+                user_timeout_s=self.user_timeout_s,
+            )  # fmt: skip
         return self.wan_recv.address
 
     def connect_up_p2p(self, rank: int) -> None:
@@ -74,17 +91,29 @@ class StageLinks:
         self.down_recv = P2PReceiver(rank, self.inbox)
 
     def connect_up_wan(self, address: tuple[str, int], peer: WanPeer, topk_ratio: float) -> None:
-        self.up_send = DirectSender(address, peer.codec, "backward", peer.link, topk_ratio)
+        self.up_send = DirectSender(address, peer.codec, "backward", peer.link, topk_ratio,
+                                    user_timeout_s=self.user_timeout_s, creds=self.creds,
+                                    seed=2 * self.codec_seed + 1)  # fmt: skip
 
     def connect_down_wan(self, address: tuple[str, int], peer: WanPeer, topk_ratio: float) -> None:
-        self.down_send = DirectSender(address, peer.codec, "forward", peer.link, topk_ratio)
+        self.down_send = DirectSender(address, peer.codec, "forward", peer.link, topk_ratio,
+                                      user_timeout_s=self.user_timeout_s, creds=self.creds,
+                                      seed=2 * self.codec_seed)  # fmt: skip
 
     def connect_tie(self, address: tuple[str, int], peer: WanPeer | None) -> None:
         """The stage holding the other copy of a tied embedding (the first or last stage of
         this pipeline), reached over the direct channel wherever it is: the exchange is one
         exact (codec ``none``) message each way per step."""
         link = peer.link if peer is not None else None
-        self.tie_send = DirectSender(address, "none", "backward", link, 0.0)
+        self.tie_send = DirectSender(
+            address,
+            "none",
+            "backward",
+            link,
+            0.0,
+            user_timeout_s=self.user_timeout_s,
+            creds=self.creds,
+        )
 
     def exchange_tied(self, step: int, grad: torch.Tensor, timeout_s: float) -> torch.Tensor:
         """Send this copy's gradient of step ``step``; wait for the other copy's."""

@@ -40,8 +40,11 @@ ACTOR_ENV = {"OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "1"}
 class Placement:
     """The run's actors, ``rows[stage][replica]``, and how to make and wire more."""
 
-    def __init__(self, spec: ClusterSpec, lr_horizon: int, use_gpu: bool) -> None:
+    def __init__(
+        self, spec: ClusterSpec, lr_horizon: int, use_gpu: bool, creds: Any = None
+    ) -> None:
         self.spec = spec
+        self.creds = creds  # the data plane's credentials, for every stage actor
         self.lr_horizon = lr_horizon  # the LR schedule's horizon (see Controller)
         self.use_gpu = use_gpu
         self.plan: Plan | None = None
@@ -176,6 +179,8 @@ class Placement:
             down_wan=self._wan_peer(plan, k, k + 1) if k < plan.num_stages - 1 else None,
             recovery_snapshots=t.recovery_snapshots, hold=hold, first_microbatch=first,
             stand_in_writer=stand_in, tie_peer=self._tie_peer(plan, k),
+            creds=self.creds, listen_all=spec.security.listen == "all",
+            wan_outage_s=spec.health.wan_outage_s,
         )  # fmt: skip
 
     def _tie_peer(self, plan: Plan, k: int) -> WanPeer | None:

@@ -67,6 +67,8 @@ class Reporter:
         self.recoveries: list[dict] = []
         self.checkpoint: dict | None = None  # the latest checkpoint: step, copies per site
         self.checkpoint_dirs: dict[str, str] = {}  # site -> its checkpoint directory
+        self.run_id: str | None = None  # this launch's identity (checkpoints carry it)
+        self.waiting: dict | None = None  # a silent link the step waits for (link, secs)
 
     def open(self, metrics_path: Path) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -96,6 +98,7 @@ class Reporter:
         """Replace ``status.json`` with the run's current state (atomically)."""
         doc = {
             "run": self.run,
+            "run_id": self.run_id,
             "pid": os.getpid(),
             "state": state,
             "step": step,
@@ -134,6 +137,7 @@ class Reporter:
             "recoveries": list(self.recoveries),
             "checkpoint": self.checkpoint,
             "checkpoint_dirs": self.checkpoint_dirs,
+            "waiting": self.waiting,
             "updated": time.time(),
         }
         self._write(doc)

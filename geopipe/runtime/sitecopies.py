@@ -87,8 +87,15 @@ class SiteCopies:
         stage_sites: Callable[[], list[str]],
         manifest: Callable[[int], dict],
         actor_sites: Callable[[], list[tuple[Any, str]]] | None = None,
+        creds: Any = None,
     ) -> None:
         self.spec = spec
+        self.creds = creds  # the run's data-plane credentials, for the stores' chunk servers
+        # The run's identity for the stores ({"id", "lineage", "fresh"}, see
+        # CheckpointCoordinator.identify), and what fresh stores moved aside.
+        self.run: dict | None = None
+        self.moved_aside: dict[str, tuple[str, str]] = {}
+        self._opened: set[str] = set()  # sites whose store was made once (fresh only then)
         self._actor_sites = actor_sites  # every actor with its site (a mix's rows mix sites)
         self.reporter = reporter
         self._actors = actors
@@ -143,6 +150,9 @@ class SiteCopies:
                     made[current] = self._create(current)
             for current, handle in list(made.items()):
                 ray.get(handle.ping.remote())  # the directory could not be made: fail here
+                moved = ray.get(handle.moved.remote())
+                if moved is not None:
+                    self.moved_aside[current] = tuple(moved)
                 self._stores[current] = made.pop(current)
         except Exception as exc:  # any reason: say which site, and the cause's last line
             failed = current
@@ -171,8 +181,18 @@ class SiteCopies:
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
                 runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
             )
-            .remote(site, str(self.root(site)), self.spec.training.checkpoint.keep)
+            .remote(site, str(self.root(site)), self.spec.training.checkpoint.keep, self.creds,
+                    self.spec.security.listen == "all", self._run_for(site))
         )  # fmt: skip
+
+    def _run_for(self, site: str) -> dict | None:
+        """The run's identity for a new store of ``site``: fresh (move another run's
+        checkpoints aside) only the first time, never for a replacement store."""
+        if self.run is None:
+            return None
+        fresh = self.run["fresh"] and site not in self._opened
+        self._opened.add(site)
+        return {**self.run, "fresh": fresh}
 
     def live_stores(self, timeout: float = 30.0) -> dict[str, Any]:
         """The stores that answer within ``timeout``. Dead ones are forgotten (re-created on

@@ -37,8 +37,10 @@ from geopipe.checkpoint.store import (
     MANIFEST,
     CheckpointError,
     ShardInfo,
+    accepts,
     list_checkpoints,
     load_checkpoint,
+    move_aside,
     prune,
     step_dirname,
 )
@@ -46,6 +48,7 @@ from geopipe.checkpoint.writer import CheckpointWriter
 from geopipe.optimizer.restore import SiteCopy
 from geopipe.runtime.cluster import node_ip
 from geopipe.transport.bulk import ChunkClient, ChunkError, ChunkServer
+from geopipe.transport.security import RunCredentials
 
 __all__ = ["CHUNK_BYTES", "ShardSource", "SiteStore"]
 
@@ -68,14 +71,23 @@ class ShardSource:
 class SiteStore:
     """The actor body (wrapped with ``ray.remote`` by :mod:`geopipe.runtime.sitecopies`)."""
 
-    def __init__(self, site: str, root: str, keep: int) -> None:
+    def __init__(
+        self, site: str, root: str, keep: int, creds: RunCredentials | None = None,
+        listen_all: bool = False, run: dict | None = None,
+    ) -> None:  # fmt: skip
         # Not at a lower CPU priority (os.nice): tried, it barely moved the replication
         # stall, and under heavy load a niced store did not answer a recovery's questions
         # for seconds.
         self.site = site
         self.root = Path(root)
+        # Which checkpoints are the run's ({"id", "lineage", "fresh"}; None: all, tests):
+        # only those are restored from or pruned; a fresh run moves others aside first.
+        self.run_id = run["id"] if run else None
+        self.lineage = run["lineage"] if run else None
+        self._moved = move_aside(self.root) if run and run["fresh"] else None
         self.root.mkdir(parents=True, exist_ok=True)  # fails here, at launch, if it cannot
         self.keep = keep
+        self.creds, self.listen_all = creds, listen_all  # the data plane's protection
         self._lock = threading.Lock()
         self._writers: dict[int, tuple[str, CheckpointWriter]] = {}  # step -> (save id, w)
         self._cancelled: set[str] = set()
@@ -87,11 +99,16 @@ class SiteStore:
     def chunk_address(self) -> tuple[str, int]:
         """This store's chunk server (other sites' stores read its copies through it)."""
         if self._server is None:
-            self._server = ChunkServer(self.read_chunk, node_ip())
+            host = "0.0.0.0" if self.listen_all else node_ip()
+            self._server = ChunkServer(self.read_chunk, host, self.creds)
         return self._server.address
 
     def ping(self) -> str:
         return self.site
+
+    def moved(self) -> tuple[str, str] | None:
+        """Where another run's checkpoints went when this store started (path, run id)."""
+        return None if self._moved is None else (str(self._moved[0]), self._moved[1])
 
     # -- saving a copy -------------------------------------------------------------------------
     def _writer(self, step: int, save_id: str) -> CheckpointWriter:
@@ -146,7 +163,7 @@ class SiteStore:
             raise
         self._remember(path, step, num_stages)
         size = sum(f.stat().st_size for f in path.iterdir())
-        pruned = prune(self.root, self.keep)
+        pruned = prune(self.root, self.keep, own=self.run_id)
         via = self._via.pop(step, {})
         return {"path": str(path), "bytes": size, "pruned": [p.name for p in pruned], "via": via}
 
@@ -203,7 +220,7 @@ class SiteStore:
         client = None
         if src.address is not None:
             try:
-                client = ChunkClient(tuple(src.address))
+                client = ChunkClient(tuple(src.address), creds=self.creds)
             except ChunkError:
                 client = None  # unreachable (another network?): Ray still reaches it
         via = self._via.setdefault(step, {})
@@ -240,7 +257,7 @@ class SiteStore:
         hashed once per store: the ones this store committed were checked as they came)."""
         out = []
         for info in list_checkpoints(self.root):
-            if info.status != "complete":
+            if info.status != "complete" or not accepts(self.lineage, info.run_id, info.step):
                 continue
             try:
                 key = (info.step, (info.path / MANIFEST).stat().st_mtime)

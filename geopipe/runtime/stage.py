@@ -38,6 +38,7 @@ from geopipe.runtime.links import StageLinks, WanPeer
 from geopipe.runtime.shards import ShardWriter, load_stage
 from geopipe.runtime.snapshots import BoundaryKeeper
 from geopipe.transport.bulk import ChunkServer
+from geopipe.transport.security import RunCredentials
 
 __all__ = ["SNAPSHOTS_KEPT", "StageSpec", "StageWorker", "WanPeer"]
 
@@ -77,6 +78,11 @@ class StageSpec:
     hold: tuple[int, int] | None = None
     first_microbatch: int | None = None  # None: replica × micro-batches (identical pipelines)
     stand_in_writer: bool = True
+    # The data plane's protection: the run's credentials (secret, TLS), and whether its
+    # servers listen on every interface rather than the node's address (security.listen).
+    creds: RunCredentials | None = None
+    listen_all: bool = False
+    wan_outage_s: float = 60.0  # health.wan_outage_s: the WAN streams must outlive it
 
 
 # [Note: garbage collection off the step]
@@ -97,6 +103,16 @@ def _settle_heap() -> None:
     gc.unfreeze()
     gc.collect()
     gc.freeze()
+
+
+def max_payload(plan: Plan, model: ModelDesc) -> int:
+    """The largest frame a stage's WAN receiver accepts: twice the largest message it
+    expects (an fp32 activation or gradient, a tied embedding's gradient, a link-probe
+    message) plus 1 MiB. A length beyond it is refused before anything is allocated."""
+    elems = plan.micro_batch_size * plan.seq_len * model.hidden
+    if model.tie:
+        elems = max(elems, model.vocab_size * model.hidden)
+    return 2 * max(4 * elems, linkprobe.BURST_MAX_BYTES) + (1 << 20)
 
 
 class StageWorker:
@@ -126,6 +142,10 @@ class StageWorker:
             corpus = open_corpus(spec.data, max_bytes=spec.data_max_bytes)
             self.stream = TokenStream(corpus, spec.seed)
         self.links = StageLinks()
+        self.links.creds, self.links.listen_all = spec.creds, spec.listen_all
+        self.links.max_payload = max_payload(self.plan, self.model)
+        self.links.user_timeout_s = max(30.0, spec.wan_outage_s + 15.0)
+        self.links.codec_seed = spec.seed * 1009 + self.k
         self.shape = (self.plan.micro_batch_size, self.plan.seq_len, self.model.hidden)
 
     def _make_program(self) -> None:
@@ -192,11 +212,11 @@ class StageWorker:
 
     def probe_link(self, address: tuple[str, int], link: Any, sizes: list[int]) -> dict:
         """Launch-time link probe, upstream side (see :mod:`geopipe.runtime.linkprobe`)."""
-        return linkprobe.probe(self.links.inbox, tuple(address), link, sizes)
+        return linkprobe.probe(self.links.inbox, tuple(address), link, sizes, self.spec.creds)
 
     def probe_echo(self, address: tuple[str, int], link: Any, sizes: list[int]) -> dict:
         """Launch-time link probe, downstream side."""
-        return linkprobe.echo(self.links.inbox, tuple(address), link, sizes)
+        return linkprobe.echo(self.links.inbox, tuple(address), link, sizes, self.spec.creds)
 
     # -- one iteration -------------------------------------------------------------------------
     def _batch(self, step: int, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -329,7 +349,8 @@ class StageWorker:
         """This replica's chunk server: another site's store reads the in-memory shard
         through it, over the data plane (:mod:`geopipe.transport.bulk`)."""
         if self._chunks is None:
-            self._chunks = ChunkServer(self.read_chunk, node_ip())
+            host = "0.0.0.0" if self.spec.listen_all else node_ip()
+            self._chunks = ChunkServer(self.read_chunk, host, self.spec.creds)
         return self._chunks.address
 
     def read_chunk(self, step: int, file: str, offset: int, size: int) -> bytes:

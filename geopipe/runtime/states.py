@@ -22,6 +22,7 @@ __all__ = [
     "Recovering",
     "Running",
     "State",
+    "Waiting",
 ]
 
 
@@ -38,6 +39,16 @@ class Launching:
 @dataclass(frozen=True)
 class Running:
     name: ClassVar[str] = "running"
+    step: int
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """Running, but a site has gone silent mid-step (a WAN outage or partition): the step
+    waits for the link up to ``health.wan_outage_s`` (shown in status.json; the state
+    machine never transitions into it — the step in flight stays Running)."""
+
+    name: ClassVar[str] = "waiting"
     step: int
 
 
@@ -80,7 +91,7 @@ class Failed:
 
 
 State = (
-    Planning | Launching | Running | Recovering | Growing | Checkpointing | Finished
-    | Interrupted | Failed
+    Planning | Launching | Running | Waiting | Recovering | Growing | Checkpointing
+    | Finished | Interrupted | Failed
 )  # fmt: skip
 TERMINAL = (Finished, Interrupted, Failed)

@@ -90,6 +90,9 @@ class Bed:
         """The environment for processes in the bed: Ray's auth settings as the cluster's."""
         env = dict(os.environ)
         env["RAY_USAGE_STATS_ENABLED"] = "0"
+        # Ray's own node health check must wait out a WAN outage as long as geopipe does
+        # (health.wan_outage_s, 60 s by default): 40 missed checks of 3 s, not Ray's 5.
+        env.setdefault("RAY_health_check_failure_threshold", "40")
         env["RAY_AUTH_MODE"] = self.plan.auth_mode
         if self.plan.auth_mode == "token":
             env["RAY_AUTH_TOKEN_PATH"] = str(self.token_path)
@@ -227,9 +230,13 @@ class Bed:
             raise RuntimeError(f"not every site's Ray node joined:\n{out.stderr[-3000:]}")
 
     # -- changing the link ---------------------------------------------------------------------
-    def set_link(self, latency_ms: float | None = None, rate_mbit: float | None = None) -> None:
-        """New latency/rate in place: the forwarder re-reads the state file on SIGHUP."""
-        self.plan = self.plan.with_link(latency_ms, rate_mbit)
+    def set_link(
+        self, latency_ms: float | None = None, rate_mbit: float | None = None,
+        cut: bool | None = None,
+    ) -> None:  # fmt: skip
+        """New latency/rate, or a cut (100 % loss) / heal, in place: the forwarder re-reads
+        the state file on SIGHUP."""
+        self.plan = self.plan.with_link(latency_ms, rate_mbit, cut)
         self.plan.save(self.state)
         pid = self.plan.forwarder_pid
         if not _alive(pid, _FORWARDER):
@@ -238,8 +245,10 @@ class Bed:
         deadline = time.monotonic() + 5.0
         while time.monotonic() < deadline:  # the counters file echoes the settings in force
             st = self.stats()
-            if st.get("latency_ms") == self.plan.latency_ms and (
-                st.get("rate_mbit") == self.plan.rate_mbit
+            if (
+                st.get("latency_ms") == self.plan.latency_ms
+                and (st.get("rate_mbit") == self.plan.rate_mbit)
+                and bool(st.get("cut")) == self.plan.cut
             ):
                 return
             time.sleep(0.1)

@@ -60,6 +60,8 @@ def add_subcommands(p: argparse.ArgumentParser) -> None:
     st = sub.add_parser("set", help="change the link in place (no restart)")
     st.add_argument("--latency-ms", type=float, default=None)
     st.add_argument("--rate-mbit", type=float, default=None)
+    st.add_argument("--cut", action="store_true", help="pass nothing (100 %% loss): a partition")
+    st.add_argument("--heal", action="store_true", help="end a --cut")
     ss = sub.add_parser("status", help="sites, addresses, link, forwarder, Ray")
     ss.add_argument("--json", action="store_true")
     sub.add_parser("down", help="stop everything in the namespaces (by PID) and remove them")
@@ -122,11 +124,17 @@ def _dispatch(args: argparse.Namespace, root: Path | None) -> int:
         argv = bed.argv(args.site, cmd)
         os.execvpe(argv[0], argv, bed.env())
     if c == "set":
-        if args.latency_ms is None and args.rate_mbit is None:
-            raise BedError("set: give --latency-ms and/or --rate-mbit")
-        bed.plan.with_link(args.latency_ms, args.rate_mbit)  # validates before touching
-        bed.set_link(args.latency_ms, args.rate_mbit)
-        print(f"link now {bed.plan.latency_ms:g} ms one-way, {bed.plan.rate_mbit:g} Mbit/s")
+        cut = True if args.cut else False if args.heal else None
+        if args.cut and args.heal:
+            raise BedError("set: --cut or --heal, not both")
+        if args.latency_ms is None and args.rate_mbit is None and cut is None:
+            raise BedError("set: give --latency-ms, --rate-mbit, --cut or --heal")
+        bed.plan.with_link(args.latency_ms, args.rate_mbit, cut)  # validates before touching
+        bed.set_link(args.latency_ms, args.rate_mbit, cut)
+        state = "CUT (nothing passes)" if bed.plan.cut else "up"
+        print(
+            f"link now {bed.plan.latency_ms:g} ms one-way, {bed.plan.rate_mbit:g} Mbit/s, {state}"
+        )
         return 0
     if c == "status":
         st = bed.status()

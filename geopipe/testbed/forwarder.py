@@ -156,6 +156,9 @@ class Forwarder:
                 self.unroutable += 1
                 continue
             d = self.dirs[(src, self._site_of_fd[dst_fd])]
+            if p.cut:  # a partition: every packet lost, both ways, until healed
+                d.dropped += 1
+                continue
             due = d.admit(now, _wire_bytes(pkt), p.rate_bps, p.latency_s, p.queue_ms / 1e3)
             if due is not None:
                 heapq.heappush(self._held, (due, self._seq, dst_fd, pkt))
@@ -190,6 +193,7 @@ class Forwarder:
         return {
             "latency_ms": self.plan.latency_ms,
             "rate_mbit": self.plan.rate_mbit,
+            "cut": self.plan.cut,
             "held": len(self._held),
             "unroutable": self.unroutable,
             "directions": {

@@ -57,6 +57,7 @@ class BedPlan:
     forwarder_pid: int | None = None
     ray_address: str | None = None
     auth_mode: str = "token"
+    cut: bool = False  # the link passes nothing (100 % loss) until healed: a partition
 
     def __post_init__(self) -> None:
         if len(self.sites) < 2:
@@ -143,11 +144,14 @@ class BedPlan:
         return MSS_BYTES / (MSS_BYTES + HEADER_BYTES)
 
     # -- persistence ---------------------------------------------------------------------------
-    def with_link(self, latency_ms: float | None, rate_mbit: float | None) -> BedPlan:
+    def with_link(
+        self, latency_ms: float | None, rate_mbit: float | None, cut: bool | None = None
+    ) -> BedPlan:
         return replace(
             self,
             latency_ms=self.latency_ms if latency_ms is None else latency_ms,
             rate_mbit=self.rate_mbit if rate_mbit is None else rate_mbit,
+            cut=self.cut if cut is None else cut,
         )
 
     def to_json(self) -> str:

@@ -10,9 +10,12 @@ keeps for control (see :mod:`geopipe.transport.direct`). Here the holder runs a
 while the store writes, and pacing stays with the reader. This module knows nothing of Ray;
 the runtime exchanges the server's address over Ray calls.
 
-Wire format (little endian): a request is ``u32 length`` + JSON ``{"step", "file",
-"offset", "size"}``; the reply is ``u8 status`` (0 ok, 1 error) + ``u64 length`` + that many
-bytes (the data, or a UTF-8 error message). Nothing read from the network is unpickled.
+Every connection first passes the run's handshake (:mod:`.security`: a shared-secret
+challenge–response, inside TLS when the run encrypts); a client that fails it is closed
+before a request is read. Wire format (little endian): a request is ``u32 length`` + JSON
+``{"step", "file", "offset", "size"}``; the reply is ``u8 status`` (0 ok, 1 error) +
+``u64 length`` + that many bytes (the data, or a UTF-8 error message). Nothing read from
+the network is unpickled.
 """
 
 from __future__ import annotations
@@ -25,6 +28,14 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 
+from geopipe.transport.security import (
+    HandshakeError,
+    RejectLog,
+    RunCredentials,
+    client_handshake,
+    link_id,
+    server_handshake,
+)
 from geopipe.transport.sockets import advertised_host, set_congestion, shutdown_socket
 
 __all__ = ["ChunkClient", "ChunkError", "ChunkServer"]
@@ -42,24 +53,56 @@ class ChunkError(OSError):
 
 
 class ChunkServer:
-    """Serves ``read(step, file, offset, size)`` to any number of clients, one thread each."""
+    """Serves ``read(step, file, offset, size)`` to any number of authenticated clients, one
+    thread each (``creds``: the run's; None only for tests inside one process)."""
 
-    def __init__(self, read: Reader, host: str = "0.0.0.0") -> None:
+    MAX_PENDING = 32  # connections in their handshake at once (more are closed at once)
+
+    def __init__(
+        self, read: Reader, host: str = "127.0.0.1", creds: RunCredentials | None = None
+    ) -> None:
         self._read = read
+        self._creds = creds
         self._sock = socket.create_server((host, 0))
         self.address = (advertised_host(host), self._sock.getsockname()[1])
+        self._link = link_id(self.address)
+        self.rejected = RejectLog("checkpoint chunk server")
+        self._pending = 0
+        self._lock = threading.Lock()
         self._closed = False
         threading.Thread(target=self._accept, name="chunk-server", daemon=True).start()
 
     def _accept(self) -> None:
         while not self._closed:
             try:
-                conn, _ = self._sock.accept()
+                conn, peer = self._sock.accept()
             except OSError:
                 return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+            with self._lock:
+                full = self._pending >= self.MAX_PENDING
+                self._pending += not full
+            if full:
+                conn.close()
+                self.rejected.reject(peer, "too many connections in their handshake")
+                continue
+            threading.Thread(target=self._serve, args=(conn, peer), daemon=True).start()
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _authenticate(self, conn: socket.socket, peer: object) -> socket.socket | None:
+        try:
+            return conn if self._creds is None else server_handshake(conn, self._creds,
+                                                                      self._link)  # fmt: skip
+        except (HandshakeError, OSError, ValueError) as exc:
+            self.rejected.reject(peer, exc)
+            conn.close()
+            return None
+        finally:
+            with self._lock:
+                self._pending -= 1
+
+    def _serve(self, raw: socket.socket, peer: object) -> None:
+        conn = self._authenticate(raw, peer)
+        if conn is None:
+            return
         with conn:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             # This side sends the bulk. TCP-LP yields to other flows (it backs off as soon
@@ -96,12 +139,18 @@ class ChunkServer:
 class ChunkClient:
     """One connection to a :class:`ChunkServer`; :meth:`read_all` pipelines requests."""
 
-    def __init__(self, address: tuple[str, int], timeout_s: float = 120.0) -> None:
+    def __init__(
+        self, address: tuple[str, int], timeout_s: float = 120.0,
+        creds: RunCredentials | None = None,
+    ) -> None:  # fmt: skip
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.settimeout(timeout_s)
         try:
             sock.connect(tuple(address))
-        except OSError as exc:
+            if creds is not None:
+                sock = client_handshake(sock, creds, link_id(address))
+                sock.settimeout(timeout_s)
+        except (HandshakeError, OSError) as exc:
             sock.close()
             raise ChunkError(f"cannot reach the chunk server at {address}: {exc}") from None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

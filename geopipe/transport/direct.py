@@ -91,6 +91,14 @@ from geopipe.transport.frames import (
     sendmsg_all,
 )
 from geopipe.transport.link import LinkEmulator, LinkParams
+from geopipe.transport.security import (
+    HandshakeError,
+    RejectLog,
+    RunCredentials,
+    client_handshake,
+    link_id,
+    server_handshake,
+)
 from geopipe.transport.sockets import (
     advertised_host,
     set_congestion,
@@ -143,47 +151,88 @@ class DirectReceiver:
     replaced sender simply connects again. ``inbox`` may be swapped between iterations.
     """
 
+    # Connections still in their handshake at once; more are closed on arrival (a stranger
+    # opening sockets in a loop must not pile up threads).
+    MAX_PENDING = 32
+
     def __init__(
         self,
         inbox: Inbox,
-        host: str = "0.0.0.0",
+        host: str = "127.0.0.1",
         port: int = 0,
         advertise_host: str | None = None,
+        creds: RunCredentials | None = None,
+        max_payload: int | None = None,
+        user_timeout_s: float = _USER_TIMEOUT_S,
     ) -> None:
         self.inbox = inbox
+        self.user_timeout_s = user_timeout_s  # keep-alive failure: longer than an outage
         # Stream-level problems (a peer lost mid-frame, a corrupt header), for diagnostics.
         self.errors: list[BaseException] = []
         self.messages = 0
+        self.creds = creds  # None: no handshake (tests and benchmarks inside one process)
+        self.max_payload = max_payload
+        self.rejected = RejectLog("data-plane receiver")
+        self._pending = 0
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
         self._closed = False
         self._listener = socket.create_server((host, port), backlog=8)
         bound_host, bound_port = self._listener.getsockname()[:2]
         self.address: tuple[str, int] = (advertise_host or advertised_host(bound_host), bound_port)
+        self.link = link_id(self.address)
         self._accepter = threading.Thread(target=self._accept, name="direct-accept", daemon=True)
         self._accepter.start()
 
     def _accept(self) -> None:
         while True:
             try:
-                conn, _ = self._listener.accept()
+                conn, peer = self._listener.accept()
             except OSError:
                 return  # closed
             with self._lock:
                 if self._closed:
                     conn.close()
                     return
+                if self._pending >= self.MAX_PENDING:
+                    conn.close()
+                    self.rejected.reject(peer, "too many connections in their handshake")
+                    continue
+                self._pending += 1
                 self._conns.add(conn)
-            tune_stream(conn, _USER_TIMEOUT_S)
             threading.Thread(
-                target=self._serve, args=(conn,), name="direct-recv", daemon=True
+                target=self._serve, args=(conn, peer), name="direct-recv", daemon=True
             ).start()
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _authenticate(self, conn: socket.socket, peer: object) -> socket.socket | None:
+        """The connection to read frames from, or None (refused and closed) — a peer that
+        fails the handshake never reaches the inbox."""
+        try:
+            if self.creds is not None:
+                conn = server_handshake(conn, self.creds, self.link)
+            tune_stream(conn, self.user_timeout_s)
+            return conn
+        except (HandshakeError, OSError, ValueError) as exc:
+            self.rejected.reject(peer, exc)
+            return None
+        finally:
+            with self._lock:
+                self._pending -= 1
+
+    def _serve(self, raw: socket.socket, peer: object) -> None:
+        conn = self._authenticate(raw, peer)
+        if conn is None:
+            with self._lock:
+                self._conns.discard(raw)
+            raw.close()
+            return
+        with self._lock:  # close() must reach the TLS socket, not only the raw one
+            self._conns.discard(raw)
+            self._conns.add(conn)
         expect = 0
         try:
             while True:
-                frame = read_frame(conn)
+                frame = read_frame(conn, self.max_payload)
                 if frame is None:
                     return  # the sender closed cleanly
                 key, seq, sealed, deliver_at, sent_at = frame
@@ -192,6 +241,7 @@ class DirectReceiver:
                 expect += 1
                 self._file(key, sealed, deliver_at, sent_at)
         except StreamCorruptError as exc:
+            # From an authenticated peer of this run: a real fault of the link or the peer.
             self.errors.append(exc)
             self.inbox.fail(exc)  # nothing after this point can be attributed or trusted
         except OSError as exc:  # peer lost mid-frame, or close(): the runtime decides
@@ -266,9 +316,13 @@ class DirectSender:
         topk_ratio: float = 0.01,
         connect_timeout_s: float = 30.0,
         user_timeout_s: float = _USER_TIMEOUT_S,
+        creds: RunCredentials | None = None,
+        seed: int = 0,
     ) -> None:
+        self._creds = creds
         self._codec_name = codec
-        self._codec = make_codec(codec, topk_ratio=topk_ratio)
+        # seed: the link's Hadamard rotation (int4h, int2h), stable across runs and resumes
+        self._codec = make_codec(codec, topk_ratio=topk_ratio, seed=seed)
         self.encode_s = 0.0  # seconds spent encoding (on the encoder thread), cumulative
         self._topk_ratio = topk_ratio
         self._direction = direction
@@ -313,6 +367,12 @@ class DirectSender:
                 if not retry or time.monotonic() >= deadline:
                     raise PeerLostError(f"cannot connect to {address}: {exc}") from exc
                 time.sleep(0.05)
+        if self._creds is not None:
+            try:
+                sock = client_handshake(sock, self._creds, link_id(address))
+            except (HandshakeError, OSError) as exc:
+                sock.close()
+                raise PeerLostError(f"cannot authenticate to {address}: {exc}") from exc
         sock.settimeout(None)
         tune_stream(sock, self._user_timeout_s)
         return sock

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
+import ssl
 import struct
 import zlib
 from collections import deque
@@ -84,8 +85,13 @@ def encode_frame(
 
 
 def sendmsg_all(sock: socket.socket, bufs: list[memoryview]) -> int:
-    """Write every buffer (zero copy, few syscalls); ``sendmsg`` may write only a part."""
+    """Write every buffer (zero copy, few syscalls); ``sendmsg`` may write only a part.
+    A TLS socket has no ``sendmsg``: each buffer goes through ``sendall`` (TLS records)."""
     total = sum(b.nbytes for b in bufs)
+    if isinstance(sock, ssl.SSLSocket):
+        for b in bufs:
+            sock.sendall(b.cast("B"))
+        return total
     pending = deque(b.cast("B") for b in bufs)
     while pending:
         _advance(pending, sock.sendmsg(list(pending)[:512]))  # IOV_MAX is 1024
@@ -94,7 +100,16 @@ def sendmsg_all(sock: socket.socket, bufs: list[memoryview]) -> int:
 
 def send_without_waiting(sock: socket.socket, bufs: list[memoryview]) -> list[memoryview]:
     """Write what the socket's buffer takes now (one non-blocking ``sendmsg``); returns the
-    part not written, empty when all was."""
+    part not written, empty when all was.
+
+    A TLS socket cannot take a partial non-blocking write and a later retry from another
+    thread (OpenSSL wants the same call repeated), so there the whole frame is written
+    with a blocking ``sendall``: it waits only when the kernel's send buffer (autotuned to
+    megabytes) is full, and the caller writes inline only small frames with nothing queued
+    before them."""
+    if isinstance(sock, ssl.SSLSocket):
+        sendmsg_all(sock, bufs)
+        return []
     pending = deque(b.cast("B") for b in bufs)
     with contextlib.suppress(BlockingIOError, InterruptedError):  # the buffer is full
         _advance(pending, sock.sendmsg(list(pending)[:512], [], socket.MSG_DONTWAIT))
@@ -132,9 +147,11 @@ def _recv_exact(sock: socket.socket, buf: memoryview) -> bool:
     return True
 
 
-def read_frame(sock: socket.socket) -> tuple[Hashable, int, Sealed, float, float] | None:
+def read_frame(
+    sock: socket.socket, max_payload: int | None = None
+) -> tuple[Hashable, int, Sealed, float, float] | None:
     """Read one frame: ``(key, seq, sealed, deliver_at, sent_at)``, or None at a clean end of
-    stream."""
+    stream. A payload over ``max_payload`` bytes is refused before anything is allocated."""
     fixed = bytearray(_FIXED)
     if not _recv_exact(sock, memoryview(fixed)):
         return None
@@ -143,6 +160,8 @@ def read_frame(sock: socket.socket) -> tuple[Hashable, int, Sealed, float, float
         raise StreamCorruptError(f"bad frame magic {bytes(magic)!r}")
     if version != _VERSION:
         raise StreamCorruptError(f"frame version {version}, this end speaks {_VERSION}")
+    if max_payload is not None and plen > max_payload:
+        raise StreamCorruptError(f"frame payload of {plen} bytes exceeds the bound {max_payload}")
     header = bytearray(hlen)
     if not _recv_exact(sock, memoryview(header)) and hlen:
         raise ConnectionError("peer closed mid-frame")

@@ -10,7 +10,12 @@ from __future__ import annotations
 
 import math
 
-CODECS: tuple[str, ...] = ("none", "fp16", "bf16", "int8", "topk")
+CODECS: tuple[str, ...] = ("none", "fp16", "bf16", "int8", "int4", "int4h", "int2h", "topk")
+# Group-wise low-bit codecs: GROUP consecutive elements share one fp16 scale; the "h" ones
+# rotate each group by a seeded randomized Hadamard transform first.
+GROUPED: dict[str, int] = {"int4": 4, "int4h": 4, "int2h": 2}  # codec -> bits per element
+GROUP = 64
+SEED_BYTES = 8  # the rotation's seed travels with every "h" message (int64)
 DIRECTIONS: tuple[str, ...] = ("forward", "backward")
 
 # Top-k indices are sent as int32, so a tensor larger than this cannot be top-k encoded.
@@ -52,6 +57,11 @@ def int8_rows(numel: int, row_len: int) -> int:
     return numel // row_len
 
 
+def groups(numel: int) -> int:
+    """Groups of :data:`GROUP` elements (the last one zero-padded) of a grouped codec."""
+    return -(-numel // GROUP) if numel > 0 else 0
+
+
 def wire_bytes(
     codec: str,
     numel: int,
@@ -77,6 +87,10 @@ def wire_bytes(
         return numel * 2
     if codec == "int8":
         return numel + int8_rows(numel, row_len) * 4
+    if codec in GROUPED:  # packed codes + one fp16 scale per group (+ the rotation's seed)
+        g = groups(numel)
+        seed = SEED_BYTES if codec.endswith("h") else 0
+        return g * (GROUP * GROUPED[codec] // 8 + 2) + seed
     # topk
     if direction == "forward":
         return numel * 2
@@ -93,6 +107,9 @@ _NOMINAL_CODEC_THROUGHPUT: dict[str, float] = {
     "fp16": 8e9,
     "bf16": 8e9,
     "int8": 4e9,
+    "int4": 1.5e9,
+    "int4h": 1e9,
+    "int2h": 1e9,
     "topk": 1e9,
 }
 

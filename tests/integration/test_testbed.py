@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 WHY = unavailable()
 LATENCY_MS = 5.0
+CUT_S = 10.0
 
 # The driver: train, then report losses, where each stage's actor ran, the probe's figures.
 DRIVER = """
@@ -37,30 +39,51 @@ try:
     res = ctl.train()
     ips = [ray.get(row[0].__ray_call__.remote(lambda self: ray.util.get_node_ip_address()))
            for row in ctl.actors]
+    bound = [ray.get(row[0].__ray_call__.remote(
+                 lambda self: self.links.wan_recv._listener.getsockname()[0]))
+             for row in ctl.actors]
     print("RESULT " + json.dumps({
         "losses": [m.loss for m in res.steps], "ips": ips,
         "wan_bytes": sum(m.wan_bytes for m in res.steps),
         "links": [m.to_dict() for m in ctl.links_measured],
+        "encrypt": ctl.creds.encrypt, "bound": bound,
     }), flush=True)
 finally:
     ctl.close()
 """
 
 
-def _run(cmd_prefix: list[str], doc: dict, run_dir: Path, env: dict | None = None) -> dict:
-    out = subprocess.run(
+def _run(cmd_prefix: list[str], doc: dict, run_dir: Path, env: dict | None = None,
+         during=None) -> dict:  # fmt: skip
+    """Train in a driver process; ``during(run_dir)`` runs meanwhile (e.g. cuts the link)."""
+    proc = subprocess.Popen(
         [*cmd_prefix, sys.executable, "-c", DRIVER, json.dumps(doc), str(run_dir)],
-        capture_output=True, text=True, cwd=ROOT, env=env, timeout=300,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env,
     )  # fmt: skip
-    for line in out.stdout.splitlines():
+    if during is not None:
+        during(run_dir)
+    out, err = proc.communicate(timeout=300)
+    for line in out.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
-    raise AssertionError(f"driver failed ({out.returncode}):\n{out.stderr[-4000:]}")
+    raise AssertionError(f"driver failed ({proc.returncode}):\n{err[-4000:]}")
+
+
+def _steps_done(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    return sum('"event"' not in x for x in path.read_text().splitlines())
+
+
+def _events(run_dir: Path, kind: str) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [e for e in map(json.loads, lines) if e.get("event") == kind]
 
 
 @pytest.mark.skipif(WHY is not None, reason=f"test bed: {WHY}")
 def test_training_across_namespaces_matches_the_emulated_run(tmp_path):
-    doc = tiny_doc(1, 1, steps=3)
+    doc = tiny_doc(1, 1, steps=4)
     doc["name"] = "testbed"
     doc["links"][0].update(latency_ms=LATENCY_MS, bandwidth_gbps=0.2)
     doc["ray"]["dashboard"] = False
@@ -70,7 +93,18 @@ def test_training_across_namespaces_matches_the_emulated_run(tmp_path):
     with running(plan, root=tmp_path / "bed") as bed:
         real_doc = {**doc, "ray": {"address": bed.plan.ray_address, "emulate_links": False,
                                    "dashboard": False}}  # fmt: skip
-        real = _run(bed.argv("east", []), real_doc, tmp_path / "real", env=bed.env())
+
+        def partition(run_dir: Path) -> None:
+            """After the first step, nothing passes either way for 10 s, then the link heals."""
+            deadline = time.monotonic() + 120
+            while _steps_done(run_dir) < 1 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            bed.set_link(cut=True)
+            time.sleep(CUT_S)
+            bed.set_link(cut=False)
+
+        real = _run(bed.argv("east", []), real_doc, tmp_path / "real", env=bed.env(),
+                    during=partition)  # fmt: skip
         carried = bed.stats()["directions"]
         idle_restart = [
             subprocess.run(bed.argv(s, ["sysctl", "-n", "net.ipv4.tcp_slow_start_after_idle"]),
@@ -79,9 +113,20 @@ def test_training_across_namespaces_matches_the_emulated_run(tmp_path):
         ]  # fmt: skip
     # Long-fat-link TCP: a connection idle between steps keeps its window (the host says 1).
     assert idle_restart == ["0", "0"]
+    # A 10 s partition mid-run (both sides alive, nothing passing) was waited out: the
+    # losses are the undisturbed emulated run's, no step failed, and the metrics say which
+    # link went silent and when it healed.
     assert real["losses"] == pytest.approx(emulated["losses"], abs=1e-6)
+    assert _events(tmp_path / "real", "failure") == []
+    (silent,) = _events(tmp_path / "real", "link_silent")
+    (healed,) = _events(tmp_path / "real", "link_healed")
+    assert silent["link"] == "east→west" and healed["silent_s"] >= CUT_S - 4
     # Each stage ran in its own site's namespace: stage 0 in east, stage 1 in west.
     assert real["ips"] == [plan.address("east"), plan.address("west")]
+    # Over the real network the data plane ran TLS (emulated on one machine: not), and each
+    # receiver listened on its node's address, not on every interface.
+    assert real["encrypt"] is True and emulated["encrypt"] is False
+    assert real["bound"] == real["ips"]
     # The probe crossed the forwarder: at least the round trip it adds.
     (link,) = real["links"]
     assert link["rtt_ms"] >= 2 * LATENCY_MS

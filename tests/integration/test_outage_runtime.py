@@ -1,0 +1,102 @@
+"""Tier 2: a site that falls silent mid-step is waited for, not written off.
+
+Two emulated sites, one stage each. The west stage process is stopped (SIGSTOP) during a
+step and continued 8 s later: from the driver that is what a WAN outage or partition looks
+like — every actor of the site silent, the east side alive. The step waits (status.json:
+``waiting``, naming the link), the run continues where it was with the losses of an
+undisturbed run (to 1e-6) and no step lost; the console and metrics say when the link went
+silent and when it healed. Past ``health.wan_outage_s`` the site-loss path re-forms the
+job without west instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import ray
+from test_recovery_runtime import events, events_ready, last_loss_per_step, run
+from test_runtime import tiny_doc
+
+from geopipe.runtime.health import HealthConfig
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ray(ray_cluster):
+    yield
+
+
+def freezer(run_dir: Path, seconds: float, seen: list):
+    """Stop west's stage for ``seconds`` once two steps are done; record what status.json
+    says meanwhile."""
+
+    def freeze(ctl) -> None:
+        while ctl.state.name != "running" or not events_ready(run_dir):
+            time.sleep(0.05)
+        pid = ray.get(ctl.actors[1][0].ping.remote())
+        os.kill(pid, signal.SIGSTOP)
+        seen.append(pid)
+        try:
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                with contextlib.suppress(OSError, ValueError):
+                    doc = json.loads((run_dir / "status.json").read_text())
+                    if doc.get("state") == "waiting":
+                        seen.append(doc["waiting"])
+                time.sleep(0.2)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+    return freeze
+
+
+def test_a_short_outage_is_waited_out_with_the_same_losses(tmp_path: Path) -> None:
+    doc = tiny_doc(1, 1, steps=6)
+    doc["name"] = "outage"
+    health = HealthConfig(heartbeat_s=0.5, unresponsive_s=2.0, wan_outage_s=30.0)
+    run(doc, tmp_path / "calm", steps=6, health=health)
+    calm = last_loss_per_step(tmp_path / "calm")
+    seen: list = []
+    _, state = run(doc, tmp_path / "out", steps=6, health=health,
+                   kill=freezer(tmp_path / "out", 8.0, seen))  # fmt: skip
+    assert state["step"] == 6
+    assert last_loss_per_step(tmp_path / "out") == pytest.approx(calm, abs=1e-6)
+    assert events(tmp_path / "out", "failure") == [] == events(tmp_path / "out", "recovered")
+    silent, healed = (
+        events(tmp_path / "out", "link_silent"),
+        events(tmp_path / "out", "link_healed"),
+    )
+    assert len(silent) == 1 and silent[0]["link"] == "east→west"
+    assert len(healed) == 1 and 5.0 <= healed[0]["silent_s"] <= 20.0
+    waits = [w for w in seen[1:] if isinstance(w, dict)]
+    assert waits and waits[-1]["link"] == "east→west" and waits[-1]["limit_s"] == 30.0
+
+
+def test_an_outage_past_the_deadline_takes_the_site_loss_path(tmp_path: Path) -> None:
+    doc = tiny_doc(1, 1, steps=5)
+    doc["name"] = "partition"
+    # West's layers have no other replica: a checkpoint is what the re-formed job needs.
+    doc["training"]["checkpoint"] = {"every_steps": 1, "keep": 3}
+    health = HealthConfig(heartbeat_s=0.5, unresponsive_s=2.0, wan_outage_s=4.0)
+    seen: list = []
+    try:
+        _, state = run(doc, tmp_path / "cut", steps=5, health=health,
+                       kill=freezer(tmp_path / "cut", 15.0, seen))  # fmt: skip
+        failure = events(tmp_path / "cut", "failure")
+        assert len(failure) == 1 and failure[0]["dead"][0].split("/")[-2] == "stage1"
+        assert events(tmp_path / "cut", "link_silent")
+        (rec,) = events(tmp_path / "cut", "recovered")
+        assert rec["source"] == "checkpoint"
+        assert state["step"] == 5
+    finally:
+        for pid in seen[:1]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
