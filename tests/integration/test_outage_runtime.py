@@ -26,6 +26,8 @@ from test_runtime import tiny_doc
 from geopipe.runtime.health import HealthConfig
 
 pytestmark = pytest.mark.ray
+# Enough steps that the freeze (after step 2) lands mid-run however fast the steps go.
+STEPS = 40
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -59,15 +61,15 @@ def freezer(run_dir: Path, seconds: float, seen: list):
 
 
 def test_a_short_outage_is_waited_out_with_the_same_losses(tmp_path: Path) -> None:
-    doc = tiny_doc(1, 1, steps=6)
+    doc = tiny_doc(1, 1, steps=STEPS)
     doc["name"] = "outage"
     health = HealthConfig(heartbeat_s=0.5, unresponsive_s=2.0, wan_outage_s=30.0)
-    run(doc, tmp_path / "calm", steps=6, health=health)
+    run(doc, tmp_path / "calm", steps=STEPS, health=health)
     calm = last_loss_per_step(tmp_path / "calm")
     seen: list = []
-    _, state = run(doc, tmp_path / "out", steps=6, health=health,
+    _, state = run(doc, tmp_path / "out", steps=STEPS, health=health,
                    kill=freezer(tmp_path / "out", 8.0, seen))  # fmt: skip
-    assert state["step"] == 6
+    assert state["step"] == STEPS
     assert last_loss_per_step(tmp_path / "out") == pytest.approx(calm, abs=1e-6)
     assert events(tmp_path / "out", "failure") == [] == events(tmp_path / "out", "recovered")
     silent, healed = (
@@ -81,21 +83,21 @@ def test_a_short_outage_is_waited_out_with_the_same_losses(tmp_path: Path) -> No
 
 
 def test_an_outage_past_the_deadline_takes_the_site_loss_path(tmp_path: Path) -> None:
-    doc = tiny_doc(1, 1, steps=5)
+    doc = tiny_doc(1, 1, steps=STEPS)
     doc["name"] = "partition"
     # West's layers have no other replica: a checkpoint is what the re-formed job needs.
-    doc["training"]["checkpoint"] = {"every_steps": 1, "keep": 3}
+    doc["training"]["checkpoint"] = {"every_steps": 2, "keep": 2}
     health = HealthConfig(heartbeat_s=0.5, unresponsive_s=2.0, wan_outage_s=4.0)
     seen: list = []
     try:
-        _, state = run(doc, tmp_path / "cut", steps=5, health=health,
+        _, state = run(doc, tmp_path / "cut", steps=STEPS, health=health,
                        kill=freezer(tmp_path / "cut", 15.0, seen))  # fmt: skip
         failure = events(tmp_path / "cut", "failure")
         assert len(failure) == 1 and failure[0]["dead"][0].split("/")[-2] == "stage1"
         assert events(tmp_path / "cut", "link_silent")
         (rec,) = events(tmp_path / "cut", "recovered")
         assert rec["source"] == "checkpoint"
-        assert state["step"] == 5
+        assert state["step"] == STEPS
     finally:
         for pid in seen[:1]:
             with contextlib.suppress(ProcessLookupError):
