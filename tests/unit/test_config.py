@@ -238,8 +238,8 @@ def test_unknown_codec() -> None:
     doc["links"][0]["codec"] = "zstd"
     assert "unknown codec 'zstd'" in _find(_problems(doc), "links[0].codec")
     doc = _doc()
-    doc["plan"]["codecs"] = ["none", "int4"]
-    assert "unknown codec 'int4'" in _find(_problems(doc), "plan.codecs[1]")
+    doc["plan"]["codecs"] = ["none", "int3"]
+    assert "unknown codec 'int3'" in _find(_problems(doc), "plan.codecs[1]")
 
 
 def test_heads_must_divide_embedding() -> None:
