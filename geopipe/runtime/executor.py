@@ -59,6 +59,8 @@ class IterationResult:
     breakdown: dict[str, float] = field(default_factory=dict)
     lr: float | None = None  # the learning rate of this step's optimizer step
     grad_norm: float | None = None  # this stage's gradient norm (over its ZeRO-1 group)
+    # the latest sampled relative error of each lossy WAN codec it sends with, by direction
+    codec_error: dict[str, float] = field(default_factory=dict)
 
 
 # The step-time breakdown. On the compute thread, adding up to ``duration_s``: forward,
@@ -195,6 +197,7 @@ def execute(
     spent["tie_wait"] = max(0.0, time.monotonic() - t0 - (engine.optimizer_s - opt0))
     spent["optimizer"] = engine.optimizer_s - opt0
     res.lr, res.grad_norm = engine.step_stats()
+    res.codec_error = links.codec_errors()
     spent["encode"] = links.encode_s() - enc0
     spent["decode"] = links.inbox.decode_s - dec0
     spent["gc"] = _GC.total_s - gc0

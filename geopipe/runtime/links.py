@@ -161,6 +161,16 @@ class StageLinks:
             if r is not None:
                 r.join()
 
+    def codec_errors(self) -> dict[str, float]:
+        """The latest sampled relative error of each lossy WAN codec this replica sends
+        with ("forward": activations downstream, "backward": gradients upstream)."""
+        out = {}
+        for direction, ch in (("forward", self.down_send), ("backward", self.up_send)):
+            err = getattr(ch, "codec_error", None)
+            if err is not None:
+                out[direction] = err
+        return out
+
     def encode_s(self) -> float:
         """Seconds the WAN senders have spent encoding, cumulative."""
         return sum(ch.encode_s for ch in (self.up_send, self.down_send)

@@ -41,6 +41,9 @@ class StepMetrics:
     # the whole model's gradient norm: the stages' norms (each over its ZeRO-1 group)
     # combined in quadrature; a tied embedding's two copies both count
     grad_norm: float | None = None
+    # the worst sampled relative error of a lossy WAN codec, per direction ("forward":
+    # activations, "backward": gradients), over every replica that sends across a WAN link
+    codec_error: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {
@@ -55,6 +58,7 @@ class StepMetrics:
             "peak_activation_bytes": self.peak_activation_bytes,
             "lr": self.lr,
             "grad_norm": self.grad_norm,
+            "codec_error": self.codec_error,
         }
 
 
@@ -85,7 +89,17 @@ def aggregate(results: list[IterationResult], num_stages: int, tokens: int) -> S
         peak_activation_bytes=[held[k] for k in sorted(held)],
         lr=next((r.lr for r in results if r.lr is not None), None),
         grad_norm=_grad_norm(results),
+        codec_error=_codec_error(results),
     )
+
+
+def _codec_error(results: list[IterationResult]) -> dict[str, float]:
+    """The worst sampled codec error per direction over the replicas that reported one."""
+    out: dict[str, float] = {}
+    for r in results:
+        for direction, err in getattr(r, "codec_error", {}).items():
+            out[direction] = max(out.get(direction, 0.0), err)
+    return out
 
 
 def _grad_norm(results: list[IterationResult]) -> float | None:
@@ -179,6 +193,8 @@ class MetricsSink:
                 for key in TENSORBOARD_SCALARS:
                     if rec.get(key) is not None:
                         self._tb.add_scalar(f"train/{key}", float(rec[key]), m.step)
+                for direction, err in m.codec_error.items():
+                    self._tb.add_scalar(f"codec/error_{direction}", err, m.step)
             except Exception as exc:  # a full disk must not stop training: say so once
                 print(f"geopipe: warning: TensorBoard logging stopped: {exc}", file=sys.stderr)
                 self._tb = None

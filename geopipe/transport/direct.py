@@ -78,7 +78,9 @@ import torch
 from geopipe.transport.channel import Inbox
 from geopipe.transport.codec import (
     CorruptPayloadError,
+    Encoded,
     Sealed,
+    decode,
     make_codec,
     seal,
 )
@@ -113,6 +115,15 @@ __all__ = ["DirectReceiver", "DirectSender", "PeerLostError"]
 # connection (TCP_USER_TIMEOUT): a vanished host must not block flush() for ~15 minutes of
 # TCP retransmissions.
 _USER_TIMEOUT_S = 30.0
+
+
+def relative_error(t: torch.Tensor, enc: Encoded) -> float:
+    """How far a message's decoding is from the tensor sent: ||x̂ - x|| / ||x|| (0 for x = 0
+    sent exactly). Top-k's error is that of the message, not of the error-fed sum."""
+    x = t.detach().to(torch.float32).reshape(-1)
+    norm = float(x.norm())
+    diff = float((decode(enc).reshape(-1) - x).norm())
+    return diff / norm if norm > 0 else diff
 
 
 class PeerLostError(ConnectionError):
@@ -306,6 +317,9 @@ class DirectSender:
     # memory held twice (tensor and its encoding).
     _MAX_ENCODED = 2
     INLINE_BYTES = 1 << 20
+    # A lossy codec's error is measured on the first message and every ERROR_EVERY-th after
+    # it (decode what was sent, compare): one decode per 32 messages, on the encoding thread.
+    ERROR_EVERY = 32
 
     def __init__(
         self,
@@ -323,6 +337,10 @@ class DirectSender:
         self._codec_name = codec
         # seed: the link's Hadamard rotation (int4h, int2h), stable across runs and resumes
         self._codec = make_codec(codec, topk_ratio=topk_ratio, seed=seed)
+        self._lossy = codec != "none"
+        self._encoded = 0
+        # the latest sampled relative error ||decode(encode(x)) - x|| / ||x|| (None: none yet)
+        self.codec_error: float | None = None
         self.encode_s = 0.0  # seconds spent encoding (on the encoder thread), cumulative
         self._topk_ratio = topk_ratio
         self._direction = direction
@@ -444,6 +462,9 @@ class DirectSender:
         t0 = time.perf_counter()
         enc = self._codec.encode(t, key=stream, direction=self._direction)
         self.encode_s += time.perf_counter() - t0
+        self._encoded += 1
+        if self._lossy and self._encoded % self.ERROR_EVERY == 1:
+            self.codec_error = relative_error(t, enc)
         deliver_at = self._emulator.stamp(enc.payload_nbytes, sent_at) if self._emulator else 0.0
         return encode_frame(key, seal(enc), seq, deliver_at, sent_at)
 

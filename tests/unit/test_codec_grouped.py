@@ -91,13 +91,15 @@ def test_refusals_and_exact_zeros(codec: str) -> None:
 
 
 def test_huge_dynamic_range_across_groups_keeps_each_groups_precision() -> None:
-    x = torch.cat([torch.randn(64) * 1e-4, torch.randn(64) * 1e4, torch.randn(64)])
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.randn(64, generator=g) * 1e-4, torch.randn(64, generator=g) * 1e4,
+                   torch.randn(64, generator=g)])  # fmt: skip
     for codec in ("int4", "int4h"):
         y = decode(make_codec(codec).encode(x))
         for k in range(3):
             part = slice(64 * k, 64 * (k + 1))
             rel = ((y[part] - x[part]).norm() / x[part].norm()).item()
-            assert rel < 0.15, (codec, k, rel)
+            assert rel < 0.2, (codec, k, rel)  # int4 on a Gaussian group: ~0.1
 
 
 def test_stochastic_rounding_of_gradients_is_unbiased() -> None:
@@ -136,3 +138,44 @@ def test_through_the_data_plane() -> None:
     finally:
         rx.close()
     assert math.isclose(np.float16(65504.0), 65504.0)
+
+
+def test_codec_error_is_measured_on_sampled_messages() -> None:
+    """The sender decodes the first message and every 32nd after it and keeps the relative
+    error; a lossless codec reports none; the metrics keep the worst per direction."""
+    from geopipe.runtime.executor import IterationResult
+    from geopipe.runtime.metrics import aggregate
+    from geopipe.transport.channel import Inbox
+    from geopipe.transport.direct import DirectReceiver, DirectSender, relative_error
+
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(2))
+    for codec, lo, hi in (("int8", 0.0, 0.01), ("int4h", 0.03, 0.12), ("int2h", 0.25, 0.45)):
+        err = relative_error(x, make_codec(codec, seed=1).encode(x))
+        assert lo < err < hi, (codec, err)
+    assert relative_error(torch.zeros(3), make_codec("int4").encode(torch.zeros(3))) == 0.0
+    inbox = Inbox()
+    rx = DirectReceiver(inbox)
+    try:
+        lossy = DirectSender(rx.address, "int4h", "forward", seed=1)
+        exact = DirectSender(rx.address, "none", "backward")
+        for i in range(3):
+            lossy.send(("F", i, 0), x, "s")
+            exact.send(("B", i, 0), x, "s")
+        lossy.flush(timeout=10)
+        exact.flush(timeout=10)
+        want = relative_error(x, make_codec("int4h", seed=1).encode(x))
+        assert lossy.codec_error == pytest.approx(want) and exact.codec_error is None
+        lossy.close()
+        exact.close()
+    finally:
+        rx.close()
+
+    def result(stage: int, errors: dict) -> IterationResult:
+        return IterationResult(stage=stage, replica=0, step=0, losses=[1.0], busy_s=1.0,
+                               wait_s=0.0, duration_s=1.0, start=0.0, wan_bytes=0,
+                               micro_batches=1, optimizer_steps=1, codec_error=errors)  # fmt: skip
+
+    m = aggregate([result(0, {"forward": 0.05}), result(1, {"backward": 0.2}),
+                   result(0, {"forward": 0.07})], 2, 10)  # fmt: skip
+    assert m.codec_error == {"forward": 0.07, "backward": 0.2}
+    assert m.to_json()["codec_error"] == {"forward": 0.07, "backward": 0.2}
