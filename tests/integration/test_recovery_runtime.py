@@ -125,7 +125,7 @@ def test_only_holder_of_a_stage_falls_back_to_checkpoint(tmp_path):
 
 
 def test_losing_every_device_is_a_clear_error_and_keeps_the_checkpoint(tmp_path):
-    doc = tiny_doc(1, 1, steps=6)
+    doc = tiny_doc(1, 1, steps=40)  # the kill (after step 2) lands mid-run
     doc["training"]["checkpoint"] = {"every_steps": 1, "keep": 5}
 
     def kill_all(ctl: Controller) -> None:
@@ -136,7 +136,7 @@ def test_losing_every_device_is_a_clear_error_and_keeps_the_checkpoint(tmp_path)
                 ray.kill(a, no_restart=True)
 
     with pytest.raises(LaunchError, match="unrecoverable"):
-        run(doc, tmp_path, steps=6, kill=kill_all)
+        run(doc, tmp_path, steps=40, kill=kill_all)
     info = latest_complete(tmp_path / "checkpoints")
     assert info is not None and info.step >= 1  # the newest complete one survives, verified
 
