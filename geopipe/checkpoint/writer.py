@@ -140,6 +140,27 @@ def shard_bytes(
     return blob, info
 
 
+def _other_runs(final: Path, run_id: object) -> Path | None:
+    """Where to keep ``final`` if another run wrote it (e.g. the run a resumed run started
+    from, whose later checkpoints share the directory): ``step-N.prev-<its run id>``,
+    a name no listing treats as a checkpoint. None when ``final`` is absent, this run's
+    own (a corrupt one being re-saved), unreadable, or the new checkpoint has no run id."""
+    if not isinstance(run_id, str) or not final.is_dir():
+        return None
+    try:
+        old = json.loads((final / "manifest.json").read_text()).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(old, str) or old == run_id:
+        return None
+    target = final.with_name(f"{final.name}.prev-{old}")
+    n = 1
+    while target.exists():
+        n += 1
+        target = final.with_name(f"{final.name}.prev-{old}-{n}")
+    return target
+
+
 class CheckpointWriter:
     """One checkpoint being written: shards land in a tmp dir that `commit` renames into place.
 
@@ -229,6 +250,9 @@ class CheckpointWriter:
             self._closed = True
         _fsync(self.tmp_dir)
         final = self.root / step_dirname(self.step)
+        other = _other_runs(final, manifest.get("run_id"))
+        if other is not None:  # another run's checkpoint of this step: kept, renamed
+            os.rename(final, other)
         if final.exists():  # move the old one aside first so a crash leaves only tmp dirs
             trash = _trash_path(self.root, self.step)
             os.rename(final, trash)

@@ -94,3 +94,17 @@ def test_listing_reports_the_run(tmp_path: Path, verify: bool) -> None:
     assert [(i.step, i.run_id) for i in list_checkpoints(tmp_path, verify=verify)] == [
         (2, "A"), (4, None)
     ]  # fmt: skip
+
+
+def test_a_resumed_run_keeps_its_parents_later_checkpoint_of_the_same_step(tmp_path: Path) -> None:
+    """B resumed from A's step 2 in A's directory; when B saves step 4, A's step 4 is kept
+    (renamed, invisible to listings), not replaced; a run re-saving its own step replaces."""
+    for step in (2, 4):
+        save(tmp_path, step, "A")
+    a4 = digests(tmp_path / "step-00000004")
+    save(tmp_path, 4, "B", {"B": None, "A": 2})
+    kept = tmp_path / "step-00000004.prev-A"
+    assert digests(kept) == a4
+    assert [(i.step, i.run_id) for i in list_checkpoints(tmp_path)] == [(2, "A"), (4, "B")]
+    save(tmp_path, 4, "B", {"B": None, "A": 2})  # its own: replaced, nothing more kept
+    assert sorted(p.name for p in tmp_path.iterdir() if "prev" in p.name) == [kept.name]
