@@ -75,6 +75,9 @@ from geopipe.transport.security import make_credentials
 
 __all__ = ["Controller", "LaunchOptions", "RunResult", "State"]
 
+# A recovery interrupted by another death is retried from what is left, this many times.
+MAX_NESTED_RECOVERIES = 3
+
 
 @dataclass
 class LaunchOptions:
@@ -163,6 +166,7 @@ class Controller:
         self._resume: Any = None
         self.links_measured: list = []  # the WAN links as probed at launch
         self._stop_requested = False  # set by the first Ctrl-C while training
+        self._nested_failures = 0  # recoveries in a row that a further death interrupted
 
     # -- public surface ------------------------------------------------------------------------
     @property
@@ -294,9 +298,21 @@ class Controller:
         if isinstance(state, Running):
             return self._run(state.step)
         if isinstance(state, Recovering):
+            from ray.exceptions import RayActorError
+
             self._status(state.step, state)
             grace_s = max(5.0, 2 * self.calibrator.predicted_s)
-            rec = self.recovery.recover(state.step, state.refs, state.error, grace_s)
+            try:
+                rec = self.recovery.recover(state.step, state.refs, state.error, grace_s)
+            except RayActorError as exc:
+                # A survivor died while the job was being re-formed around it: recover
+                # again from what is left now (a bounded number of times).
+                self._nested_failures += 1
+                if self._nested_failures > MAX_NESTED_RECOVERIES:
+                    raise
+                pings = [a.ping.remote() for a in self.flat_actors()]
+                return Recovering(state.step, exc, pings)
+            self._nested_failures = 0
             self._relaid(rec.step)
             return Running(rec.step)
         if isinstance(state, Growing):
