@@ -83,7 +83,7 @@ def _events(run_dir: Path, kind: str) -> list[dict]:
 
 @pytest.mark.skipif(WHY is not None, reason=f"test bed: {WHY}")
 def test_training_across_namespaces_matches_the_emulated_run(tmp_path):
-    doc = tiny_doc(1, 1, steps=5)  # the cut, after step 1, lands mid-run
+    doc = tiny_doc(1, 1, steps=40)  # the cut, after step 1, lands mid-run
     doc["name"] = "testbed"
     doc["links"][0].update(latency_ms=LATENCY_MS, bandwidth_gbps=0.2)
     doc["ray"]["dashboard"] = False
