@@ -97,7 +97,8 @@ from geopipe.transport.security import (
     HandshakeError,
     RejectLog,
     RunCredentials,
-    client_handshake,
+    TlsSealer,
+    client_handshake_sealed,
     link_id,
     server_handshake,
 )
@@ -361,7 +362,7 @@ class DirectSender:
         self.messages = 0
         self.inline_messages = 0  # written (or begun) on the caller's thread
         self.inline_partial = 0  # of those, finished by the writer thread
-        self._sock = self._connect(address)
+        self._sock, self._tls = self._connect(address)
         self.address = address
         self._threads = [
             threading.Thread(target=self._encode_loop, name="direct-encode", daemon=True),
@@ -370,7 +371,7 @@ class DirectSender:
         for t in self._threads:
             t.start()
 
-    def _connect(self, address: tuple[str, int]) -> socket.socket:
+    def _connect(self, address: tuple[str, int]) -> tuple[socket.socket, TlsSealer | None]:
         deadline = time.monotonic() + self._connect_timeout_s
         while True:
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -385,15 +386,16 @@ class DirectSender:
                 if not retry or time.monotonic() >= deadline:
                     raise PeerLostError(f"cannot connect to {address}: {exc}") from exc
                 time.sleep(0.05)
+        tls = None
         if self._creds is not None:
             try:
-                sock = client_handshake(sock, self._creds, link_id(address))
+                sock, tls = client_handshake_sealed(sock, self._creds, link_id(address))
             except (HandshakeError, OSError) as exc:
                 sock.close()
                 raise PeerLostError(f"cannot authenticate to {address}: {exc}") from exc
         sock.settimeout(None)
         tune_stream(sock, self._user_timeout_s)
-        return sock
+        return sock, tls
 
     def send(self, key: Hashable, tensor: torch.Tensor, stream: str) -> int:
         """Queue one message; returns its bytes on the wire. ``stream`` names the top-k
@@ -420,19 +422,21 @@ class DirectSender:
                 self._cond.notify_all()
                 return nbytes
             self._inline = True
-            gen, seq, sock = self._gen, self._seq, self._sock
+            gen, seq, sock, tls = self._gen, self._seq, self._sock, self._tls
             self._seq += 1
-        self._write_inline(key, t, stream, gen, seq, sock)
+        self._write_inline(key, t, stream, (gen, seq, sock, tls))
         return nbytes
 
     def _write_inline(
-        self, key: Hashable, t: torch.Tensor, stream: str, gen: int, seq: int, sock: socket.socket
-    ) -> None:
+        self, key: Hashable, t: torch.Tensor, stream: str,
+        conn: tuple[int, int, socket.socket, TlsSealer | None],
+    ) -> None:  # fmt: skip
         """Encode and write one frame on the calling thread; hand the writer what the socket
         did not take. Failures are recorded like the threads' (raised by send/flush)."""
+        gen, seq, sock, tls = conn
         rest: list[memoryview] = []
         try:
-            bufs = self._encode(key, t, stream, seq, time.monotonic())
+            bufs = self._encode(key, t, stream, seq, time.monotonic(), tls)
             rest = send_without_waiting(sock, bufs)
         except BaseException as exc:
             self._fail(gen, exc)  # first: the writer must not send a later frame meanwhile
@@ -457,8 +461,10 @@ class DirectSender:
             self._cond.notify_all()
 
     def _encode(
-        self, key: Hashable, t: torch.Tensor, stream: str, seq: int, sent_at: float
-    ) -> list[memoryview]:
+        self, key: Hashable, t: torch.Tensor, stream: str, seq: int, sent_at: float,
+        tls: TlsSealer | None,
+    ) -> list[memoryview]:  # fmt: skip
+        """The frame's buffers as written to the socket (TLS records when encrypted)."""
         t0 = time.perf_counter()
         enc = self._codec.encode(t, key=stream, direction=self._direction)
         self.encode_s += time.perf_counter() - t0
@@ -466,7 +472,8 @@ class DirectSender:
         if self._lossy and self._encoded % self.ERROR_EVERY == 1:
             self.codec_error = relative_error(t, enc)
         deliver_at = self._emulator.stamp(enc.payload_nbytes, sent_at) if self._emulator else 0.0
-        return encode_frame(key, seal(enc), seq, deliver_at, sent_at)
+        bufs = encode_frame(key, seal(enc), seq, deliver_at, sent_at)
+        return tls.seal(bufs) if tls is not None else bufs
 
     def _fail(self, gen: int, exc: BaseException) -> None:
         """Record the failure of connection ``gen`` and drop everything queued for it."""
@@ -493,10 +500,10 @@ class DirectSender:
                 if self._closed:
                     return
                 key, t, stream, sent_at = self._queue.popleft()
-                gen, seq = self._gen, self._seq
+                gen, seq, tls = self._gen, self._seq, self._tls
                 self._seq += 1
             try:
-                bufs = self._encode(key, t, stream, seq, sent_at)
+                bufs = self._encode(key, t, stream, seq, sent_at, tls)
             except BaseException as exc:  # surfaced to the compute thread on send/flush
                 self._fail(gen, exc)
                 continue
@@ -554,9 +561,9 @@ class DirectSender:
         Unsent messages are dropped: they belonged to the failed iteration, which the
         runtime replays. Frame numbers restart; the codec state (error feedback) is kept.
         """
-        sock = self._connect(address)
+        sock, tls = self._connect(address)
         with self._cond:
-            old, self._sock = self._sock, sock
+            old, self._sock, self._tls = self._sock, sock, tls
             self.address = address
             self._gen += 1
             self._seq = 0

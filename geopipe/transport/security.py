@@ -50,7 +50,9 @@ __all__ = [
     "HandshakeError",
     "RejectLog",
     "RunCredentials",
+    "TlsSealer",
     "client_handshake",
+    "client_handshake_sealed",
     "make_credentials",
     "server_handshake",
 ]
@@ -158,6 +160,8 @@ def _context(creds: RunCredentials, server: bool) -> ssl.SSLContext:
             return ctx
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server else ssl.PROTOCOL_TLS_CLIENT)
         ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+        if server:
+            ctx.num_tickets = 0  # nobody resumes: a client never reads what it does not need
         ctx.check_hostname = False  # the run's CA is the identity: addresses change on recovery
         ctx.verify_mode = ssl.CERT_REQUIRED
         ctx.load_verify_locations(cadata=(creds.ca_pem or b"").decode())
@@ -212,13 +216,13 @@ def _send(sock: socket.socket, data: bytes, deadline: float) -> None:
         raise HandshakeError(f"connection lost during the handshake: {exc}") from None
 
 
-def _wrap(sock: socket.socket, creds: RunCredentials, server: bool, deadline: float
-          ) -> socket.socket:  # fmt: skip
+def _wrap(sock: socket.socket, creds: RunCredentials, server: bool, deadline: float,
+          tls: bool = True) -> socket.socket:  # fmt: skip
     # The exchange is a few small writes each way: Nagle plus delayed ACKs would add ~40 ms
     # to it (measured on loopback). Both data paths run without Nagle anyway.
     with contextlib.suppress(OSError):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    if not creds.encrypt:
+    if not (creds.encrypt and tls):
         return sock
     sock.settimeout(max(deadline - time.monotonic(), 0.001))
     try:
@@ -259,6 +263,29 @@ def client_handshake(
     dialled, ``host:port``); returns the socket to use, in blocking mode."""
     deadline = time.monotonic() + timeout_s
     sock = _wrap(sock, creds, False, deadline)
+    _client_exchange(sock, creds, link, deadline)
+    sock.settimeout(None)
+    return sock
+
+
+def client_handshake_sealed(
+    sock: socket.socket, creds: RunCredentials, link: str,
+    timeout_s: float = HANDSHAKE_TIMEOUT_S,
+) -> tuple[socket.socket, TlsSealer | None]:  # fmt: skip
+    """`client_handshake` for a connection that only sends: returns the plain socket and,
+    when the run encrypts, the `TlsSealer` that turns frames into TLS records for it."""
+    deadline = time.monotonic() + timeout_s
+    sock = _wrap(sock, creds, False, deadline, tls=False)
+    sealer = None
+    if creds.encrypt:
+        sealer = TlsSealer(sock, _context(creds, False), deadline)
+    _client_exchange(sealer or sock, creds, link, deadline)  # type: ignore[arg-type]
+    sock.settimeout(None)
+    return sock, sealer
+
+
+def _client_exchange(sock: socket.socket, creds: RunCredentials, link: str, deadline: float
+                     ) -> None:  # fmt: skip
     cn = secrets.token_bytes(_NONCE)
     _send(sock, _HELLO + bytes([_VERSION]) + cn, deadline)
     sn = _recv_exact(sock, _NONCE, deadline)
@@ -266,8 +293,79 @@ def client_handshake(
     if not hmac.compare_digest(_recv_exact(sock, _MAC, deadline),
                                _mac(creds, b"server", link, cn, sn)):  # fmt: skip
         raise HandshakeError(f"the server at {link} does not hold the run's secret")
-    sock.settimeout(None)
-    return sock
+
+
+class TlsSealer:
+    """The sending side of a TLS 1.3 connection whose records are made in memory
+    (`ssl.MemoryBIO`) and written by the caller to the plain socket.
+
+    [Note: TLS records are sealed apart from the socket]
+    An `ssl.SSLSocket` cannot take part of a non-blocking write and the rest later from
+    another thread, so the data plane's inline send (the compute thread hands the kernel
+    what fits and the writer thread the rest) had to block on a full send buffer; on a
+    bandwidth-bound link that stalled compute (step time ×1.07 with TLS at 200 Mbit/s,
+    40 ms; `benchmarks/security.py`). Sealed into bytes first, a frame's records go through
+    the same non-blocking path as plain frames. Records come out in the order ``seal`` is
+    called: the sender seals in frame order and writes in that order.
+    """
+
+    def __init__(self, sock: socket.socket, ctx: ssl.SSLContext, deadline: float) -> None:
+        self._sock = sock
+        self._in, self._out = ssl.MemoryBIO(), ssl.MemoryBIO()
+        self._tls = ctx.wrap_bio(self._in, self._out, server_side=False)
+        self._deadline = deadline
+        while True:
+            try:
+                self._tls.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                self._pump()
+            except ssl.SSLError as exc:
+                raise HandshakeError(f"TLS handshake failed: {exc.reason or exc}") from None
+        self._flush()
+
+    def seal(self, bufs: list[memoryview]) -> list[memoryview]:
+        """The TLS records carrying ``bufs``, in order (the GIL is released while sealing)."""
+        for b in bufs:
+            if b.nbytes:
+                self._tls.write(b.cast("B"))
+        return [memoryview(self._out.read())]
+
+    # socket-like surface for the handshake's own messages (blocking, with its deadline)
+
+    def settimeout(self, timeout: float | None) -> None:
+        self._sock.settimeout(timeout)
+
+    def sendall(self, data: bytes) -> None:
+        self._tls.write(data)
+        self._flush()
+
+    def recv(self, n: int) -> bytes:
+        while True:
+            try:
+                return self._tls.read(n)
+            except ssl.SSLWantReadError:
+                if not self._pump():
+                    return b""
+
+    def _flush(self) -> None:
+        if self._out.pending:
+            self._sock.sendall(self._out.read())
+
+    def _pump(self) -> bool:
+        """Send what TLS wrote, read what the peer sent; False on the peer's EOF."""
+        self._flush()
+        self._sock.settimeout(max(self._deadline - time.monotonic(), 0.001))
+        try:
+            data = self._sock.recv(1 << 16)
+        except TimeoutError:
+            raise HandshakeError("handshake deadline passed") from None
+        except OSError as exc:
+            raise HandshakeError(f"connection lost during the handshake: {exc}") from None
+        if not data:
+            raise HandshakeError("peer closed during the TLS handshake")
+        self._in.write(data)
+        return True
 
 
 def link_id(address: tuple[str, int]) -> str:

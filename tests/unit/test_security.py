@@ -133,6 +133,30 @@ def test_an_oversized_frame_from_the_run_fails_the_link_not_the_process() -> Non
         rx.close()
 
 
+def test_tls_frames_written_in_parts_arrive_whole_and_in_order() -> None:
+    """The sender seals frames into TLS records in memory and writes them like plain
+    frames: inline writes the socket takes only in part (a small send buffer, a receiver
+    that reads late) are finished by the writer thread, and large frames go through the
+    encoder and writer threads, all in one TLS stream the receiver decrypts in order."""
+    inbox = Inbox()
+    rx = DirectReceiver(inbox, creds=TLS)
+    tx = DirectSender(rx.address, "none", "forward", creds=TLS)
+    try:
+        tx._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16384)
+        g = torch.Generator().manual_seed(0)
+        sent = [torch.randn(n, generator=g) for n in [1 << 16] * 24 + [1 << 19] * 3 + [7]]
+        for i, x in enumerate(sent):
+            tx.send(("F", i, 0), x, "a")
+        tx.flush(timeout=60)
+        for i, x in enumerate(sent):
+            assert torch.equal(inbox.get(("F", i, 0), timeout=30), x)
+        assert tx.inline_messages > 0 and tx.inline_partial > 0  # both paths were taken
+        assert tx.bytes_written > sum(x.numel() * 4 for x in sent)  # TLS records, not clear
+    finally:
+        tx.close()
+        rx.close()
+
+
 def test_plaintext_client_cannot_handshake_with_a_tls_server() -> None:
     rx = DirectReceiver(Inbox(), creds=TLS)
     try:
