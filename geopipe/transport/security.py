@@ -302,9 +302,9 @@ class TlsSealer:
     [Note: TLS records are sealed apart from the socket]
     An `ssl.SSLSocket` cannot take part of a non-blocking write and the rest later from
     another thread, so the data plane's inline send (the compute thread hands the kernel
-    what fits and the writer thread the rest) had to block on a full send buffer; on a
-    bandwidth-bound link that stalled compute (step time ×1.07 with TLS at 200 Mbit/s,
-    40 ms; `benchmarks/security.py`). Sealed into bytes first, a frame's records go through
+    what fits, the writer thread the rest) would block compute on a full send buffer: step
+    time ×1.07 of plain at 200 Mbit/s, 40 ms, against ×1.02 sealed apart
+    (`benchmarks/security.py`). Sealed into bytes first, a frame's records go through
     the same non-blocking path as plain frames. Records come out in the order ``seal`` is
     called: the sender seals in frame order and writes in that order.
     """
