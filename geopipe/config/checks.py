@@ -17,7 +17,7 @@ from geopipe.config.specs import (
 )
 from geopipe.model.sizes import num_layers, param_totals, train_bytes_per_param
 from geopipe.pipeline.partition import order_sites
-from geopipe.transport.wire import CODECS
+from geopipe.transport.wire import CODECS, check_codec
 
 __all__ = ["choice_values", "cross_check"]
 
@@ -79,11 +79,16 @@ def cross_check(spec: ClusterSpec) -> Problems:
         if (lk.src, lk.dst) in seen_dirs:
             problems.append((f"links[{i}]", f"link {lk.src} -> {lk.dst} is given twice"))
         seen_dirs.add((lk.src, lk.dst))
-        if lk.codec not in CODECS:
+        if not _known_codec(lk.codec):
             problems.append((f"links[{i}].codec", f"unknown codec '{lk.codec}' (one of {CODECS})"))
     for i, c in enumerate(spec.plan.codecs or []):
-        if c not in CODECS:
+        if not _known_codec(c):
             problems.append((f"plan.codecs[{i}]", f"unknown codec '{c}' (one of {CODECS})"))
+    for i, site in enumerate(spec.sites):
+        for c in site.codec_gb_per_s:
+            if c not in CODECS:
+                problems.append((f"sites[{i}].codec_gb_per_s.{c}",
+                                 f"unknown codec '{c}' (one of {CODECS})"))  # fmt: skip
     if problems:
         return problems
 
@@ -275,6 +280,14 @@ def _sites_form_a_chain(spec: ClusterSpec) -> bool:
 
     try:
         order_sites([s.name for s in spec.sites], hop)
+    except ValueError:
+        return False
+    return True
+
+
+def _known_codec(codec: str) -> bool:
+    try:
+        check_codec(codec)
     except ValueError:
         return False
     return True

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     ValidationError,
@@ -142,6 +143,20 @@ def _name(max_len: int) -> Any:
 SiteName = _name(64)
 RunName = _name(128)
 
+
+def _codec_setting(v: Any) -> Any:
+    """A boundary's codec: one name for both directions, ``"fwd/bwd"``, or
+    ``{forward: fwd, backward: bwd}`` (kept as ``"fwd/bwd"``; checked by `check_spec`)."""
+    if not isinstance(v, dict):
+        return v
+    if set(v) != {"forward", "backward"} or not all(isinstance(x, str) for x in v.values()):
+        raise ValueError("give a codec name, or {forward: <codec>, backward: <codec>}")
+    f, b = v["forward"], v["backward"]
+    return f if f == b else f"{f}/{b}"
+
+
+CodecSetting = Annotated[str, BeforeValidator(_codec_setting)]
+
 # Physical ranges (units in the key names). Wide enough for any real hardware, narrow
 # enough that every time and byte count the planner derives stays a finite float.
 TFLOPS = _bounded(1e-6, 1e4, lo_open=True, unit="TFLOP/s")
@@ -210,6 +225,11 @@ class SiteSpec(_Spec):
         None, description="host RAM per node; when given, the planner checks that the "
         "recovery snapshots (training.recovery_snapshots) fit in it",
     )  # fmt: skip
+    codec_gb_per_s: dict[str, MEM_BW_GB_PER_S] = Field(
+        default_factory=dict,
+        description="encode + decode speed of each codec on one device, GB/s of the "
+        "uncompressed tensor (measured at launch with plan.calibrate; missing: nominal)",
+    )
 
     @property
     def devices(self) -> int:
@@ -228,7 +248,7 @@ class LinkSpec(_Spec):
     bandwidth_gbps: BANDWIDTH_GBPS
     latency_ms: LATENCY_MS
     loss: LOSS = 0.0
-    codec: str = "none"
+    codec: CodecSetting = Field("none", description="or {forward: …, backward: …}")
 
     @property
     def bandwidth_bps(self) -> float:
@@ -488,7 +508,16 @@ class PlanSpec(_Spec):
     micro_batch_size: Choice = Range(min=1, max=64)
     seq_len: Choice | None = Field(None, description="default: model.max_seq_len")
     delta_n: Choice = Field(Range(min=0, max=64), description=f"at most {MAX_DELTA_N}")
-    codecs: list[str] | None = Field(None, description="codecs to search (default: each link's)")
+    codecs: list[CodecSetting] | None = Field(
+        None,
+        description="codecs to search, each direction of a boundary on its own "
+        "(default: each link's setting)",
+    )
+    max_codec_error: FRACTION | None = Field(
+        None,
+        description="a boundary whose sampled relative codec error exceeds this switches "
+        "that direction to the next finer codec",
+    )
     pipelines: Choice | None = Field(None, description="data-parallel degree D (default: search)")
     topk_ratio: FRACTION = 0.01
     ga: GASpec = GASpec()
@@ -565,7 +594,10 @@ class ClusterSpec(_Spec):
         hash leaves out the `transformers`-only model fields, so it is what it was before
         they existed."""
         # How the data plane is protected changes no number a checkpoint holds.
-        exclude: dict = {"security": True, "health": True}
+        # Neither a machine's measured codec speeds nor the codec error policy change what
+        # a checkpoint holds.
+        exclude: dict = {"security": True, "health": True, "plan": {"max_codec_error"},
+                         "sites": {"__all__": {"codec_gb_per_s"}}}  # fmt: skip
         if not self.model.is_hf:
             exclude["model"] = {"hf", *HF_ONLY_FIELDS}
         doc = self.model_dump(mode="json", by_alias=True, exclude=exclude)

@@ -24,6 +24,7 @@ import secrets
 import shutil
 import sys
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -337,8 +338,15 @@ def _encoded(tasks: list[tuple[_Piece, ...]], init: tuple, processes: int) -> It
     saved = os.environ.get(_PARALLELISM)
     os.environ[_PARALLELISM] = "false"
     try:
-        with mp.get_context(method).Pool(processes, _init_worker, init) as pool:
-            yield pool.imap(_encode_task, tasks, chunksize=1)
+        # concurrent.futures, not multiprocessing.Pool: Pool.terminate (its __exit__ after
+        # an error such as a bad JSONL line) can deadlock its task-handler thread on the
+        # queue's lock, a hang seen in the suite; the executor's shutdown cancels what has
+        # not started and waits for what has.
+        pool = ProcessPoolExecutor(processes, mp.get_context(method), _init_worker, init)
+        try:
+            yield pool.map(_encode_task, tasks)
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
     finally:
         if saved is None:
             os.environ.pop(_PARALLELISM, None)

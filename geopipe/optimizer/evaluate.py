@@ -9,14 +9,14 @@ partitions and whole evaluations are cached, because the genetic search revisits
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import pairwise
 
 import numpy as np
 
-from geopipe.config import ClusterSpec, choice_values
+from geopipe.config import ClusterSpec, SiteSpec, choice_values
 from geopipe.model.sizes import (
     elem_bytes,
     layer_forward_flops,
@@ -51,7 +51,14 @@ from geopipe.pipeline.schedule import (
     make_schedule,
 )
 from geopipe.plan import Plan, Shape
-from geopipe.transport.wire import MAX_TOPK_NUMEL, codec_throughput_bytes_per_s, wire_bytes
+from geopipe.transport.wire import (
+    MAX_TOPK_NUMEL,
+    codec_pair,
+    codec_throughput_bytes_per_s,
+    direction_codec,
+    pair_name,
+    wire_bytes,
+)
 
 __all__ = [
     "TIE_TOLERANCE",
@@ -182,6 +189,23 @@ def choose(evaluations: Iterable[Evaluation]) -> Evaluation | None:
                                     e.candidate.delta_n))  # fmt: skip
 
 
+def codec_space(settings: Sequence[str]) -> tuple[str, ...]:
+    """Every boundary setting the search may choose from ``plan.codecs``: each direction on
+    its own (activations and gradients tolerate different codecs, and a link's two
+    directions may differ in speed), the settings as listed first."""
+    fwd = dict.fromkeys(codec_pair(c)[0] for c in settings)
+    bwd = dict.fromkeys(codec_pair(c)[1] for c in settings)
+    pairs = [pair_name(f, b) for f in fwd for b in bwd]
+    return tuple(dict.fromkeys([*settings, *pairs]))
+
+
+def codec_speed(site: SiteSpec, codec: str) -> float:
+    """Encode + decode bytes (of the uncompressed tensor) per second of ``codec`` on
+    ``site``: measured at launch (``plan.calibrate``) or given in the YAML, else nominal."""
+    measured = site.codec_gb_per_s.get(codec)
+    return measured * 1e9 if measured else codec_throughput_bytes_per_s(codec)
+
+
 @dataclass(frozen=True)
 class SearchSpace:
     """Candidate values of every gene; the search never leaves these lists."""
@@ -193,6 +217,7 @@ class SearchSpace:
     codecs: tuple[str, ...]
     wan_boundaries: int
     schedule: str
+    listed_codecs: int = 0  # codecs[:listed_codecs] as plan.codecs lists them (0: all)
 
     def valid(self, d: int, b: int, global_batch: int) -> bool:
         return global_batch % (d * b) == 0
@@ -247,7 +272,8 @@ class Evaluator:
         for j in any_shape.wan_boundaries:
             lk = spec.link(any_shape.stage_sites[j], any_shape.stage_sites[j + 1])
             link_codecs.append(lk.codec if lk else "none")
-        codecs = tuple(pl.codecs) if pl.codecs else tuple(dict.fromkeys(link_codecs or ["none"]))
+        listed = tuple(dict.fromkeys(pl.codecs or link_codecs or ["none"]))
+        codecs = codec_space(listed) if pl.codecs else listed
         sched = schedule or pl.schedule
         if sched == AUTO:  # chosen at the plan level (plan_cluster); templates, fixed
             sched = AUTO_CHOICES[0]  # evaluations and the like score plain look-ahead
@@ -268,6 +294,7 @@ class Evaluator:
             codecs=codecs,
             wan_boundaries=wan,
             schedule=sched,
+            listed_codecs=len(listed),
         )
         self._cache: dict[Candidate, Evaluation] = {}
         self.evaluations = 0  # distinct candidates scored
@@ -300,7 +327,8 @@ class Evaluator:
     def unusable(self, plan: Plan) -> str:
         """Why ``plan`` cannot run whatever the memory (empty if it can)."""
         elems = boundary_message_elems(self.spec.model, plan.micro_batch_size, plan.seq_len)
-        if elems > MAX_TOPK_NUMEL and "topk" in (plan.codecs[j] for j in plan.wan_boundaries):
+        used = {c for j in plan.wan_boundaries for c in codec_pair(plan.codecs[j])}
+        if elems > MAX_TOPK_NUMEL and "topk" in used:
             return (
                 f"topk cannot encode a message of {elems:,} elements (int32 indices: at most "
                 f"{MAX_TOPK_NUMEL:,})"
@@ -347,14 +375,15 @@ class Evaluator:
                 lat_f.append(site.intra_latency_ms / 1e3)
                 lat_b.append(site.intra_latency_ms / 1e3)
                 continue
-            codec = plan.codecs[j]
-            if codec == "topk" and elems > MAX_TOPK_NUMEL:
-                codec = "bf16"  # topk cannot send it (_evaluate rejects such plans): price as bf16
-            codec_s = raw / codec_throughput_bytes_per_s(codec)
             for direction, (a_, z_), ser, lat in (
                 ("forward", (src, dst), ser_f, lat_f),
                 ("backward", (dst, src), ser_b, lat_b),
             ):
+                codec = direction_codec(plan.codecs[j], direction)
+                if codec == "topk" and elems > MAX_TOPK_NUMEL:
+                    codec = "bf16"  # topk cannot send it (_evaluate rejects such plans)
+                # encoded at the sending site, decoded at the receiving one
+                codec_s = raw / codec_speed(spec.site(a_), codec)
                 lk = spec.link(a_, z_)
                 nbytes = wire_bytes(codec, elems, model.n_embd, e, direction, spec.plan.topk_ratio)
                 # D pipelines share the link: each gets 1/D of the bandwidth.

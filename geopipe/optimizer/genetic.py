@@ -78,6 +78,10 @@ class _Genes:
         )
         self.w = w
         self.ups = [len(lst) - 1 for lst in self.lists]  # the largest index of every gene
+        # The GA draws codecs from the settings as listed (each one for both directions);
+        # the polish also tries every per-direction mix (SearchSpace.listed_codecs).
+        listed = (sp.listed_codecs or len(sp.codecs)) - 1
+        self.draw_ups = self.ups[: 3 + w] + [min(up, listed) for up in self.ups[3 + w :]]
         self.seen: dict[Candidate, Evaluation] = {}  # every candidate this search scored
         self._estimates: dict[tuple[int, ...], list[int]] = {}
 
@@ -230,7 +234,7 @@ def _sweep(genes: _Genes) -> list[list[int]]:
             if not sp.valid(d, b, genes.gbs):
                 continue
             for si in range(len(sp.seq_lens)):
-                for ci in range(len(sp.codecs)):
+                for ci in range(sp.listed_codecs or len(sp.codecs)):
                     g = [di, bi, si] + [0] * w + [ci] * w
                     g[3 : 3 + w] = genes.estimate(g)
                     out.append(g)
@@ -250,7 +254,7 @@ def _initial_population(genes: _Genes, population: int) -> list:
         ind.fitness.values = genes.fitness(ind)
     pop = tools.selBest(pop, min(len(pop), population // 2))
     while len(pop) < population:
-        ind = creator.GeoPipeGenome([_draw(i, up, genes.w) for i, up in enumerate(genes.ups)])
+        ind = creator.GeoPipeGenome([_draw(i, up, genes.w) for i, up in enumerate(genes.draw_ups)])
         ind.fitness.values = genes.fitness(ind)
         pop.append(ind)
     return pop
@@ -269,7 +273,7 @@ def _evolve(
     choice take care of memory); returns the last population, the best genome seen and the
     generations run. ``trace`` (tests) gets the best fitness of every generation."""
     ga = genes.ev.spec.plan.ga
-    tb = _toolbox(genes.ups, genes.w)
+    tb = _toolbox(genes.draw_ups, genes.w)
     best = tools.selBest(pop, 1)[0]
     best_key, stale, gen = best.fitness.values, 0, 0
     for gen in range(1, generations + 1):  # noqa: B007 - gen is reported

@@ -15,7 +15,7 @@ from geopipe.optimizer.evaluate import Candidate, Evaluation, Evaluator
 from geopipe.optimizer.exhaustive import exhaustive_search
 from geopipe.optimizer.genetic import SearchResult, genetic_search
 from geopipe.pipeline.schedule import AUTO, AUTO_CHOICES
-from geopipe.transport.wire import CODECS
+from geopipe.transport.wire import CODECS, check_codec
 
 __all__ = ["AUTO_MIN_GAIN", "PlanReport", "evaluate_fixed", "plan_cluster"]
 
@@ -126,8 +126,14 @@ def evaluate_fixed(
         raise PlanningError(
             f"--seq-len must be in [1, model.max_seq_len={spec.model.max_seq_len}], got {seq_len}"
         )
-    if codec is not None and codec not in CODECS:
-        raise PlanningError(f"--codec must be one of {', '.join(CODECS)}, got {codec!r}")
+    if codec is not None:
+        try:
+            check_codec(codec)
+        except ValueError:
+            raise PlanningError(
+                f"--codec must be one of {', '.join(CODECS)} or 'forward/backward' (int4h/int8), "
+                f"got {codec!r}"
+            ) from None
     gbs = spec.training.global_batch_size
     if micro_batch_size < 1 or gbs % (d * micro_batch_size):
         raise PlanningError(

@@ -108,7 +108,7 @@ from geopipe.transport.sockets import (
     shutdown_socket,
     tune_stream,
 )
-from geopipe.transport.wire import wire_bytes
+from geopipe.transport.wire import direction_codec, wire_bytes
 
 __all__ = ["DirectReceiver", "DirectSender", "PeerLostError"]
 
@@ -335,6 +335,7 @@ class DirectSender:
         seed: int = 0,
     ) -> None:
         self._creds = creds
+        codec = direction_codec(codec, direction)  # a boundary's "forward/backward" setting
         self._codec_name = codec
         # seed: the link's Hadamard rotation (int4h, int2h), stable across runs and resumes
         self._codec = make_codec(codec, topk_ratio=topk_ratio, seed=seed)

@@ -23,9 +23,29 @@ MAX_TOPK_NUMEL = 2**31 - 1
 
 
 def check_codec(codec: str) -> None:
-    """Reject unknown codec names early, so a typo in a config fails before training starts."""
-    if codec not in CODECS:
-        raise ValueError(f"unknown codec {codec!r}; expected one of {CODECS}")
+    """Reject unknown codec names early, so a typo in a config fails before training starts.
+    A boundary's setting may name one codec per direction: ``"forward/backward"``."""
+    parts = codec.split("/")
+    if len(parts) > 2 or any(c not in CODECS for c in parts):
+        raise ValueError(f"unknown codec {codec!r}; expected one of {CODECS} (or 'fwd/bwd')")
+
+
+def codec_pair(codec: str) -> tuple[str, str]:
+    """``(forward, backward)`` codecs of a boundary's setting: activations downstream use the
+    first, gradients upstream the second; one name means the same codec both ways."""
+    f, _, b = codec.partition("/")
+    return f, b or f
+
+
+def pair_name(forward: str, backward: str) -> str:
+    """The setting naming ``forward`` and ``backward`` (one name when they agree)."""
+    return forward if forward == backward else f"{forward}/{backward}"
+
+
+def direction_codec(codec: str, direction: str) -> str:
+    """The codec a boundary's setting ``codec`` uses in ``direction``."""
+    check_direction(direction)
+    return codec_pair(codec)[direction == "backward"]
 
 
 def check_direction(direction: str) -> None:
@@ -70,7 +90,8 @@ def wire_bytes(
     direction: str = "forward",
     topk_ratio: float = 0.01,
 ) -> int:
-    """Exact payload bytes of one encoded tensor (excluding the small fixed header).
+    """Exact payload bytes of one encoded tensor (excluding the small fixed header); a
+    per-direction setting (``"int4h/int8"``) counts ``direction``'s codec.
 
     `row_len` is the size of the last dimension (1 for a scalar); `elem_bytes` is the size of
     the tensor's own dtype, which only matters for the uncompressed "none" codec. Top-k is only
@@ -78,7 +99,7 @@ def wire_bytes(
     with "topk" go as bf16.
     """
     check_codec(codec)
-    check_direction(direction)
+    codec = direction_codec(codec, direction)
     if numel < 0:
         raise ValueError(f"numel must be >= 0, got {numel}")
     if codec == "none":
@@ -100,8 +121,9 @@ def wire_bytes(
 
 
 # Nominal encode+decode throughput (bytes of the original fp32 tensor per second) for each
-# codec. These are defaults the planner uses to charge compression time against WAN time;
-# they are not measured on this machine, so the planner may override them with benchmarks.
+# codec, which the planner charges against WAN time when nothing better is known: a launch
+# with `plan.calibrate` measures each searched codec on its machine, and a site's YAML may
+# give `codec_gb_per_s` (`geopipe.optimizer.evaluate.codec_speed`).
 _NOMINAL_CODEC_THROUGHPUT: dict[str, float] = {
     "none": math.inf,
     "fp16": 8e9,
@@ -117,6 +139,8 @@ _NOMINAL_CODEC_THROUGHPUT: dict[str, float] = {
 def codec_throughput_bytes_per_s(codec: str) -> float:
     """Nominal encode+decode speed of `codec`, so the planner can price compression CPU time."""
     check_codec(codec)
+    if "/" in codec:
+        raise ValueError(f"{codec!r} names a codec per direction: price each direction's")
     return _NOMINAL_CODEC_THROUGHPUT[codec]
 
 

@@ -128,6 +128,16 @@ def test_int8_codec_stays_close_and_sends_fewer_bytes(tmp_path):
     assert losses != ref_losses  # the codec really is in the path
     assert max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)) < 2e-2
     assert none_bytes / int8_bytes == pytest.approx(4 / (1 + 4 / 32), rel=1e-6)
+    # One codec per direction, as a YAML link says it: int8 activations, exact gradients.
+    doc = tiny_doc(1, 1, "int8")
+    doc["name"] = "t11mixed"
+    doc["links"][0]["codec"] = {"forward": "int8", "backward": "none"}
+    doc["plan"]["codecs"] = [{"forward": "int8", "backward": "none"}]
+    ctl, mixed, _ = run_pipeline(doc, tmp_path / "mixed")
+    assert ctl.plan.codecs == ("int8/none",)
+    assert _wan_bytes(tmp_path / "mixed") == (none_bytes + int8_bytes) / 2
+    assert mixed != losses and mixed != ref_losses
+    assert max(abs(a - b) for a, b in zip(mixed, ref_losses, strict=True)) < 2e-2
 
 
 def _wan_bytes(run_dir: Path) -> int:

@@ -20,6 +20,8 @@ from geopipe.runtime.calibration import (
     boundary_offsets,
     fifo_excess,
     measured_stage_times,
+    profile_machine,
+    searched_codecs,
     with_real_transport,
 )
 from geopipe.runtime.executor import IterationResult
@@ -108,3 +110,19 @@ def test_calibrator_predicts_what_the_simulator_ran():
     assert plan.delta_n[0] > 0  # the 25 ms link needs a look-ahead
     slower = replace(truth, lat_f=(truth.lat_f[0] * 1.25,), lat_b=(truth.lat_b[0] * 1.25,))
     assert predict(plan, slower) <= predict(replace(plan, delta_n=(0,)), slower)
+
+
+def test_launch_profile_measures_each_searched_codec_and_keeps_the_yaml_s():
+    """The codecs the search may choose (both directions of every listed setting) are timed
+    on this machine and priced by the planner; a speed the YAML gives for a site stands."""
+    doc = yaml.safe_load(Path("clusters/local-2dc.yaml").read_text())
+    doc["plan"]["codecs"] = ["none", "int4h/int8"]
+    doc["sites"][1]["codec_gb_per_s"] = {"int8": 123.0}
+    spec = parse_cluster(doc, "t")
+    assert searched_codecs(spec) == ["int4h", "int8"]
+    got = profile_machine(spec, 1, 64)
+    east, west = (s.codec_gb_per_s for s in got.sites)
+    assert set(east) == {"int4h", "int8"} and all(0 < v < 100 for v in east.values())
+    assert west == {"int4h": east["int4h"], "int8": 123.0}
+    # int8 is a round and a scale per row, int4h a rotation and packing per 64-group
+    assert east["int8"] > east["int4h"]

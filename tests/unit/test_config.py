@@ -240,6 +240,24 @@ def test_unknown_codec() -> None:
     doc = _doc()
     doc["plan"]["codecs"] = ["none", "int3"]
     assert "unknown codec 'int3'" in _find(_problems(doc), "plan.codecs[1]")
+    doc = _doc()
+    doc["links"][0]["codec"] = {"forward": "int4h", "backward": "int3"}
+    assert "unknown codec 'int4h/int3'" in _find(_problems(doc), "links[0].codec")
+    doc = _doc()
+    doc["links"][0]["codec"] = {"forward": "int4h"}
+    assert "{forward: <codec>, backward: <codec>}" in _find(_problems(doc), "links[0].codec")
+    doc = _doc()
+    doc["sites"][1]["codec_gb_per_s"] = {"int8": 2.0, "zstd": 1.0}
+    assert "unknown codec 'zstd'" in _find(_problems(doc), "sites[1].codec_gb_per_s.zstd")
+
+
+def test_a_codec_per_direction() -> None:
+    doc = _doc()
+    doc["links"][0]["codec"] = {"forward": "int4h", "backward": "int8"}
+    doc["plan"]["codecs"] = ["none", {"forward": "int8", "backward": "int8"}, "int4h/none"]
+    spec = parse_cluster(doc, SOURCE)
+    assert spec.links[0].codec == "int4h/int8"
+    assert spec.plan.codecs == ["none", "int8", "int4h/none"]
 
 
 def test_heads_must_divide_embedding() -> None:

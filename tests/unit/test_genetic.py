@@ -184,8 +184,8 @@ def test_exhaustive_counts_every_valid_candidate_once() -> None:
     ev = Evaluator(spec)
     sp = ev.space
     assert sp.wan_boundaries == 2
-    # micro-batch 1, 2, 4 all divide 16; ΔN 0..5 and 2 codecs per boundary
-    assert sp.size(16) == 3 * 6**2 * 2**2
+    # micro-batch 1, 2, 4 all divide 16; ΔN 0..5 and 2 codecs per boundary and direction
+    assert sp.size(16) == 3 * 6**2 * (2 * 2) ** 2
     r = exhaustive_search(ev)
     assert r.evaluations == sp.size(16)  # every candidate scored, most by bounds in bulk
     assert 0 < r.simulated == ev.evaluations < sp.size(16)

@@ -4,7 +4,6 @@ output whatever the process count, clear one-line errors, and the built-in stdli
 from __future__ import annotations
 
 import json
-import multiprocessing.pool
 import os
 import subprocess
 import sys
@@ -147,12 +146,12 @@ def test_byte_identical_whatever_the_process_count(
     assert len(prepare._plan(prepare.collect_inputs(inputs), "text")) >= 6
     pools: list[int] = []
 
-    class Spy(multiprocessing.pool.Pool):
+    class Spy(prepare.ProcessPoolExecutor):
         def __init__(self, processes: int, *args: Any, **kwargs: Any) -> None:
             pools.append(processes)
             super().__init__(processes, *args, **kwargs)
 
-    monkeypatch.setattr(multiprocessing.pool, "Pool", Spy)
+    monkeypatch.setattr(prepare, "ProcessPoolExecutor", Spy)
     outs = []
     for n in (1, 2, 3):
         out = tmp_path / f"out{n}"
