@@ -37,10 +37,11 @@ from pathlib import Path
 from typing import Any
 
 from geopipe.config import ClusterSpec
+from geopipe.optimizer.codec_guard import apply_fallbacks, codec_fallbacks
 from geopipe.optimizer.evaluate import Evaluation
 from geopipe.optimizer.policies import GrowBack
 from geopipe.plan import Plan
-from geopipe.runtime.calibration import Calibrator
+from geopipe.runtime.calibration import Calibrator, searched_codecs
 from geopipe.runtime.chaos import ChaosMonkey
 from geopipe.runtime.checkpointing import CheckpointCoordinator
 from geopipe.runtime.cluster import ClusterInfo, auth_env, check_precision, check_sites, connect
@@ -380,6 +381,7 @@ class Controller:
         # prediction (its pipelines' ΔN were chosen with it).
         if not self.plan.heterogeneous:
             self._calibrate(step, results)
+        self._guard_codecs(step, results)
         self._status(step + 1)
         self._last_results = results
         self.checkpoints.poll()
@@ -395,6 +397,28 @@ class Controller:
             delta_n = list(cal.plan.delta_n)
             ray.get([a.set_delta_n.remote(delta_n) for a in self.flat_actors()])
         self._set_plan(cal.plan)
+
+    def _guard_codecs(self, step: int, results: list) -> None:
+        """A hop whose sampled codec error exceeds ``plan.max_codec_error`` sends that
+        direction with the next finer codec from the next step (`codec_guard`)."""
+        bound = self.spec.plan.max_codec_error
+        if bound is None:
+            return
+        samples = [(r.stage, r.replica, d, e) for r in results for d, e in r.codec_error.items()]
+        fallbacks = codec_fallbacks(self.plan, samples, bound, searched_codecs(self.spec))
+        if not fallbacks:
+            return
+        import ray
+
+        ray.get([a.set_codecs.remote(fallbacks) for a in self.flat_actors()])
+        self._set_plan(apply_fallbacks(self.plan, fallbacks))
+        for fb in fallbacks:
+            self.reporter.event("codec_fallback", step=step, link=f"{fb.src}→{fb.dst}",
+                                direction=fb.direction, codec=fb.old, to=fb.new,
+                                error=round(fb.error, 6), bound=bound)  # fmt: skip
+            print(f"geopipe: step {step}: {fb.direction} codec {fb.old} on {fb.src}→{fb.dst} "
+                  f"errs {fb.error:.3g} > plan.max_codec_error {bound:g}: {fb.new} from the "
+                  "next step", file=sys.stderr)  # fmt: skip
 
     def _checkpoint(self, state: Checkpointing) -> State:
         from ray.exceptions import RayActorError, RayTaskError

@@ -171,6 +171,15 @@ class StageLinks:
                 out[direction] = err
         return out
 
+    def set_codecs(self, up: str | None, down: str | None) -> None:
+        """Send with other codecs from the next iteration: ``up`` is the setting of the
+        boundary above this stage (its backward codec carries the gradients sent up),
+        ``down`` the one below (its forward codec, the activations sent down)."""
+        for setting, ch in ((up, self.up_send), (down, self.down_send)):
+            if setting is not None and isinstance(ch, DirectSender):
+                ch.flush()
+                ch.set_codec(setting)
+
     def encode_s(self) -> float:
         """Seconds the WAN senders have spent encoding, cumulative."""
         return sum(ch.encode_s for ch in (self.up_send, self.down_send)

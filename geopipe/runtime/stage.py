@@ -28,6 +28,7 @@ import torch
 from geopipe.config import RECOVERY_SNAPSHOTS_KEPT
 from geopipe.model.data import TokenStream, open_corpus, sample_indices
 from geopipe.model.family import DTYPES, ModelDesc, stage_param_names
+from geopipe.optimizer.codec_guard import Fallback, apply_fallbacks
 from geopipe.pipeline.schedule import make_schedule
 from geopipe.plan import Plan
 from geopipe.runtime import linkprobe
@@ -159,6 +160,13 @@ class StageWorker:
         """Switch to another look-ahead depth between iterations (same layout, new lists)."""
         self.plan = replace(self.plan, delta_n=tuple(delta_n))
         self._make_program()
+
+    def set_codecs(self, fallbacks: list[Fallback]) -> None:
+        """Send with finer codecs from the next iteration (the codec error guard)."""
+        self.plan = apply_fallbacks(self.plan, fallbacks)
+        codecs, k = self.plan.codecs, self.k
+        self.links.set_codecs(codecs[k - 1] if k > 0 else None,
+                              codecs[k] if k < len(codecs) else None)  # fmt: skip
 
     # -- wiring ------------------------------------------------------------------------------
     def endpoint(self) -> tuple[str, int]:

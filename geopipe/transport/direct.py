@@ -339,6 +339,7 @@ class DirectSender:
         self._codec_name = codec
         # seed: the link's Hadamard rotation (int4h, int2h), stable across runs and resumes
         self._codec = make_codec(codec, topk_ratio=topk_ratio, seed=seed)
+        self._seed = seed
         self._lossy = codec != "none"
         self._encoded = 0
         # the latest sampled relative error ||decode(encode(x)) - x|| / ||x|| (None: none yet)
@@ -594,6 +595,22 @@ class DirectSender:
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(timeout=5)
+
+    def set_codec(self, codec: str) -> None:
+        """Encode what is sent from now on with ``codec`` (a boundary's setting: this
+        direction's part is used). Call between iterations, after `flush`: the receiver
+        decodes any codec by the name each message carries."""
+        codec = direction_codec(codec, self._direction)
+        with self._cond:
+            if codec == self._codec_name:
+                return
+            self._codec = make_codec(codec, topk_ratio=self._topk_ratio, seed=self._seed)
+            self._codec_name, self._lossy = codec, codec != "none"
+            self._encoded, self.codec_error = 0, None
+
+    @property
+    def codec(self) -> str:
+        return self._codec_name
 
     def codec_state(self) -> dict:
         return self._codec.state_dict() if hasattr(self._codec, "state_dict") else {}

@@ -42,6 +42,19 @@ def pair_name(forward: str, backward: str) -> str:
     return forward if forward == backward else f"{forward}/{backward}"
 
 
+# Codecs from the coarsest to exact, by the relative error they add to a tensor: top-k sends
+# 1 % (its error feedback catches up later), then 2, 4 and 8 bits per element, half floats.
+FINENESS: tuple[str, ...] = ("topk", "int2h", "int4", "int4h", "int8", "bf16", "fp16", "none")
+
+
+def finer_codec(codec: str, allowed: tuple[str, ...] | list[str] | set[str] = CODECS) -> str:
+    """The next codec after ``codec`` on the fineness ladder among ``allowed`` (``none``,
+    exact, is always allowed); ``none`` stays ``none``."""
+    check_codec(codec)
+    rest = FINENESS[FINENESS.index(codec) + 1 :]
+    return next((c for c in rest if c in allowed), "none")
+
+
 def direction_codec(codec: str, direction: str) -> str:
     """The codec a boundary's setting ``codec`` uses in ``direction``."""
     check_direction(direction)

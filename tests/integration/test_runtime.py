@@ -257,3 +257,29 @@ def test_split_backward_schedules_match_1f1b_losses(tmp_path):
     assert len(base) == 3 and base[0] > base[-1]  # it trains
     for name in ("zb-h1", "lookahead-zb"):
         assert runs[name] == pytest.approx(base, abs=1e-6), name
+
+
+def test_a_codec_erring_beyond_the_bound_falls_back_to_the_next_finer(tmp_path):
+    """plan.max_codec_error: int2h's sampled error (~0.4) exceeds 0.05 on the first step, so
+    both directions switch to int8 (the next finer codec searched) from the second step:
+    the event names the link, the plan and the actors' senders change, and the WAN bytes
+    per step become exactly int8's."""
+    import json
+
+    doc = tiny_doc(1, 1, "int2h", steps=3)
+    doc["links"][0]["bandwidth_gbps"] = 0.001  # thin: the planner picks the smallest codec
+    doc["plan"].update(codecs=["int2h", "int8"], max_codec_error=0.05)
+    ctl, losses, _ = run_pipeline(doc, tmp_path / "guard")
+    lines = [json.loads(x) for x in (tmp_path / "guard" / "metrics.jsonl").read_text().splitlines()]
+    events = [x for x in lines if x.get("event") == "codec_fallback"]
+    assert sorted((e["direction"], e["codec"], e["to"]) for e in events) == [
+        ("backward", "int2h", "int8"), ("forward", "int2h", "int8"),
+    ]  # fmt: skip
+    assert all(e["step"] == 0 and e["error"] > 0.05 and e["link"] == "east→west" for e in events)
+    assert ctl.plan.codecs == ("int8",)
+    steps = [x for x in lines if "step" in x and "event" not in x]
+    _, int8_losses, _ = run_pipeline(tiny_doc(1, 1, "int8", steps=3), tmp_path / "int8")
+    assert steps[0]["wan_bytes"] < steps[1]["wan_bytes"] == steps[2]["wan_bytes"]
+    assert steps[2]["wan_bytes"] == _wan_bytes(tmp_path / "int8") / 3
+    assert all(max(v for v in s["codec_error"].values()) < 0.05 for s in steps[1:])
+    assert losses[0] != int8_losses[0]

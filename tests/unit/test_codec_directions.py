@@ -13,7 +13,7 @@ from geopipe.config import parse_cluster
 from geopipe.optimizer.evaluate import Evaluator, codec_space
 from geopipe.optimizer.exhaustive import exhaustive_search
 from geopipe.optimizer.genetic import genetic_search
-from geopipe.transport.wire import codec_pair, direction_codec, pair_name, wire_bytes
+from geopipe.transport.wire import CODECS, codec_pair, direction_codec, pair_name, wire_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCAL = yaml.safe_load((ROOT / "clusters" / "local-2dc.yaml").read_text())
@@ -85,3 +85,45 @@ def test_codec_speed_measured_for_a_site_is_what_the_planner_charges() -> None:
     # east encodes activations (forward); west's gradients (backward) keep the nominal speed
     assert costs.ser_f[0] - base.ser_f[0] == pytest.approx(raw / 1e7 - raw / 1e9, rel=1e-6)
     assert costs.ser_b == base.ser_b
+
+
+def test_the_next_finer_codec_is_the_next_searched_one_or_exact() -> None:
+    from geopipe.transport.wire import FINENESS, finer_codec
+
+    assert set(FINENESS) == set(CODECS)
+    assert finer_codec("int2h", {"int2h", "int8"}) == "int8"
+    assert finer_codec("int4h") == "int8" and finer_codec("int8") == "bf16"
+    assert finer_codec("int8", {"int8", "int4h"}) == "none"
+    assert finer_codec("none") == "none"
+
+
+def test_guard_moves_only_the_direction_and_hop_that_erred() -> None:
+    from geopipe.optimizer.codec_guard import apply_fallbacks, codec_fallbacks
+    from geopipe.plan import PipelineLayout, Plan
+
+    three = ("a", "b", "c")
+    parts = ((0, 1), (1, 2), (2, 3))
+    plan = Plan(2, three, parts, 1, 8, 4, "lookahead", (1, 1), ("int2h", "int4h/int8"))
+    samples = [
+        (0, 0, "forward", 0.40),  # a->b activations: over the bound
+        (0, 1, "forward", 0.45),  # the other pipeline's: the worst one is reported
+        (1, 0, "backward", 0.40),  # b->a gradients: over
+        (1, 0, "forward", 0.04),  # b->c activations: within
+        (2, 1, "backward", 0.01),  # c->b gradients: within
+    ]
+    got = codec_fallbacks(plan, samples, 0.05, ["int2h", "int4h", "int8"])
+    assert [(f.src, f.dst, f.direction, f.old, f.new, f.error) for f in got] == [
+        ("a", "b", "backward", "int2h", "int4h", 0.40),
+        ("a", "b", "forward", "int2h", "int4h", 0.45),
+    ]
+    assert apply_fallbacks(plan, got).codecs == ("int4h", "int4h/int8")
+    assert codec_fallbacks(plan, samples, 0.5, ["int2h"]) == []
+    # a mix: each pipeline's own boundaries on the hop change
+    deep = PipelineLayout(three, parts, 3, (1, 1), ("int2h", "int8"))
+    short = PipelineLayout(("a", "b"), ((0, 2), (2, 3)), 1, (1,), ("int2h",))
+    mix = Plan(2, three, parts, 1, 8, 4, "lookahead", (1, 1), ("int2h", "int8"), mix=(deep, short))
+    fb = codec_fallbacks(mix, [(0, 1, "forward", 0.3)], 0.05, ["int2h", "int8"])
+    assert [(f.src, f.dst, f.new) for f in fb] == [("a", "b", "int8")]
+    moved = apply_fallbacks(mix, fb)
+    assert [p.codecs for p in moved.mix] == [("int8/int2h", "int8"), ("int8/int2h",)]
+    assert moved.codecs == ("int8/int2h", "int8")
