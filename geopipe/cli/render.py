@@ -149,6 +149,8 @@ def print_plan(spec: ClusterSpec, report: Any, console: Any) -> None:
     console.print(table)
     for note in notes:
         console.print(note, soft_wrap=True)
+    if len(report.codecs) > 2:  # more than one setting to compare with the chosen one
+        console.print(_codec_table(report))
     if not best.feasible:
         console.print(f"[red]no feasible plan found[/]: {best.reason}")
     s = report.search
@@ -189,6 +191,22 @@ def _comparison(report: Any) -> tuple[Any, list[str]]:
         )
     lines = [f"{name}: {note}" for (name, _), note in zip(rows, notes, strict=True) if note]
     return c, lines
+
+
+def _codec_table(report: Any) -> Any:
+    """Each searched codec on every WAN boundary at the plan's structure: what binds."""
+    from rich.table import Table
+
+    best = report.best.iteration_time_s
+    c = Table(title="codecs compared (same structure, ΔN to cover each; per iteration)")
+    for col in ("codec", "iteration", "speed-up", "busiest WAN", "busiest stage", "bound by"):
+        c.add_column(col, justify="left" if col in ("codec", "bound by") else "right")
+    for r in report.codecs:
+        t = r.evaluation.iteration_time_s
+        ratio = t / best if math.isfinite(t) else math.nan
+        c.add_row(r.setting, fmt_time(t), f"{ratio:.2f}×" if math.isfinite(ratio) else "-",
+                  fmt_time(r.wan_busy_s), fmt_time(r.compute_s), r.bound)  # fmt: skip
+    return c
 
 
 def format_simulation(name: str, s: dict) -> str:

@@ -7,22 +7,81 @@ plan costs a single evaluation.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import math
+from dataclasses import dataclass, field, replace
 
 from geopipe.config import MAX_DELTA_N, ClusterSpec
 from geopipe.optimizer.errors import PlanningError
 from geopipe.optimizer.evaluate import Candidate, Evaluation, Evaluator
 from geopipe.optimizer.exhaustive import exhaustive_search
 from geopipe.optimizer.genetic import SearchResult, genetic_search
-from geopipe.pipeline.schedule import AUTO, AUTO_CHOICES
+from geopipe.optimizer.ladder import delta_n_cover
+from geopipe.pipeline.schedule import AUTO, AUTO_CHOICES, LOOKAHEAD_FAMILIES
 from geopipe.transport.wire import CODECS, check_codec
 
-__all__ = ["AUTO_MIN_GAIN", "PlanReport", "evaluate_fixed", "plan_cluster"]
+__all__ = [
+    "AUTO_MIN_GAIN",
+    "CodecRow",
+    "PlanReport",
+    "codec_rows",
+    "evaluate_fixed",
+    "plan_cluster",
+]
 
 # ``schedule: auto`` takes look-ahead with split backward only when it is predicted at least
 # this much faster: the model's error on either schedule is a few per cent, and the plain
 # schedule is the simpler one (no deferred weight gradients held).
 AUTO_MIN_GAIN = 0.02
+
+
+@dataclass(frozen=True)
+class CodecRow:
+    """The best plan's structure with one codec setting on every WAN boundary (ΔN at its
+    cover), and what binds it: the busiest link direction or the busiest stage."""
+
+    setting: str
+    evaluation: Evaluation
+    wan_busy_s: float  # the busiest WAN direction per iteration: serialisation + codec time
+    compute_s: float  # the busiest stage's forwards and backwards per iteration
+    bound: str  # "WAN a→b" or "compute stage k"
+
+    def to_json(self) -> dict:
+        return {**self.evaluation.summary(), "wan_busy_s": self.wan_busy_s,
+                "compute_s": self.compute_s, "bound": self.bound}  # fmt: skip
+
+
+def codec_rows(spec: ClusterSpec, best: Evaluation) -> list[CodecRow]:
+    """Each searched codec setting (the same on every WAN boundary) at ``best``'s structure,
+    then ``best`` itself: where compression moves the bottleneck."""
+    if best.plan is None or not best.plan.wan_boundaries:
+        return []
+    ev = Evaluator(spec, schedule=best.candidate.schedule)
+    sp, w = ev.space, len(best.candidate.codecs)
+    rows = []
+    for setting in sp.codecs[: sp.listed_codecs or None]:
+        cand = replace(best.candidate, codecs=(setting,) * w)
+        plan = ev.make_plan(cand)
+        if plan is not None and cand.schedule in LOOKAHEAD_FAMILIES:
+            top = max(sp.delta_ns)
+            cover = delta_n_cover(ev.costs(plan), plan.wan_boundaries)
+            cand = replace(cand, delta_n=tuple(min(x, top) for x in cover))
+        rows.append(_codec_row(ev, setting, ev.evaluate(cand)))
+    chosen = "/".join(dict.fromkeys(best.candidate.codecs))
+    rows.append(_codec_row(ev, f"chosen: {chosen}", best))
+    return rows
+
+
+def _codec_row(ev: Evaluator, setting: str, e: Evaluation) -> CodecRow:
+    if e.plan is None:
+        return CodecRow(setting, e, math.nan, math.nan, "-")
+    plan, costs = e.plan, ev.costs(e.plan)
+    m = plan.num_microbatches
+    wan = [(m * max(costs.ser_f[j], costs.ser_b[j]), j) for j in plan.wan_boundaries]
+    comp = [(m * (f + b), k) for k, (f, b) in enumerate(zip(costs.fwd_s, costs.bwd_s, strict=True))]
+    (w_s, j), (c_s, k) = max(wan), max(comp)
+    sites = plan.stage_sites
+    bound = f"WAN {sites[j]}→{sites[j + 1]}" if w_s > c_s else f"compute stage {k}"
+    return CodecRow(setting, e, w_s, c_s, bound)
 
 
 @dataclass
@@ -31,6 +90,7 @@ class PlanReport:
     baselines: dict[str, Evaluation]
     search: SearchResult
     exhaustive: SearchResult | None = None
+    codecs: list[CodecRow] = field(default_factory=list)
 
     def to_json(self) -> dict:
         search = {
@@ -53,6 +113,7 @@ class PlanReport:
             "best": self.best.summary(),
             "plan": self.best.plan.to_dict() if self.best.plan else None,
             "baselines": {k: v.summary() for k, v in self.baselines.items()},
+            "codecs": {r.setting: r.to_json() for r in self.codecs},
             "search": search,
         }
 
@@ -94,7 +155,9 @@ def plan_cluster(
         result = genetic_search(ev)
     ex = exhaustive_search(Evaluator(spec, schedule=schedule)) if exhaustive else None
     best = ev.evaluate(result.best.candidate, record=record) if record else result.best
-    return PlanReport(best, _baselines(spec, best.candidate, record), result, ex)
+    return PlanReport(
+        best, _baselines(spec, best.candidate, record), result, ex, codec_rows(spec, best)
+    )
 
 
 def evaluate_fixed(

@@ -201,7 +201,7 @@ def test_each_schedule_is_compared_once(tmp_path, capsys) -> None:
     doc["plan"]["schedule"] = "1f1b"
     code, out, _ = run(capsys, "plan", _write(tmp_path, doc))
     assert code == 0
-    table = out[out.index("predicted iteration") :]
+    table = out[out.index("predicted iteration") : out.index("codecs compared")]
     rows = [line.split("│")[1].strip() for line in table.splitlines() if line.count("│") > 2]
     names = [r for r in rows if r and r != "schedule"]
     assert sorted(names) == ["1f1b", "gpipe"]

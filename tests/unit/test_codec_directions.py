@@ -127,3 +127,22 @@ def test_guard_moves_only_the_direction_and_hop_that_erred() -> None:
     moved = apply_fallbacks(mix, fb)
     assert [p.codecs for p in moved.mix] == [("int8/int2h", "int8"), ("int8/int2h",)]
     assert moved.codecs == ("int8/int2h", "int8")
+
+
+def test_plan_compares_each_codec_and_names_what_binds() -> None:
+    """`geopipe plan`'s codec table: on a thin link compression moves the bottleneck from
+    the WAN towards compute, and the chosen plan is the fastest row; on a fat link every
+    codec leaves compute binding."""
+    from geopipe.optimizer.planner import plan_cluster
+
+    thin = plan_cluster(_spec(0.05, 0.05, ["none", "int8", "int4h"]))
+    rows = {r.setting: r for r in thin.codecs}
+    assert list(rows) == ["none", "int8", "int4h", "chosen: int4h"]
+    assert rows["none"].wan_busy_s > rows["int8"].wan_busy_s > rows["int4h"].wan_busy_s
+    none = rows["none"]
+    assert none.bound == "WAN east→west" and none.wan_busy_s > none.compute_s
+    fastest = min(r.evaluation.iteration_time_s for r in thin.codecs)
+    assert rows["chosen: int4h"].evaluation.iteration_time_s == pytest.approx(fastest, rel=1e-9)
+    assert thin.to_json()["codecs"]["int8"]["bound"] == rows["int8"].bound
+    fat = plan_cluster(_spec(40.0, 40.0, ["none", "int8"]))
+    assert all(r.bound.startswith("compute stage") for r in fat.codecs)
