@@ -199,8 +199,9 @@ def _codec_table(report: Any) -> Any:
 
     best = report.best.iteration_time_s
     c = Table(title="codecs compared (same structure, ΔN to cover each; per iteration)")
-    for col in ("codec", "iteration", "speed-up", "busiest WAN", "busiest stage", "bound by"):
-        c.add_column(col, justify="left" if col in ("codec", "bound by") else "right")
+    for col in ("codec", "iteration", "speed-up", "busiest WAN", "busiest stage"):
+        c.add_column(col, justify="left" if col == "codec" else "right")
+    c.add_column("bound by", overflow="fold")
     for r in report.codecs:
         t = r.evaluation.iteration_time_s
         ratio = t / best if math.isfinite(t) else math.nan

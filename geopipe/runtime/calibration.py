@@ -14,7 +14,6 @@ Two measurements feed the planner's cost model:
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from dataclasses import dataclass, replace
@@ -28,6 +27,7 @@ from geopipe.optimizer.simulator import PipelineCosts
 from geopipe.pipeline.schedule import LOOKAHEAD_FAMILIES, SPLIT_FAMILIES
 from geopipe.plan import Plan
 from geopipe.runtime.executor import IterationResult
+from geopipe.transport.codec import measure_speeds
 from geopipe.transport.wire import codec_pair
 
 __all__ = [
@@ -35,7 +35,6 @@ __all__ = [
     "Calibrator",
     "boundary_offsets",
     "fifo_excess",
-    "measure_codecs",
     "measured_split_times",
     "measured_stage_times",
     "profile_machine",
@@ -93,40 +92,11 @@ def searched_codecs(spec: ClusterSpec) -> list[str]:
     return sorted({c for setting in settings for c in codec_pair(setting)} - {"none"})
 
 
-def measure_codecs(
-    codecs: list[str], shape: tuple[int, ...], reps: int = 5, max_bytes: int = 4 << 20
-) -> dict[str, float]:
-    """Median encode + decode speed (GB/s of the fp32 tensor) of each codec on one thread,
-    on a tensor of the boundary message's ``shape`` (fewer rows above ``max_bytes``: the
-    speed per byte is what the planner charges)."""
-    import torch
-
-    from geopipe.transport.codec import make_codec
-
-    rows = max(1, min(math.prod(shape[:-1]), max_bytes // (4 * shape[-1])))
-    x = torch.randn(rows, shape[-1], generator=torch.Generator().manual_seed(0))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    out: dict[str, float] = {}
-    try:
-        for name in codecs:
-            codec = make_codec(name, seed=1)
-            times = []
-            for _ in range(reps + 1):
-                t0 = time.perf_counter()
-                codec.decode(codec.encode(x, key="probe", direction="backward"))
-                times.append(time.perf_counter() - t0)
-            out[name] = x.numel() * 4 / statistics.median(times[1:]) / 1e9
-    finally:
-        torch.set_num_threads(threads)
-    return out
-
-
 def profile_machine(spec: ClusterSpec, micro_batch: int, seq_len: int) -> ClusterSpec:
     """A copy of ``spec`` whose sites compute, encode and decode at the measured speed of
     this machine (a codec speed the YAML gives for a site stands)."""
     f, b = _measure(spec, micro_batch, seq_len)
-    speeds = measure_codecs(searched_codecs(spec), (micro_batch, seq_len, spec.model.n_embd))
+    speeds = measure_speeds(searched_codecs(spec), (micro_batch, seq_len, spec.model.n_embd))
     flops = sum(layer_forward_flops(spec.model, seq_len)) * micro_batch * seq_len
     sites = []
     for s in spec.sites:

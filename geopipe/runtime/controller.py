@@ -213,6 +213,7 @@ class Controller:
             self.lineage = self._resume.lineage_for(self.run_id)
         self.checkpoints.identify(self.run_id, self.lineage, fresh=self._resume is None)
         self.chaos.first_step = self.start_step
+        given = {s.name: dict(s.codec_gb_per_s) for s in self.spec.sites}  # the YAML's
         self.spec, self.plan, self.predicted = plan_run(self.spec, self.opts.plan)
         self.checkpoints.spec = self.spec
         self.state = Launching()
@@ -229,7 +230,9 @@ class Controller:
         self.placement.wire()
         self.data_digest = self.placement.check_data(self._resume and self._resume.data_digest)
         if not self.spec.ray.links_emulated:  # emulated links are the YAML's by construction
-            spec, predicted, self.links_measured = probe_links(self.spec, self.plan, self.placement)
+            spec, predicted, self.links_measured = probe_links(
+                self.spec, self.plan, self.placement, given
+            )
             self.spec, self.predicted = spec, predicted or self.predicted  # a mix keeps its own
         metrics = Path(self.opts.metrics_out) if self.opts.metrics_out else None
         self.reporter.open(metrics or self.run_dir / "metrics.jsonl")
@@ -239,6 +242,7 @@ class Controller:
             "plan", run_id=self.run_id, lineage=self.lineage,
             plan=self.plan.to_dict(), predicted=self.predicted.summary(),
             links_measured=[m.to_dict() for m in self.links_measured],
+            codec_gb_per_s={s.name: s.codec_gb_per_s for s in self.spec.sites},
         )  # fmt: skip
         sites = self.plan.stage_sites
         first_actor: dict[str, Any] = {}

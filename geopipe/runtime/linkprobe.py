@@ -227,15 +227,50 @@ def with_measured_links(spec: ClusterSpec, measured: list[LinkMeasurement]) -> C
     return spec.model_copy(update={"links": links})
 
 
-def probe_links(spec: ClusterSpec, plan: Any, placement: Any) -> tuple[ClusterSpec, Any, list]:
-    """Measure the layout's WAN links, warn where the YAML is off, and return the spec with
-    the measured links, the plan's prediction under them, and the measurements."""
+def measure_codec_speeds(
+    rows: list[list[Any]], sites: tuple[str, ...], codecs: list[str]
+) -> dict[str, dict[str, float]]:
+    """Each site at a WAN boundary times ``codecs`` on one of its devices (all at once)."""
+    import ray
+
+    first: dict[str, Any] = {}
+    for k in range(len(rows) - 1):
+        if sites[k] != sites[k + 1]:
+            first.setdefault(sites[k], rows[k][0])
+            first.setdefault(sites[k + 1], rows[k + 1][0])
+    refs = {site: actor.codec_speeds.remote(codecs) for site, actor in first.items()}
+    return {site: ray.get(ref) for site, ref in refs.items()}
+
+
+def with_codec_speeds(
+    spec: ClusterSpec, measured: dict[str, dict[str, float]], given: dict[str, dict[str, float]]
+) -> ClusterSpec:
+    """``spec`` with each site's measured codec speeds; a speed the YAML gives stands."""
+    sites = [
+        s.model_copy(update={"codec_gb_per_s": {**s.codec_gb_per_s, **measured.get(s.name, {}),
+                                                **given.get(s.name, {})}})
+        for s in spec.sites
+    ]  # fmt: skip
+    return spec.model_copy(update={"sites": sites})
+
+
+def probe_links(
+    spec: ClusterSpec, plan: Any, placement: Any, given: dict[str, dict[str, float]] | None = None
+) -> tuple[ClusterSpec, Any, list]:
+    """Measure the layout's WAN links and each boundary site's codec speeds, warn where the
+    YAML is off, and return the spec with the measurements, the plan's prediction under
+    them, and the link measurements. ``given``: codec speeds the YAML sets (they stand)."""
     from geopipe.optimizer.evaluate import Evaluator
+    from geopipe.runtime.calibration import searched_codecs
     from geopipe.runtime.planning import candidate_of
 
     measured = measure_links(spec, placement.rows, plan.stage_sites, placement.wan_addresses)
     warn_if_off(measured)
     spec = with_measured_links(spec, measured)
+    codecs = searched_codecs(spec)
+    if codecs:
+        speeds = measure_codec_speeds(placement.rows, plan.stage_sites, codecs)
+        spec = with_codec_speeds(spec, speeds, given or {})
     if plan.heterogeneous:  # the evaluator replays identical pipelines only
         return spec, None, measured
     predicted = Evaluator(spec, schedule=plan.schedule).evaluate(candidate_of(plan))

@@ -39,6 +39,7 @@ from geopipe.runtime.links import StageLinks, WanPeer
 from geopipe.runtime.shards import ShardWriter, load_stage
 from geopipe.runtime.snapshots import BoundaryKeeper
 from geopipe.transport.bulk import ChunkServer
+from geopipe.transport.codec import measure_speeds
 from geopipe.transport.security import RunCredentials
 
 __all__ = ["SNAPSHOTS_KEPT", "StageSpec", "StageWorker", "WanPeer"]
@@ -160,6 +161,12 @@ class StageWorker:
         """Switch to another look-ahead depth between iterations (same layout, new lists)."""
         self.plan = replace(self.plan, delta_n=tuple(delta_n))
         self._make_program()
+
+    def codec_speeds(self, codecs: list[str]) -> dict[str, float]:
+        """This device's encode + decode speed (GB/s) of each codec on the run's boundary
+        messages: asked at launch next to the link probe, priced by the planner."""
+        shape = (self.plan.micro_batch_size, self.plan.seq_len, self.model.hidden)
+        return measure_speeds(codecs, shape)
 
     def set_codecs(self, fallbacks: list[Fallback]) -> None:
         """Send with finer codecs from the next iteration (the codec error guard)."""

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import functools
 import math
+import statistics
 import threading
+import time
 import zlib
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -32,6 +34,7 @@ __all__ = [
     "Sealed",
     "decode",
     "make_codec",
+    "measure_speeds",
     "open_sealed",
     "rotate",
     "seal",
@@ -539,3 +542,28 @@ def open_sealed(sealed: Sealed) -> Encoded:
             f"{actual:#010x} != expected {sealed.checksum:#010x}"
         )
     return sealed.enc
+
+
+def measure_speeds(
+    codecs: list[str], shape: tuple[int, ...], reps: int = 5, max_bytes: int = 4 << 20
+) -> dict[str, float]:
+    """Median encode + decode speed (GB/s of the fp32 tensor) of each codec on one thread
+    (as a stage actor runs them), on a tensor of the boundary message's ``shape`` (fewer rows
+    above ``max_bytes``: the speed per byte is what the planner charges)."""
+    rows = max(1, min(math.prod(shape[:-1]), max_bytes // (4 * shape[-1])))
+    x = torch.randn(rows, shape[-1], generator=torch.Generator().manual_seed(0))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    out: dict[str, float] = {}
+    try:
+        for name in codecs:
+            codec = make_codec(name, seed=1)
+            times = []
+            for _ in range(reps + 1):
+                t0 = time.perf_counter()
+                codec.decode(codec.encode(x, key="probe", direction="backward"))
+                times.append(time.perf_counter() - t0)
+            out[name] = x.numel() * 4 / statistics.median(times[1:]) / 1e9
+    finally:
+        torch.set_num_threads(threads)
+    return out

@@ -266,10 +266,26 @@ def test_a_codec_erring_beyond_the_bound_falls_back_to_the_next_finer(tmp_path):
     per step become exactly int8's."""
     import json
 
+    from geopipe.runtime.linkprobe import measure_codec_speeds, with_codec_speeds
+
     doc = tiny_doc(1, 1, "int2h", steps=3)
     doc["links"][0]["bandwidth_gbps"] = 0.001  # thin: the planner picks the smallest codec
     doc["plan"].update(codecs=["int2h", "int8"], max_codec_error=0.05)
-    ctl, losses, _ = run_pipeline(doc, tmp_path / "guard")
+    ctl = Controller(parse_cluster(doc, "t"), LaunchOptions(run_dir=str(tmp_path / "guard"),
+                                                            progress=False))  # fmt: skip
+    try:
+        ctl.launch()
+        # what a launch over a real network asks each boundary site's devices (next to the
+        # link probe): their own encode + decode speed of the searched codecs
+        speeds = measure_codec_speeds(ctl.placement.rows, ctl.plan.stage_sites, ["int2h", "int8"])
+        losses = [m.loss for m in ctl.train().steps]
+    finally:
+        ctl.close()
+    assert set(speeds) == {"east", "west"}
+    assert all(set(v) == {"int2h", "int8"} and min(v.values()) > 0 for v in speeds.values())
+    spec = with_codec_speeds(ctl.spec, speeds, {"west": {"int8": 99.0}})
+    assert spec.sites[0].codec_gb_per_s == speeds["east"]
+    assert spec.sites[1].codec_gb_per_s == {**speeds["west"], "int8": 99.0}  # the YAML's stands
     lines = [json.loads(x) for x in (tmp_path / "guard" / "metrics.jsonl").read_text().splitlines()]
     events = [x for x in lines if x.get("event") == "codec_fallback"]
     assert sorted((e["direction"], e["codec"], e["to"]) for e in events) == [
