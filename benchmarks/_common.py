@@ -10,7 +10,7 @@ from pathlib import Path
 import yaml
 
 from geopipe.config import ClusterSpec, parse_cluster
-from geopipe.runtime.controller import Controller, LaunchOptions, RunResult
+from geopipe.runtime.control.controller import Controller, LaunchOptions, RunResult
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -35,7 +35,7 @@ from _common import ROOT
 from geopipe.checkpoint.store import latest_complete
 from geopipe.config import parse_cluster
 from geopipe.model.sizes import layer_param_counts
-from geopipe.runtime.controller import Controller, LaunchOptions
+from geopipe.runtime.control.controller import Controller, LaunchOptions
 
 SAVES = 5  # asynchronous saves per model; the median stall is reported
 

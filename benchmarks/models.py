@@ -44,7 +44,7 @@ from geopipe.model.builtin import ensure_stdlib_bpe
 from geopipe.model.data import TokenStream, global_indices, open_corpus
 from geopipe.model.gpt import lm_loss
 from geopipe.model.prepare import default_processes, prepare_data
-from geopipe.runtime.engine import lr_factor
+from geopipe.runtime.actor.engine import lr_factor
 
 SMALL = dict(
     vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2,

@@ -87,7 +87,7 @@ def _step_costs(ctl, step):
     from dataclasses import replace
     from types import SimpleNamespace
 
-    from geopipe.runtime.calibration import measured_stage_times
+    from geopipe.runtime.control.calibration import measured_stage_times
 
     rs = [SimpleNamespace(stage=k, breakdown=b, micro_batches=M)
           for k, b in enumerate(step.breakdown)]  # fmt: skip

@@ -43,7 +43,7 @@ from _common import ROOT
 
 from geopipe.config import parse_cluster
 from geopipe.plan import Plan
-from geopipe.runtime.controller import Controller, LaunchOptions
+from geopipe.runtime.control.controller import Controller, LaunchOptions
 
 KILL_STEP = 4
 STEPS = 8
@@ -142,7 +142,7 @@ def replication_stall(tmp: Path) -> dict:
     the median ratio of neighbouring cycles is reported."""
     import statistics
 
-    from geopipe.runtime.checkpointing import CheckpointCoordinator
+    from geopipe.runtime.control.checkpointing import CheckpointCoordinator
 
     doc = demo_doc()
     doc["training"]["checkpoint"] = {"every_steps": 0, "keep": 2}
@@ -276,7 +276,7 @@ def reference_losses(spec, seq_len: int) -> list[float]:
 
     from geopipe.model.data import Corpus, TokenStream, sample_indices
     from geopipe.model.gpt import GPTConfig, GPTStage, lm_loss, num_layers
-    from geopipe.runtime.engine import lr_factor
+    from geopipe.runtime.actor.engine import lr_factor
 
     m, t = spec.model, spec.training
     cfg = GPTConfig(m.n_layer, m.n_embd, m.n_head, m.vocab_size, m.max_seq_len)

@@ -149,7 +149,7 @@ class Plan:
         """Per site, the actors linked by shared layers (connected components), each in
         :meth:`actors` order: a layer's gradient is reduced over every actor that runs it,
         so each group is one ZeRO-1 group ([Note: ZeRO-1 groups of a mixed plan] in
-        geopipe.runtime.sitegroups). Identical pipelines: one group per stage."""
+        geopipe.runtime.actor.sitegroups). Identical pipelines: one group per stage."""
         out: dict[str, list[list[tuple[int, int]]]] = {}
         for site in dict.fromkeys(self.site_of(*key) for key in self.actors()):
             members = [key for key in self.actors() if self.site_of(*key) == site]

@@ -29,7 +29,7 @@ _PRELOAD = [
     "torch._dynamo",
     "deepspeed",
     "deepspeed.runtime.zero.muon.original_muon",
-    "geopipe.runtime.engine",
+    "geopipe.runtime.actor.engine",
 ]
 _CTX = mp.get_context("forkserver")
 _CTX.set_forkserver_preload(_PRELOAD)

@@ -130,7 +130,7 @@ def shard_bytes(
 ) -> tuple[bytes, ShardInfo]:
     """The exact bytes `write_shard_file` would write, in memory, with their `ShardInfo`:
     for a stage whose checkpoint directory is on another machine (per-site copies), which
-    the sites' stores pull (:mod:`geopipe.runtime.sitestore`)."""
+    the sites' stores pull (:mod:`geopipe.runtime.storage.sitestore`)."""
     t0 = time.perf_counter()
     data, header = _encode(stage, tensors, meta, rng)
     blob = save(data, metadata=header)

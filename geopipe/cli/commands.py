@@ -107,8 +107,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if args.dry_run:
         return _dry_run(spec, args)
 
-    from geopipe.runtime.cluster import LaunchError
-    from geopipe.runtime.controller import Controller, LaunchOptions
+    from geopipe.runtime.control.cluster import LaunchError
+    from geopipe.runtime.control.controller import Controller, LaunchOptions
 
     console = Console(stderr=False)
     opts = LaunchOptions(

@@ -75,7 +75,7 @@ MAX_KNOB = 1 << 31  # any planner knob value (ranges and list items)
 
 # Step boundaries each replica keeps in host RAM while `training.recovery_snapshots` is on: the
 # newest complete one, and the one before it in case a failure strikes while the newest is
-# still being gathered. The runtime keeps this many (runtime/stage.py) and the planner's
+# still being gathered. The runtime keeps this many (runtime/actor/stage.py) and the planner's
 # host-memory check counts them (TrainingSpec.snapshots_kept): one number for both.
 RECOVERY_SNAPSHOTS_KEPT = 2
 
@@ -388,7 +388,7 @@ class CheckpointSpec(_Spec):
     """Where checkpoints go. One directory every node shares, or — with ``{site}`` in the
     path — one directory per site (a node-local disk on a real cluster; distinct directories
     when one machine emulates the sites), each holding a complete copy of every checkpoint
-    when ``replicate`` is on (the default then): see :mod:`geopipe.runtime.sitecopies`."""
+    when ``replicate`` is on (the default then): see :mod:`geopipe.runtime.control.sitecopies`."""
 
     dir: str | None = Field(
         None, description="default: <run_dir>/checkpoints; '{site}' makes it per site"

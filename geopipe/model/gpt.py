@@ -225,7 +225,7 @@ class GPTStage(nn.Module):
         self.end = end
         self.seed = seed
         # The layers forward runs: all held ones, or (a mixed plan's ZeRO-1 group, see
-        # geopipe.runtime.sitegroups) a sub-range, the rest only held for the group.
+        # geopipe.runtime.actor.sitegroups) a sub-range, the rest only held for the group.
         self.active = (start, end) if active is None else tuple(active)
         if not start <= self.active[0] < self.active[1] <= end:
             raise ValueError(f"active layers {self.active} are not within [{start}, {end})")

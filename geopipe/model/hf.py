@@ -23,7 +23,7 @@ in every pipeline layout, so checkpoints re-shard by name and export is a copy.
     `transformers` does (its name is ``model.embed_tokens.weight``). When the embedding and
     the head sit on different stages each holds a copy, initialised (or loaded) identically;
     the runtime sums the two copies' gradients every step before the optimizer step
-    (:meth:`geopipe.runtime.engine.StageEngine.end_iteration`), so both apply the same update
+    (:meth:`geopipe.runtime.actor.engine.StageEngine.end_iteration`), so both apply the same update
     and stay equal — what Megatron does with its extra all-reduce.
 """
 

@@ -73,7 +73,7 @@ INPUT_GRAD_SHARE = 0.5
 # Measured with the runtime's split (benchmarks/wsplit.py on the test bed, the last stage's
 # calibrated times, median over the kept runs): I + W = 1.018-1.024 × B in three runs, 1.096
 # in a fourth, once W adds into the accumulated gradients in place ([Note: W accumulates in
-# place] in geopipe.runtime.backward; before, +8-9 %: a second accumulation pass). What is
+# place] in geopipe.runtime.actor.backward; before, +8-9 %: a second accumulation pass). What is
 # left is W's own entry into DeepSpeed's backward (its hooks run twice per micro-batch) and
 # I's separate graph walk. The planner's choice between look-ahead and look-ahead with split
 # backward (schedule: auto) hinges on it; calibration replaces it with the measured I and W

@@ -5,7 +5,7 @@ devices, with the global batch split so they finish together (Oobleck's instanti
 layer in the same site: then each layer's replicas sit in one site and gradient reduction
 never crosses a WAN link — the invariant the cost model assumes. The runtime runs such
 mixes (:mod:`geopipe.optimizer.mixes` builds template sets that share a layer split and
-picks the mix; :mod:`geopipe.runtime.sitegroups` forms their ZeRO-1 groups).
+picks the mix; :mod:`geopipe.runtime.actor.sitegroups` forms their ZeRO-1 groups).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ of templates that agree on every layer's site; here the set is made so. A
 :class:`SplitTemplateSet` fixes how many layers each site hosts (a *layer split*) and lays
 every vector's stages over it — each site's layers balanced among its stages — so any two of
 its templates can be mixed: each layer's replicas stay in one site and no gradient reduction
-crosses a WAN link (the runtime's groups: :mod:`geopipe.runtime.sitegroups`).
+crosses a WAN link (the runtime's groups: :mod:`geopipe.runtime.actor.sitegroups`).
 
 [Note: which splits] The split decides how much work each site carries. :func:`best_mix`
 starts from the splits of the fastest templates that fit the alive devices (each balanced

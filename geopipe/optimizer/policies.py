@@ -1,5 +1,5 @@
 """Recovery and grow-back policies: what happened in, one decision out (pure: no Ray, no
-DeepSpeed; the runtime executes the decisions, :mod:`geopipe.runtime.recovery`).
+DeepSpeed; the runtime executes the decisions, :mod:`geopipe.runtime.control.recovery`).
 
 After a failure the runtime reports what died and what survives; :func:`decide` returns
 

@@ -3,7 +3,7 @@
 A schedule is, per stage, an ordered list of :class:`Action` (stage, kind, micro-batch),
 built by pure generators. The same lists are replayed by the simulator
 (:mod:`geopipe.optimizer.simulator`) and executed by the stage actors
-(:mod:`geopipe.runtime.stage`), so prediction and execution cannot drift apart.
+(:mod:`geopipe.runtime.actor.stage`), so prediction and execution cannot drift apart.
 
 Semantics every executor follows:
 

@@ -13,8 +13,8 @@ from test_runtime import reference, tiny_doc
 
 from geopipe.checkpoint.store import list_checkpoints, load_checkpoint
 from geopipe.config import parse_cluster
-from geopipe.runtime.cluster import LaunchError
-from geopipe.runtime.controller import Controller, LaunchOptions
+from geopipe.runtime.control.cluster import LaunchError
+from geopipe.runtime.control.controller import Controller, LaunchOptions
 
 pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parents[2]

@@ -120,7 +120,7 @@ def test_ctrl_c_stops_actors_and_ray(tmp_path):
 
 def test_kill_9_of_the_launcher_leaves_nothing_behind(tmp_path):
     """A launcher killed outright (a crashed login node, the OOM killer) runs no cleanup
-    code; its embedded Ray still goes with it (geopipe.runtime.reaper): no Ray process
+    code; its embedded Ray still goes with it (geopipe.runtime.control.reaper): no Ray process
     survives, and the dashboard port is free for the next launch."""
     assert wait_no_ray() == []
     proc = launch_until_first_step(tmp_path, stdout=subprocess.DEVNULL)

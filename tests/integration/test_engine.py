@@ -22,7 +22,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from geopipe.model.data import Corpus, TokenStream, global_indices
 from geopipe.model.gpt import GPTConfig, GPTStage, lm_loss, num_layers
 from geopipe.pipeline.schedule import Kind, Schedule, lookahead_zb, one_f_one_b, zb_h1
-from geopipe.runtime.engine import (
+from geopipe.runtime.actor.engine import (
     EngineConfig,
     StageEngine,
     destroy_process_group,

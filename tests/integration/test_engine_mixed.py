@@ -3,7 +3,7 @@
 Pipeline A runs the 4 layers of the tiny GPT on two devices ([0, 2) | [2, 4)), pipeline B
 all four on one; A takes 5 micro-batches of the global batch, B the other 3. Their three
 actors form one ZeRO-1 group holding the union of their layers
-(:mod:`geopipe.runtime.sitegroups`), each scaling its weight gradients so the step is the
+(:mod:`geopipe.runtime.actor.sitegroups`), each scaling its weight gradients so the step is the
 mean over the whole global batch. Parameters, Adam moments and the per-step mean loss must
 equal plain torch Adam on the full model.
 """
@@ -35,8 +35,8 @@ from test_engine import (
 from geopipe.model.data import sample_indices
 from geopipe.pipeline.schedule import one_f_one_b, zb_h1
 from geopipe.plan import PipelineLayout, Plan
-from geopipe.runtime.engine import StageEngine, destroy_process_group, init_process_group
-from geopipe.runtime.sitegroups import grad_scale, site_worlds
+from geopipe.runtime.actor.engine import StageEngine, destroy_process_group, init_process_group
+from geopipe.runtime.actor.sitegroups import grad_scale, site_worlds
 
 HOST = "127.0.0.1"
 A = PipelineLayout(("s", "s"), ((0, 2), (2, 4)), 5, (0,), ("none",))

@@ -22,8 +22,8 @@ from geopipe.config import parse_cluster
 from geopipe.model.data import TokenStream, global_indices, open_corpus
 from geopipe.model.gpt import lm_loss
 from geopipe.model.prepare import prepare_data
-from geopipe.runtime.controller import Controller, LaunchOptions
-from geopipe.runtime.engine import lr_factor
+from geopipe.runtime.actor.engine import lr_factor
+from geopipe.runtime.control.controller import Controller, LaunchOptions
 
 pytestmark = pytest.mark.ray
 
@@ -216,7 +216,7 @@ def test_bf16_trains_in_bf16_and_halves_activations(tmp_path: Path) -> None:
 
 
 def test_unsupported_precision_on_cpu_is_a_clear_launch_error(tmp_path: Path) -> None:
-    from geopipe.runtime.cluster import LaunchError
+    from geopipe.runtime.control.cluster import LaunchError
 
     model_dir = save_model(tmp_path, "qwen2")
     doc = copy.deepcopy(hf_doc(model_dir, "fp16", precision="fp16"))

@@ -22,7 +22,7 @@ from test_runtime import tiny_doc
 
 from geopipe.checkpoint.store import list_checkpoints
 from geopipe.config import parse_cluster
-from geopipe.runtime.controller import Controller, LaunchOptions
+from geopipe.runtime.control.controller import Controller, LaunchOptions
 
 pytestmark = pytest.mark.ray
 

@@ -23,7 +23,7 @@ import ray
 from test_recovery_runtime import events, events_ready, last_loss_per_step, run
 from test_runtime import tiny_doc
 
-from geopipe.runtime.health import HealthConfig
+from geopipe.runtime.control.health import HealthConfig
 
 pytestmark = pytest.mark.ray
 # Enough steps that the freeze (after step 2) lands mid-run however fast the steps go.

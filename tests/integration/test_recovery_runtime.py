@@ -19,9 +19,9 @@ from test_runtime import reference, tiny_doc
 
 from geopipe.checkpoint.store import latest_complete, load_checkpoint, load_state_for_layers
 from geopipe.config import parse_cluster
-from geopipe.runtime.cluster import LaunchError
-from geopipe.runtime.controller import Controller, LaunchOptions
-from geopipe.runtime.health import HealthConfig
+from geopipe.runtime.control.cluster import LaunchError
+from geopipe.runtime.control.controller import Controller, LaunchOptions
+from geopipe.runtime.control.health import HealthConfig
 
 pytestmark = pytest.mark.ray
 

@@ -16,7 +16,7 @@ from test_runtime import reference, tiny_doc
 
 from geopipe.checkpoint.store import list_checkpoints, load_checkpoint
 from geopipe.config import parse_cluster
-from geopipe.runtime.controller import Controller, LaunchOptions
+from geopipe.runtime.control.controller import Controller, LaunchOptions
 
 pytestmark = pytest.mark.ray
 

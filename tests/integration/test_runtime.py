@@ -26,11 +26,11 @@ from geopipe.config import parse_cluster
 from geopipe.model.data import Corpus, TokenStream, global_indices
 from geopipe.model.gpt import GPTConfig, GPTStage, lm_loss
 from geopipe.model.sizes import num_layers
-from geopipe.runtime.cluster import LaunchError
-from geopipe.runtime.controller import Controller, LaunchOptions
-from geopipe.runtime.engine import lr_factor
-from geopipe.runtime.executor import BREAKDOWN, FOREGROUND
-from geopipe.runtime.placement import ACTOR_ENV
+from geopipe.runtime.actor.engine import lr_factor
+from geopipe.runtime.actor.executor import BREAKDOWN, FOREGROUND
+from geopipe.runtime.control.cluster import LaunchError
+from geopipe.runtime.control.controller import Controller, LaunchOptions
+from geopipe.runtime.control.placement import ACTOR_ENV
 
 pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parents[2]
@@ -169,14 +169,14 @@ def test_actors_named_in_state_api_and_metrics_written(tmp_path):
         assert expected <= alive
 
         # Every stage actor runs with the environment geopipe sets for it (one malloc
-        # arena: [Note: one malloc arena per actor] in geopipe.runtime.placement).
+        # arena: [Note: one malloc arena per actor] in geopipe.runtime.control.placement).
         def env(_actor) -> dict:
             return {k: os.environ.get(k) for k in ACTOR_ENV}
 
         envs = ray.get([a.__ray_call__.remote(env) for row in ctl.actors for a in row])
         assert envs == [ACTOR_ENV] * 4
         # ... and with what exists once it is built frozen out of the collector's scans
-        # ([Note: garbage collection off the step] in geopipe.runtime.stage).
+        # ([Note: garbage collection off the step] in geopipe.runtime.actor.stage).
         frozen = ray.get([a.__ray_call__.remote(lambda _a: gc.get_freeze_count())
                           for row in ctl.actors for a in row])  # fmt: skip
         assert min(frozen) > 10_000, frozen
@@ -199,7 +199,7 @@ def test_actors_named_in_state_api_and_metrics_written(tmp_path):
             assert part["forward"] > 0 and part["backward"] > 0 and part["optimizer"] > 0
             assert part["encode"] > 0 and part["decode"] > 0
         # The bubble counts the optimizer step as busy, also now that it runs after the
-        # sends ([Note: the step after the sends] in geopipe.runtime.engine).
+        # sends ([Note: the step after the sends] in geopipe.runtime.actor.engine).
         busy = sum(p["forward"] + p["backward"] + p["optimizer"] for p in x["breakdown"])
         assert x["bubble_ratio"] == pytest.approx(1 - busy / (2 * x["iteration_time_s"]), abs=1e-3)
     status = json.loads((tmp_path / "status.json").read_text())
@@ -266,7 +266,7 @@ def test_a_codec_erring_beyond_the_bound_falls_back_to_the_next_finer(tmp_path):
     per step become exactly int8's."""
     import json
 
-    from geopipe.runtime.linkprobe import measure_codec_speeds, with_codec_speeds
+    from geopipe.runtime.control.linkprobe import measure_codec_speeds, with_codec_speeds
 
     doc = tiny_doc(1, 1, "int2h", steps=3)
     doc["links"][0]["bandwidth_gbps"] = 0.001  # thin: the planner picks the smallest codec

@@ -21,7 +21,7 @@ import torch
 from test_runtime import tiny_doc
 
 from geopipe.config import parse_cluster
-from geopipe.runtime.controller import Controller, LaunchOptions
+from geopipe.runtime.control.controller import Controller, LaunchOptions
 from geopipe.transport.codec import make_codec, seal
 from geopipe.transport.frames import encode_frame
 

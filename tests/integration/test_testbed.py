@@ -31,7 +31,7 @@ DRIVER = """
 import json, sys
 import ray
 from geopipe.config import parse_cluster
-from geopipe.runtime.controller import Controller, LaunchOptions
+from geopipe.runtime.control.controller import Controller, LaunchOptions
 doc, run_dir = json.loads(sys.argv[1]), sys.argv[2]
 ctl = Controller(parse_cluster(doc, "t"), LaunchOptions(run_dir=run_dir, progress=False))
 try:

@@ -11,7 +11,7 @@ import pytest
 from geopipe.config import ClusterSpec, load_cluster
 from geopipe.optimizer.evaluate import Evaluator
 from geopipe.optimizer.planner import AUTO_MIN_GAIN, plan_cluster
-from geopipe.runtime.planning import plan_run
+from geopipe.runtime.control.planning import plan_run
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCAL = load_cluster(ROOT / "clusters" / "local-2dc.yaml")

@@ -15,7 +15,8 @@ from geopipe.optimizer.refine import measured_costs, predict
 from geopipe.optimizer.simulator import simulate
 from geopipe.pipeline.schedule import make_schedule
 from geopipe.plan import Plan
-from geopipe.runtime.calibration import (
+from geopipe.runtime.actor.executor import IterationResult
+from geopipe.runtime.control.calibration import (
     Calibrator,
     boundary_offsets,
     fifo_excess,
@@ -24,8 +25,7 @@ from geopipe.runtime.calibration import (
     searched_codecs,
     with_real_transport,
 )
-from geopipe.runtime.executor import IterationResult
-from geopipe.runtime.linkprobe import LinkMeasurement
+from geopipe.runtime.control.linkprobe import LinkMeasurement
 
 M = 8
 

@@ -9,8 +9,8 @@ import pytest
 
 from geopipe.config import load_cluster
 from geopipe.optimizer.evaluate import Candidate, Evaluator
-from geopipe.runtime.calibration import Calibrator, measured_split_times
-from geopipe.runtime.executor import IterationResult
+from geopipe.runtime.actor.executor import IterationResult
+from geopipe.runtime.control.calibration import Calibrator, measured_split_times
 
 LOCAL = load_cluster(Path(__file__).resolve().parents[2] / "clusters" / "local-2dc.yaml")
 

@@ -143,8 +143,8 @@ def test_through_the_data_plane() -> None:
 def test_codec_error_is_measured_on_sampled_messages() -> None:
     """The sender decodes the first message and every 32nd after it and keeps the relative
     error; a lossless codec reports none; the metrics keep the worst per direction."""
-    from geopipe.runtime.executor import IterationResult
-    from geopipe.runtime.metrics import aggregate
+    from geopipe.runtime.actor.executor import IterationResult
+    from geopipe.runtime.control.metrics import aggregate
     from geopipe.transport.channel import Inbox
     from geopipe.transport.direct import DirectReceiver, DirectSender, relative_error
 

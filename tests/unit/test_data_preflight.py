@@ -13,8 +13,8 @@ from _tokdata import stdlib_sources, train_small_tokenizer
 from geopipe.config import parse_cluster
 from geopipe.model.prepare import prepare_data
 from geopipe.model.tokens import TokenDataset
-from geopipe.runtime.cluster import LaunchError
-from geopipe.runtime.models import check_data_source
+from geopipe.runtime.control.cluster import LaunchError
+from geopipe.runtime.control.models import check_data_source
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from geopipe.runtime.handoff import Holder, Receiver, pack, plan_handoff, unpack
+from geopipe.runtime.actor.handoff import Holder, Receiver, pack, plan_handoff, unpack
 
 SHAPES = {f"h.{i}.w": (4, 3) for i in range(6)}  # six "layers" of 12 values each
 

@@ -1,6 +1,6 @@
 """The hang timeout follows the measured step (pure)."""
 
-from geopipe.runtime.health import HealthConfig, hang_timeout_s
+from geopipe.runtime.control.health import HealthConfig, hang_timeout_s
 
 
 def test_hang_timeout_follows_the_measured_step():

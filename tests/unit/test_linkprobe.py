@@ -8,12 +8,11 @@ import threading
 import pytest
 
 from geopipe.config import parse_cluster
-from geopipe.runtime.linkprobe import (
+from geopipe.runtime.actor.probe import echo, probe
+from geopipe.runtime.control.linkprobe import (
     LinkMeasurement,
     burst_rate,
     clock_offset,
-    echo,
-    probe,
     with_measured_links,
 )
 from geopipe.transport.channel import Inbox

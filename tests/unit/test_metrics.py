@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from geopipe.runtime.executor import IterationResult
-from geopipe.runtime.metrics import aggregate
+from geopipe.runtime.actor.executor import IterationResult
+from geopipe.runtime.control.metrics import aggregate
 
 
 def result(stage: int, replica: int, busy: float, duration: float, losses=(), **parts):
@@ -41,7 +41,7 @@ def test_tensorboard_gets_every_step_scalar(tmp_path) -> None:
     each scalar at each step, the values written."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from geopipe.runtime.metrics import TENSORBOARD_SCALARS, MetricsSink, StepMetrics
+    from geopipe.runtime.control.metrics import TENSORBOARD_SCALARS, MetricsSink, StepMetrics
 
     sink = MetricsSink(tmp_path / "m.jsonl", "r", use_ray=False, tensorboard=tmp_path / "tb")
     for step in range(3):

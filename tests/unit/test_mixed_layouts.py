@@ -22,8 +22,8 @@ from geopipe.optimizer.planner import plan_cluster
 from geopipe.optimizer.policies import Failure, Reconfigure, decide, decide_grow
 from geopipe.optimizer.templates import best_uniform, build_templates
 from geopipe.plan import PipelineLayout, Plan
-from geopipe.runtime.reporting import Reporter
-from geopipe.runtime.sitegroups import grad_scale, site_worlds
+from geopipe.runtime.actor.sitegroups import grad_scale, site_worlds
+from geopipe.runtime.control.reporting import Reporter
 
 ROOT = Path(__file__).resolve().parents[2]
 A = PipelineLayout(("e", "e", "w", "w"), ((0, 3), (3, 5), (5, 7), (7, 10)), 18, (0, 2, 0),
@@ -182,7 +182,7 @@ def test_uneven_devices_at_launch_run_a_mix() -> None:
     """local-2dc with 3 west devices: the planner's 2 identical pipelines leave one idle;
     a pipeline with two west stages beside one with one is predicted faster and launched.
     With even counts nothing is idle and the planner's plan stands."""
-    from geopipe.runtime.planning import mixed_at_launch
+    from geopipe.runtime.control.planning import mixed_at_launch
 
     doc = yaml.safe_load((ROOT / "clusters" / "local-2dc.yaml").read_text())
     spec = parse_cluster(doc, "even")

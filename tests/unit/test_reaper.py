@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 _LAUNCHER = """
 import subprocess, sys, time
-from geopipe.runtime.reaper import start_reaper
+from geopipe.runtime.control.reaper import start_reaper
 start_reaper()
 sleep = [sys.executable, "-c", "import time; time.sleep(120)"]
 ray_like = subprocess.Popen(sleep + ["ray::DashboardAgent"])

@@ -33,7 +33,7 @@ from geopipe.config import ConfigError, parse_cluster
 from geopipe.optimizer.policies import Fail, Failure, RestoreFromCheckpoint, decide
 from geopipe.optimizer.restore import SiteCopy, copy_sites, newest_restorable
 from geopipe.optimizer.templates import build_templates
-from geopipe.runtime.sitestore import CHUNK_BYTES, ShardSource, SiteStore
+from geopipe.runtime.storage.sitestore import CHUNK_BYTES, ShardSource, SiteStore
 from tests.unit.test_recovery_policy import _local_2x2, availability, running_plan
 from tests.unit.test_templates import small_spec
 

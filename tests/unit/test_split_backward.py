@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from geopipe.model.gpt import GPTConfig, GPTStage, lm_loss
-from geopipe.runtime.backward import ActivationMeter, WeightGradStore, weight_surrogate
+from geopipe.runtime.actor.backward import ActivationMeter, WeightGradStore, weight_surrogate
 
 CFG = GPTConfig(n_layer=2, n_embd=32, n_head=2, vocab_size=64, block_size=16)
 

@@ -11,8 +11,8 @@ from geopipe.optimizer.evaluate import Candidate, Evaluation, Evaluator
 from geopipe.optimizer.planner import plan_cluster
 from geopipe.pipeline.schedule import AUTO
 from geopipe.plan import Plan
-from geopipe.runtime.calibration import profile_machine, should_profile
-from geopipe.runtime.cluster import LaunchError
+from geopipe.runtime.control.calibration import profile_machine, should_profile
+from geopipe.runtime.control.cluster import LaunchError
 
 __all__ = ["candidate_of", "plan_run"]
 

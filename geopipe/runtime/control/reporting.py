@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from geopipe.plan import Plan
-from geopipe.runtime.metrics import MetricsSink, StepMetrics
+from geopipe.runtime.control.metrics import MetricsSink, StepMetrics
 
 __all__ = ["Progress", "Reporter"]
 

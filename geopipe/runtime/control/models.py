@@ -16,7 +16,7 @@ from geopipe.config import ClusterSpec, ModelSpec
 from geopipe.model.data import open_corpus
 from geopipe.model.family import ModelDesc
 from geopipe.model.tokens import DatasetError, TokenDataset
-from geopipe.runtime.cluster import LaunchError
+from geopipe.runtime.control.cluster import LaunchError
 
 __all__ = ["check_data_source", "model_desc", "model_manifest", "model_shape"]
 

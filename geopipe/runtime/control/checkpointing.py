@@ -8,7 +8,7 @@ checkpoint stays the newest one.
 Two kinds of storage: one directory every node shares (the driver commits each checkpoint
 there), or — with ``{site}`` in ``training.checkpoint.dir`` — one directory per site, each
 holding its own complete copy committed by an actor on that site
-(:mod:`geopipe.runtime.sitecopies`). At launch :meth:`CheckpointCoordinator.check_storage`
+(:mod:`geopipe.runtime.control.sitecopies`). At launch :meth:`CheckpointCoordinator.check_storage`
 says which it is and warns when a "shared" directory is not visible from every site.
 """
 
@@ -33,11 +33,11 @@ from geopipe.checkpoint.store import (
 )
 from geopipe.checkpoint.writer import CheckpointWriter
 from geopipe.config import ClusterSpec
-from geopipe.runtime.cluster import LaunchError
-from geopipe.runtime.health import quiet_get, ref_failed
-from geopipe.runtime.models import model_shape
-from geopipe.runtime.reporting import Reporter
-from geopipe.runtime.sitecopies import SiteCopies
+from geopipe.runtime.control.cluster import LaunchError
+from geopipe.runtime.control.health import quiet_get, ref_failed
+from geopipe.runtime.control.models import model_shape
+from geopipe.runtime.control.reporting import Reporter
+from geopipe.runtime.control.sitecopies import SiteCopies
 
 __all__ = ["CheckpointCoordinator", "RestoreFrom", "ResumePoint"]
 

@@ -1,6 +1,6 @@
 """Each site's ``torch.distributed`` world and its ZeRO-1 groups, for uniform and mixed plans.
 
-Pure (no Ray, no DeepSpeed): :class:`~geopipe.runtime.placement.Placement` wires actors by
+Pure (no Ray, no DeepSpeed): :class:`~geopipe.runtime.control.placement.Placement` wires actors by
 it and the tests check it without a cluster.
 
 [Note: ZeRO-1 groups of a mixed plan] A layer's gradient must be reduced over every actor

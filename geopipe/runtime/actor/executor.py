@@ -5,9 +5,9 @@ The list is exactly what the planner simulated (:mod:`geopipe.pipeline.schedule`
 * ``F m``: forward micro-batch ``m`` (the first stage reads its tokens from the
   deterministic stream; the others take the activation that arrived);
 * ``B m``: the last stage back-propagates its loss; the others the gradient received from
-  downstream (surrogate backward, see :mod:`geopipe.runtime.engine`);
+  downstream (surrogate backward, see :mod:`geopipe.runtime.actor.engine`);
 * ``I m`` / ``W m``: the same backward split in two — the input gradient first (what
-  ``SEND_B`` sends), the weight gradients later (:mod:`geopipe.runtime.backward`);
+  ``SEND_B`` sends), the weight gradients later (:mod:`geopipe.runtime.actor.backward`);
 * ``SEND_*``: hand the tensor to the link and go on (transfer overlaps compute);
 * ``RECV_*``: wait for the message, which the transport has been receiving meanwhile.
 """
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from geopipe.pipeline.schedule import Kind
-from geopipe.runtime.links import StageLinks
+from geopipe.runtime.actor.links import StageLinks
 
 __all__ = ["BREAKDOWN", "FOREGROUND", "Fault", "IterationResult", "execute"]
 

@@ -3,12 +3,12 @@
 What the actor does lives in modules of its own; this class only holds them and is the
 surface the controller calls over Ray:
 
-* :mod:`~geopipe.runtime.executor` runs an iteration's action list (the planner's IR);
-* :mod:`~geopipe.runtime.links` sends and receives activations and gradients;
-* :mod:`~geopipe.runtime.snapshots` keeps the full state of recent step boundaries;
-* :mod:`~geopipe.runtime.shards` writes checkpoint shards and loads checkpoints;
-* :mod:`~geopipe.runtime.handoff` restores a new layout's state from surviving replicas;
-* :mod:`~geopipe.runtime.engine` is the DeepSpeed ZeRO-1 engine of the stage.
+* :mod:`~geopipe.runtime.actor.executor` runs an iteration's action list (the planner's IR);
+* :mod:`~geopipe.runtime.actor.links` sends and receives activations and gradients;
+* :mod:`~geopipe.runtime.actor.snapshots` keeps the full state of recent step boundaries;
+* :mod:`~geopipe.runtime.actor.shards` writes checkpoint shards and loads checkpoints;
+* :mod:`~geopipe.runtime.actor.handoff` restores a new layout's state from surviving replicas;
+* :mod:`~geopipe.runtime.actor.engine` is the DeepSpeed ZeRO-1 engine of the stage.
 
 The replicas of a stage inside one site form its ZeRO-1 group. Each site has its own
 ``torch.distributed`` world, so gradient reduction cannot cross a WAN link by construction.
@@ -31,13 +31,13 @@ from geopipe.model.family import DTYPES, ModelDesc, stage_param_names
 from geopipe.optimizer.codec_guard import Fallback, apply_fallbacks
 from geopipe.pipeline.schedule import make_schedule
 from geopipe.plan import Plan
-from geopipe.runtime import linkprobe
-from geopipe.runtime.cluster import node_ip
-from geopipe.runtime.executor import FOREGROUND, Fault, IterationResult, execute
-from geopipe.runtime.handoff import Restore, restore_boundary
-from geopipe.runtime.links import StageLinks, WanPeer
-from geopipe.runtime.shards import ShardWriter, load_stage
-from geopipe.runtime.snapshots import BoundaryKeeper
+from geopipe.runtime.actor import probe
+from geopipe.runtime.actor.executor import FOREGROUND, Fault, IterationResult, execute
+from geopipe.runtime.actor.handoff import Restore, restore_boundary
+from geopipe.runtime.actor.links import StageLinks, WanPeer
+from geopipe.runtime.actor.shards import ShardWriter, load_stage
+from geopipe.runtime.actor.snapshots import BoundaryKeeper
+from geopipe.runtime.node import node_ip
 from geopipe.transport.bulk import ChunkServer
 from geopipe.transport.codec import measure_speeds
 from geopipe.transport.security import RunCredentials
@@ -114,7 +114,7 @@ def max_payload(plan: Plan, model: ModelDesc) -> int:
     elems = plan.micro_batch_size * plan.seq_len * model.hidden
     if model.tie:
         elems = max(elems, model.vocab_size * model.hidden)
-    return 2 * max(4 * elems, linkprobe.BURST_MAX_BYTES) + (1 << 20)
+    return 2 * max(4 * elems, probe.BURST_MAX_BYTES) + (1 << 20)
 
 
 class StageWorker:
@@ -199,7 +199,7 @@ class StageWorker:
     ) -> float:
         """Join the site's process group, build the ZeRO-1 engine and the links: p2p ranks
         inside the site, the WAN neighbours' receiver addresses (see :meth:`listen`)."""
-        from geopipe.runtime.engine import EngineConfig, StageEngine, init_process_group
+        from geopipe.runtime.actor.engine import EngineConfig, StageEngine, init_process_group
 
         t0 = time.perf_counter()
         init_process_group(site_rank, site_world, master[0], master[1], timeout_s)
@@ -226,12 +226,12 @@ class StageWorker:
         return self.links.listen(node_ip())
 
     def probe_link(self, address: tuple[str, int], link: Any, sizes: list[int]) -> dict:
-        """Launch-time link probe, upstream side (see :mod:`geopipe.runtime.linkprobe`)."""
-        return linkprobe.probe(self.links.inbox, tuple(address), link, sizes, self.spec.creds)
+        """Launch-time link probe, upstream side (see :mod:`geopipe.runtime.control.linkprobe`)."""
+        return probe.probe(self.links.inbox, tuple(address), link, sizes, self.spec.creds)
 
     def probe_echo(self, address: tuple[str, int], link: Any, sizes: list[int]) -> dict:
         """Launch-time link probe, downstream side."""
-        return linkprobe.echo(self.links.inbox, tuple(address), link, sizes, self.spec.creds)
+        return probe.echo(self.links.inbox, tuple(address), link, sizes, self.spec.creds)
 
     # -- one iteration -------------------------------------------------------------------------
     def _batch(self, step: int, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -322,7 +322,7 @@ class StageWorker:
     def restore_boundary(
         self, step: int, todo: Restore, fetch: list[tuple[Any, list[str]]]
     ) -> dict[str, int]:
-        """This actor's part of a state hand-off (see :mod:`geopipe.runtime.handoff`)."""
+        """This actor's part of a state hand-off (see :mod:`geopipe.runtime.actor.handoff`)."""
         return restore_boundary(self.engine, self.boundaries, step, todo, fetch)
 
     # -- checkpoints ---------------------------------------------------------------------------
@@ -370,7 +370,7 @@ class StageWorker:
 
     def read_chunk(self, step: int, file: str, offset: int, size: int) -> bytes:
         """A piece of this replica's in-memory shard of ``step`` (per-site checkpoint copies:
-        a site's store pulls it, :mod:`geopipe.runtime.sitestore`); ``file`` is unused: the
+        a site's store pulls it, :mod:`geopipe.runtime.storage.sitestore`); ``file`` is unused: the
         same call reads a file of a store's copy."""
         return self.shards.chunk(step, offset, size)
 
@@ -439,7 +439,7 @@ class StageWorker:
         """Destroy the engine and the process group, and collect the old engine at once: it
         sits in reference cycles (module hooks) that were frozen after its setup ([Note:
         garbage collection off the step])."""
-        from geopipe.runtime.engine import destroy_process_group
+        from geopipe.runtime.actor.engine import destroy_process_group
 
         if self.engine is not None:
             self.engine.destroy()

@@ -14,8 +14,9 @@ A few seconds at most: the burst is sized from the YAML's bandwidth (half a seco
 worth, 1–32 MiB) and cut into :data:`BURST_MESSAGES` messages. The rate is the median of
 the per-message rates (bytes over the gap between consecutive arrivals), not one figure
 over the whole burst: a fresh connection over a long round trip spends its first few
-hundred milliseconds in slow start, and a single whole-burst figure once read 58 Mbit/s
-on a 200 Mbit/s link; the median skips those first messages and a stray late arrival.
+hundred milliseconds in slow start (a whole-burst figure reads 58 Mbit/s on a
+200 Mbit/s link); the median skips those first messages and a stray late arrival. The
+actors' half (ping, echo, burst) is :mod:`geopipe.runtime.actor.probe`.
 
 The pings also give the offset between the two actors' clocks (NTP's estimate, from the
 ping with the shortest round trip): calibration uses it to turn the data plane's stamped
@@ -26,30 +27,23 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from geopipe.config import ClusterSpec
-from geopipe.transport.direct import DirectSender
-from geopipe.transport.link import LinkParams
+from geopipe.runtime.actor.probe import burst_sizes
 
 __all__ = [
     "LinkMeasurement",
     "burst_rate",
     "clock_offset",
-    "echo",
+    "measure_codec_speeds",
     "measure_links",
-    "probe",
     "probe_links",
+    "with_codec_speeds",
     "with_measured_links",
 ]
 
-PINGS = 5
-PING_BYTES = 1024
-BURST_MESSAGES = 9  # 8 inter-arrival rates; the median ignores slow start's few
 WARN_OFF = 0.20  # warn when a measurement is this far from the YAML
 # ... and the latency differs by more than this much in absolute terms: at L ≈ 0 a 0.3 ms
 # measured against a 0.1 ms YAML is no 200 % error worth a warning.
@@ -94,72 +88,6 @@ class LinkMeasurement:
         }
 
 
-BURST_MAX_BYTES = 32 << 20  # the whole burst at most (each message a fraction of it)
-
-
-def _burst(bandwidth_bps: float) -> list[int]:
-    """Message sizes of the bulk burst: about half a second of the link, 1–32 MiB."""
-    total = int(min(BURST_MAX_BYTES, max(1 << 20, bandwidth_bps / 8 * 0.5)))
-    return [total // BURST_MESSAGES] * BURST_MESSAGES
-
-
-# -- inside the actors -------------------------------------------------------------------------
-def probe(inbox: Any, address: tuple[str, int], link: LinkParams | None, sizes: list[int],
-          creds: Any = None) -> dict:  # fmt: skip
-    """Upstream side: ping the neighbour at ``address`` and stream the burst. Returns
-    ``rtt_s`` (median round trip), and per ping when it was sent and its answer in (this
-    clock). The neighbour runs :func:`echo` at the same time."""
-    tx = DirectSender(address, "none", "forward", link, creds=creds)
-    inbox.watched, inbox.arrived_at = {"probe-pong"}, {}
-    try:
-        sent, rtts = [], []
-        small = torch.zeros(PING_BYTES // 4)
-        for i in range(PINGS):
-            t0 = time.monotonic()
-            tx.send(("probe-ping", i), small, stream="probe")
-            inbox.get(("probe-pong", i), timeout=60)
-            sent.append(t0)
-            rtts.append(time.monotonic() - t0)
-        for j, n in enumerate(sizes):
-            tx.send(("probe-bulk", j), torch.zeros(n // 4), stream="probe")
-        tx.flush(timeout=120)
-        back = [inbox.arrived_at[("probe-pong", i)] for i in range(PINGS)]
-        return {"rtt_s": statistics.median(rtts), "ping_sent": sent, "pong_in": back}
-    finally:
-        inbox.watched, inbox.arrived_at = set(), {}
-        tx.close()
-
-
-def echo(inbox: Any, address: tuple[str, int], link: LinkParams | None, sizes: list[int],
-         creds: Any = None) -> dict:  # fmt: skip
-    """Downstream side: answer the pings, then time the burst's arrivals on this clock
-    (stamped by the transport as each message is in, see ``Inbox.watched``). Returns the
-    burst's ``arrivals`` and per ping when it was in and its answer sent (this clock)."""
-    tx = DirectSender(address, "none", "backward", link, creds=creds)
-    inbox.watched, inbox.arrived_at = {"probe-bulk", "probe-ping"}, {}
-    try:
-        small = torch.zeros(PING_BYTES // 4)
-        ping_in, answered = [], []
-        for i in range(PINGS):
-            inbox.get(("probe-ping", i), timeout=60)
-            answered.append(time.monotonic())
-            # The first ping may be in before this call started watching: then it waited,
-            # its round trip looks long, and clock_offset does not pick it.
-            ping_in.append(inbox.arrived_at.get(("probe-ping", i), answered[-1]))
-            tx.send(("probe-pong", i), small, stream="probe")
-        tx.flush(timeout=60)
-        for j in range(len(sizes)):
-            inbox.get(("probe-bulk", j), timeout=120)
-        return {
-            "arrivals": [inbox.arrived_at[("probe-bulk", j)] for j in range(len(sizes))],
-            "ping_in": ping_in,
-            "pong_sent": answered,
-        }
-    finally:
-        inbox.watched, inbox.arrived_at = set(), {}
-        tx.close()
-
-
 def burst_rate(sizes: list[int], arrivals: list[float]) -> float | None:
     """Bits per second from the burst's arrival times on the receiver's clock (no clock
     sync needed): the median over consecutive arrivals of a message's bytes over the gap
@@ -181,7 +109,6 @@ def clock_offset(up: dict, down: dict) -> float:
     return ((t1 - t0) + (t2 - t3)) / 2
 
 
-# -- in the controller -------------------------------------------------------------------------
 def measure_links(
     spec: ClusterSpec, rows: list[list[Any]], sites: tuple[str, ...], addresses: dict
 ) -> list[LinkMeasurement]:
@@ -195,7 +122,7 @@ def measure_links(
         if a == b:
             continue
         yaml_link = spec.link(a, b)
-        sizes = _burst(yaml_link.bandwidth_bps)
+        sizes = burst_sizes(yaml_link.bandwidth_bps)
         up, down = rows[k][0], rows[k + 1][0]
         echo_ref = down.probe_echo.remote(addresses[(k, 0)], None, sizes)
         got_up = ray.get(up.probe_link.remote(addresses[(k + 1, 0)], None, sizes))
@@ -261,8 +188,8 @@ def probe_links(
     YAML is off, and return the spec with the measurements, the plan's prediction under
     them, and the link measurements. ``given``: codec speeds the YAML sets (they stand)."""
     from geopipe.optimizer.evaluate import Evaluator
-    from geopipe.runtime.calibration import searched_codecs
-    from geopipe.runtime.planning import candidate_of
+    from geopipe.runtime.control.calibration import searched_codecs
+    from geopipe.runtime.control.planning import candidate_of
 
     measured = measure_links(spec, placement.rows, plan.stage_sites, placement.wan_addresses)
     warn_if_off(measured)

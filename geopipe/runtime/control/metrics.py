@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from geopipe.runtime.executor import IterationResult
+    from geopipe.runtime.actor.executor import IterationResult
 
 __all__ = ["MetricsSink", "StepMetrics", "aggregate", "measured_events"]
 
@@ -35,7 +35,7 @@ class StepMetrics:
     # categories are those of ``executor.BREAKDOWN``)
     breakdown: list[dict[str, float]] = field(default_factory=list)
     # per stage, the most bytes autograd held for backward at once (max over its replicas;
-    # the activation meter of :mod:`geopipe.runtime.backward`)
+    # the activation meter of :mod:`geopipe.runtime.actor.backward`)
     peak_activation_bytes: list[int] = field(default_factory=list)
     lr: float | None = None  # the learning rate this step applied
     # the whole model's gradient norm: the stages' norms (each over its ZeRO-1 group)

@@ -10,7 +10,7 @@ Recovery re-forms the job in place after a step failed, Oobleck-style:
 3. ask the pure policy (:func:`decide`) for the layout: reconfigure on the survivors,
    restore the latest checkpoint, or fail;
 4. lay the new plan over the survivors and restore every actor's state by parameter name
-   (:mod:`geopipe.runtime.handoff`): its own memory, else a same-site holder over
+   (:mod:`geopipe.runtime.actor.handoff`): its own memory, else a same-site holder over
    ``torch.distributed``, else through the object store (:meth:`Recovery.relayout`).
 
 Grow-back (:meth:`Recovery.grow`) uses the same relayout once the grow-back policy says a
@@ -36,11 +36,11 @@ from geopipe.optimizer.policies import (
     newest_common_boundary,
 )
 from geopipe.plan import Plan
-from geopipe.runtime.checkpointing import CheckpointCoordinator
-from geopipe.runtime.cluster import LaunchError, site_resource
-from geopipe.runtime.health import ActorsUnresponsive, HealthConfig, alive, quiet_get
-from geopipe.runtime.placement import Placement
-from geopipe.runtime.reporting import Reporter
+from geopipe.runtime.control.checkpointing import CheckpointCoordinator
+from geopipe.runtime.control.cluster import LaunchError, site_resource
+from geopipe.runtime.control.health import ActorsUnresponsive, HealthConfig, alive, quiet_get
+from geopipe.runtime.control.placement import Placement
+from geopipe.runtime.control.reporting import Reporter
 
 __all__ = ["Recovered", "Recovery"]
 
@@ -308,7 +308,7 @@ class Recovery:
         layers; slots no pooled actor can take get new actors. Then restore every actor to
         step boundary ``step`` from ``holders`` — (actor, old key) pairs with that snapshot —
         or from ``ckpt``; pooled actors left over serve as sources until every load is done,
-        then stop. Returns the bytes moved per path (see :mod:`geopipe.runtime.handoff`)."""
+        then stop. Returns the bytes moved per path (see :mod:`geopipe.runtime.actor.handoff`)."""
         import ray
 
         pl = self.placement
@@ -350,11 +350,11 @@ class Recovery:
 
     def _handoff(self, step: int, holders: list[tuple[Any, Key]], old_plan: Plan) -> dict:
         """Every actor of the (just wired) layout loads boundary ``step``, as planned by
-        :func:`geopipe.runtime.handoff.plan_handoff`."""
+        :func:`geopipe.runtime.actor.handoff.plan_handoff`."""
         import ray
 
         from geopipe.model.hf import EMBED, HEAD
-        from geopipe.runtime.handoff import Holder, Receiver, Restore, plan_handoff
+        from geopipe.runtime.actor.handoff import Holder, Receiver, Restore, plan_handoff
 
         pl = self.placement
         flat = pl.flat()

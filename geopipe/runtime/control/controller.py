@@ -10,12 +10,12 @@ Like Ray Train V2's controller, each state is a type carrying its payload, and
     Growing(step, decision) ──▶ Checkpointing(step)
     Checkpointing(step, final) ──▶ Running(step) | Finished | Interrupted | Recovering
 
-The components: :class:`~geopipe.runtime.placement.Placement` (actors, names, wiring),
-:mod:`~geopipe.runtime.health` (errors, heartbeat, hang timeout),
-:class:`~geopipe.runtime.recovery.Recovery` (relayout after failures and grow-back),
-:class:`~geopipe.runtime.checkpointing.CheckpointCoordinator`,
-:class:`~geopipe.runtime.calibration.Calibrator` and
-:class:`~geopipe.runtime.reporting.Reporter` (status file, progress, metrics). Decisions
+The components: :class:`~geopipe.runtime.control.placement.Placement` (actors, names, wiring),
+:mod:`~geopipe.runtime.control.health` (errors, heartbeat, hang timeout),
+:class:`~geopipe.runtime.control.recovery.Recovery` (relayout after failures and grow-back),
+:class:`~geopipe.runtime.control.checkpointing.CheckpointCoordinator`,
+:class:`~geopipe.runtime.control.calibration.Calibrator` and
+:class:`~geopipe.runtime.control.reporting.Reporter` (status file, progress, metrics). Decisions
 (recover how, grow or not) are the planner's pure policies.
 
 Whatever happens — an error, Ctrl-C — :meth:`Controller.close` stops the actors and, when
@@ -41,24 +41,30 @@ from geopipe.optimizer.codec_guard import apply_fallbacks, codec_fallbacks
 from geopipe.optimizer.evaluate import Evaluation
 from geopipe.optimizer.policies import GrowBack
 from geopipe.plan import Plan
-from geopipe.runtime.calibration import Calibrator, searched_codecs
-from geopipe.runtime.chaos import ChaosMonkey
-from geopipe.runtime.checkpointing import CheckpointCoordinator
-from geopipe.runtime.cluster import ClusterInfo, auth_env, check_precision, check_sites, connect
-from geopipe.runtime.health import (
+from geopipe.runtime.control.calibration import Calibrator, searched_codecs
+from geopipe.runtime.control.chaos import ChaosMonkey
+from geopipe.runtime.control.checkpointing import CheckpointCoordinator
+from geopipe.runtime.control.cluster import (
+    ClusterInfo,
+    auth_env,
+    check_precision,
+    check_sites,
+    connect,
+)
+from geopipe.runtime.control.health import (
     ActorsUnresponsive,
     HealthConfig,
     StepHung,
     await_step,
     hang_timeout_s,
 )
-from geopipe.runtime.linkprobe import probe_links
-from geopipe.runtime.metrics import StepMetrics, aggregate, measured_events
-from geopipe.runtime.models import check_data_source, model_manifest
-from geopipe.runtime.placement import Placement
-from geopipe.runtime.recovery import Recovery
-from geopipe.runtime.reporting import Reporter
-from geopipe.runtime.states import (
+from geopipe.runtime.control.linkprobe import probe_links
+from geopipe.runtime.control.metrics import StepMetrics, aggregate, measured_events
+from geopipe.runtime.control.models import check_data_source, model_manifest
+from geopipe.runtime.control.placement import Placement
+from geopipe.runtime.control.recovery import Recovery
+from geopipe.runtime.control.reporting import Reporter
+from geopipe.runtime.control.states import (
     TERMINAL,
     Checkpointing,
     Failed,
@@ -134,7 +140,7 @@ class Controller:
         # Stopping at N and resuming to 2N must follow the same LR schedule as running 2N in
         # one go, so the horizon is the YAML's, never --steps.
         self.lr_horizon = spec.training.lr_decay_steps or spec.training.steps
-        from geopipe.runtime.planning import with_overrides
+        from geopipe.runtime.control.planning import with_overrides
 
         self.spec = with_overrides(spec, opts.steps, opts.schedule)
         auth_env(self.spec)  # before anything imports ray: it reads RAY_AUTH_MODE at import
@@ -205,7 +211,7 @@ class Controller:
     def launch(self) -> None:
         import ray
 
-        from geopipe.runtime.planning import plan_run
+        from geopipe.runtime.control.planning import plan_run
 
         self._resume = self.checkpoints.find_resume(self.opts.resume)
         self.start_step = self._resume.step if self._resume else 0

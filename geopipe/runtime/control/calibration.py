@@ -26,7 +26,7 @@ from geopipe.optimizer.refine import measured_costs, pessimistic, predict, refin
 from geopipe.optimizer.simulator import PipelineCosts
 from geopipe.pipeline.schedule import LOOKAHEAD_FAMILIES, SPLIT_FAMILIES
 from geopipe.plan import Plan
-from geopipe.runtime.executor import IterationResult
+from geopipe.runtime.actor.executor import IterationResult
 from geopipe.transport.codec import measure_speeds
 from geopipe.transport.wire import codec_pair
 
@@ -62,7 +62,7 @@ def _measure(
     import torch
 
     from geopipe.model.family import DTYPES, build_stage
-    from geopipe.runtime.models import model_desc
+    from geopipe.runtime.control.models import model_desc
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -153,7 +153,7 @@ def measured_split_times(
 ) -> tuple[list[float], list[float]] | None:
     """Mean ``I`` and ``W`` seconds per stage from recorded events, or None without any
     ``I`` event. (No ``W`` carries the optimizer step: the runtime steps after the sends,
-    [Note: the step after the sends] in :mod:`geopipe.runtime.engine`.)"""
+    [Note: the step after the sends] in :mod:`geopipe.runtime.actor.engine`.)"""
     inp: list[list[float]] = [[] for _ in range(num_stages)]
     wgt: list[list[float]] = [[] for _ in range(num_stages)]
     for r in results:

@@ -3,7 +3,7 @@
 With ``{site}`` in ``training.checkpoint.dir`` every site that holds copies (all the plan's
 sites when ``replicate`` is on, the default; the first one otherwise —
 :func:`geopipe.optimizer.restore.copy_sites`) has a store actor on its own node
-(:class:`~geopipe.runtime.sitestore.SiteStore`). A save:
+(:class:`~geopipe.runtime.storage.sitestore.SiteStore`). A save:
 
 1. each stage's replicas snapshot as before (the only stall) and replica 0 encodes the
    shard in memory on a background thread;
@@ -38,9 +38,9 @@ from typing import Any
 from geopipe.checkpoint.store import CheckpointError, latest_complete
 from geopipe.config import ClusterSpec
 from geopipe.optimizer.restore import Restorable, SiteCopy, copy_sites, newest_restorable
-from geopipe.runtime.health import quiet_get, ref_failed
-from geopipe.runtime.reporting import Reporter
-from geopipe.runtime.sitestore import ShardSource, SiteStore
+from geopipe.runtime.control.health import quiet_get, ref_failed
+from geopipe.runtime.control.reporting import Reporter
+from geopipe.runtime.storage.sitestore import ShardSource, SiteStore
 
 __all__ = ["LINK_SHARE", "SiteCopies"]
 

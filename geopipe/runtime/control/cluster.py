@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from geopipe.config import ClusterSpec
 from geopipe.plan import Plan
-from geopipe.runtime.reaper import start_reaper
+from geopipe.runtime.control.reaper import start_reaper
 
 __all__ = ["ClusterInfo", "LaunchError", "check_sites", "connect", "site_resource"]
 
@@ -145,13 +145,3 @@ def shutdown(info: ClusterInfo | None) -> None:
 
     if ray.is_initialized():
         ray.shutdown()
-
-
-def node_ip() -> str:
-    """This node's address for peers (Ray's view of it), or loopback outside Ray (tests)."""
-    try:
-        import ray
-
-        return ray.util.get_node_ip_address()
-    except Exception:  # outside Ray
-        return "127.0.0.1"

@@ -1,6 +1,6 @@
 """Writing this stage's checkpoint shard, and loading a stage from any checkpoint.
 
-The full state comes from the boundary snapshot (:mod:`geopipe.runtime.snapshots`), so a
+The full state comes from the boundary snapshot (:mod:`geopipe.runtime.actor.snapshots`), so a
 save stalls training only for a copy of the replica's own ZeRO-1 partition; the gather runs
 on the state keeper, the file write on a writer thread of its own — a slow disk must not
 hold up the keeper's gathers, in which the other replicas wait for this one.
@@ -11,7 +11,7 @@ replica 0 writes, and if it dies mid-save the controller asks a survivor to writ
 With per-site checkpoint directories (``{site}`` in ``training.checkpoint.dir``) no stage
 writes a file: the shard is encoded in memory (the exact bytes of the file) and every
 site's store pulls it in chunks (:meth:`ShardWriter.chunk`) and writes, fsyncs and verifies
-its own copy (:mod:`geopipe.runtime.sitestore`). The bytes stay until the checkpoint is
+its own copy (:mod:`geopipe.runtime.storage.sitestore`). The bytes stay until the checkpoint is
 committed — one more copy of the stage's state in host RAM for that long; a spool file on
 local disk would trade it for a disk write if RAM is tight.
 """

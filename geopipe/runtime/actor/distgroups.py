@@ -2,7 +2,7 @@
 
 Joining and leaving the default group (gloo on CPU, NCCL on GPU) with DeepSpeed adopting it,
 and the ``mpu`` object that tells DeepSpeed its data-parallel group is the stage's replica
-group. Re-exported by :mod:`geopipe.runtime.engine`.
+group. Re-exported by :mod:`geopipe.runtime.actor.engine`.
 """
 
 from __future__ import annotations

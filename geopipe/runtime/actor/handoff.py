@@ -84,7 +84,7 @@ def plan_handoff(
 
     A name no holder has is taken under its alias when one holds that (a tied head's copy is
     the embedding, which a layout with one stage holding both ends kept alone); the
-    receiver's :meth:`~geopipe.runtime.engine.StageEngine.load_full_state` resolves it.
+    receiver's :meth:`~geopipe.runtime.actor.engine.StageEngine.load_full_state` resolves it.
     Raises KeyError naming the first parameter no holder has (the caller decides whether
     that means a checkpoint fallback). Deterministic: same inputs, same plan, and the
     pairs' name lists are in the receiver's parameter order on both sides.
@@ -161,7 +161,7 @@ def restore_boundary(
     """Take part, inside a stage actor, in the hand-off :func:`plan_handoff` planned.
 
     Keep ``todo.own`` names from this replica's snapshot (``keeper``, a
-    :class:`~geopipe.runtime.snapshots.BoundaryKeeper`), send to and receive from site ranks
+    :class:`~geopipe.runtime.actor.snapshots.BoundaryKeeper`), send to and receive from site ranks
     over the re-formed ``torch.distributed`` world — all posted at once, so no order of
     calls across actors can deadlock — fetch the rest from holder actors through the object
     store (``fetch``: (actor handle, names)), then load the merged step-``step`` state.

@@ -13,11 +13,11 @@ from typing import Any
 from geopipe.config import ClusterSpec
 from geopipe.model.family import ModelDesc
 from geopipe.plan import Plan
-from geopipe.runtime.cluster import LaunchError, site_resource
-from geopipe.runtime.links import WanPeer
-from geopipe.runtime.models import model_desc
-from geopipe.runtime.sitegroups import grad_scale, site_worlds
-from geopipe.runtime.stage import StageSpec, StageWorker
+from geopipe.runtime.actor.links import WanPeer
+from geopipe.runtime.actor.sitegroups import grad_scale, site_worlds
+from geopipe.runtime.actor.stage import StageSpec, StageWorker
+from geopipe.runtime.control.cluster import LaunchError, site_resource
+from geopipe.runtime.control.models import model_desc
 from geopipe.transport.link import LinkParams
 
 __all__ = ["Placement"]
@@ -168,7 +168,7 @@ class Placement:
             "warmup_steps": t.warmup_steps, "total_steps": max(self.lr_horizon, t.steps),
             "micro_batches": plan.num_microbatches, "seed": t.seed,
             "micro_batch_size": plan.micro_batch_size, "grad_scale": scale,
-            "defer_step": True,  # [Note: the step after the sends] in geopipe.runtime.engine
+            "defer_step": True,  # [Note: the step after the sends] in geopipe.runtime.actor.engine
             "precision": t.precision,
         }  # fmt: skip
         return StageSpec(

@@ -31,7 +31,7 @@ the lazily created Adam state, stale gradients after an aborted step.
     ``scaled_global_norm``), hence the scalar surrogate.
 
 
-Split backwards (``I``/``W``): see :mod:`geopipe.runtime.backward`.
+Split backwards (``I``/``W``): see :mod:`geopipe.runtime.actor.backward`.
 """
 
 from __future__ import annotations
@@ -59,13 +59,13 @@ from torch.optim.lr_scheduler import LambdaLR
 from geopipe.checkpoint.format import ADAM_MOMENTS, ADAM_STATE_GROUPS, PARAMS_GROUP
 from geopipe.model.family import DTYPES, ModelDesc, build_stage
 from geopipe.model.gpt import GPTConfig, lm_loss
-from geopipe.runtime.backward import (
+from geopipe.runtime.actor.backward import (
     ActivationMeter,
     WeightGradStore,
     drop_output_hooks,
     weight_surrogate,
 )
-from geopipe.runtime.distgroups import StageMPU, destroy_process_group, init_process_group
+from geopipe.runtime.actor.distgroups import StageMPU, destroy_process_group, init_process_group
 
 __all__ = [
     "EngineConfig",
@@ -116,7 +116,7 @@ class EngineConfig:
     lr_schedule: Literal["cosine", "constant"] = "cosine"
     micro_batch_size: int = 1
     # A mixed plan's factor on this replica's weight gradients (1 for identical pipelines;
-    # [Note: gradient scale of a mixed plan] in geopipe.runtime.sitegroups).
+    # [Note: gradient scale of a mixed plan] in geopipe.runtime.actor.sitegroups).
     grad_scale: float = 1.0
     # Reduce and step once after the iteration's sends instead of inside the last backward
     # (the runtime always does: [Note: the step after the sends]).
@@ -280,7 +280,7 @@ class StageEngine:
             raise ValueError(f"rank {rank} is not in group_ranks[{my_group}] of {group_ranks}")
         self.cfg = cfg
         # ``hold``: the layers of this replica's ZeRO-1 group when it runs only some of them
-        # (a mixed plan: [Note: ZeRO-1 groups of a mixed plan] in geopipe.runtime.sitegroups).
+        # (a mixed plan: [Note: ZeRO-1 groups of a mixed plan] in geopipe.runtime.actor.sitegroups).
         hold = tuple(layers) if hold is None else tuple(hold)
         self.module = build_stage(model, hold[0], hold[1], seed=cfg.seed, active=tuple(layers))
         self.dtype = DTYPES[cfg.precision]

@@ -14,7 +14,7 @@ Transport: the puller reads 4 MiB pieces, two in flight. Across sites over the d
 — one TCP stream to the holder's chunk server (:mod:`geopipe.transport.bulk`), no Ray on
 the bulk path: through Ray each piece would be an object-store pull costing several round
 trips over a long link — paced to a share of the WAN link's bandwidth so the activations
-keep the rest (:data:`geopipe.runtime.sitecopies.LINK_SHARE`). Inside a site, and when a
+keep the rest (:data:`geopipe.runtime.control.sitecopies.LINK_SHARE`). Inside a site, and when a
 holder's chunk server cannot be reached, through Ray actor calls.
 """
 
@@ -46,7 +46,7 @@ from geopipe.checkpoint.store import (
 )
 from geopipe.checkpoint.writer import CheckpointWriter
 from geopipe.optimizer.restore import SiteCopy
-from geopipe.runtime.cluster import node_ip
+from geopipe.runtime.node import node_ip
 from geopipe.transport.bulk import ChunkClient, ChunkError, ChunkServer
 from geopipe.transport.security import RunCredentials
 
@@ -69,7 +69,7 @@ class ShardSource:
 
 
 class SiteStore:
-    """The actor body (wrapped with ``ray.remote`` by :mod:`geopipe.runtime.sitecopies`)."""
+    """The actor body (wrapped with ``ray.remote`` by :mod:`geopipe.runtime.control.sitecopies`)."""
 
     def __init__(
         self, site: str, root: str, keep: int, creds: RunCredentials | None = None,

@@ -9,7 +9,7 @@ import threading
 import time
 from typing import Any
 
-from geopipe.runtime.reporting import Reporter
+from geopipe.runtime.control.reporting import Reporter
 
 __all__ = ["ChaosMonkey"]
 
