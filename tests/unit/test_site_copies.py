@@ -22,6 +22,7 @@ import pytest
 import torch
 import yaml
 
+from geopipe.checkpoint.restore import SiteCopy, copy_sites, newest_restorable
 from geopipe.checkpoint.store import (
     CheckpointError,
     list_checkpoints,
@@ -31,7 +32,6 @@ from geopipe.checkpoint.store import (
 from geopipe.checkpoint.writer import shard_bytes
 from geopipe.config import ConfigError, parse_cluster
 from geopipe.optimizer.policies import Fail, Failure, RestoreFromCheckpoint, decide
-from geopipe.optimizer.restore import SiteCopy, copy_sites, newest_restorable
 from geopipe.optimizer.templates import build_templates
 from geopipe.runtime.storage.sitestore import CHUNK_BYTES, ShardSource, SiteStore
 from tests.unit.test_recovery_policy import _local_2x2, availability, running_plan

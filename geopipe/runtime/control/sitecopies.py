@@ -2,7 +2,7 @@
 
 With ``{site}`` in ``training.checkpoint.dir`` every site that holds copies (all the plan's
 sites when ``replicate`` is on, the default; the first one otherwise —
-:func:`geopipe.optimizer.restore.copy_sites`) has a store actor on its own node
+:func:`geopipe.checkpoint.restore.copy_sites`) has a store actor on its own node
 (:class:`~geopipe.runtime.storage.sitestore.SiteStore`). A save:
 
 1. each stage's replicas snapshot as before (the only stall) and replica 0 encodes the
@@ -19,7 +19,7 @@ sites when ``replicate`` is on, the default; the first one otherwise —
 
 After a failure the controller asks the live stores what they hold and restores the newest
 checkpoint all of whose shards survive on a live site
-(:func:`~geopipe.optimizer.restore.newest_restorable`); a site of the new layout without a
+(:func:`~geopipe.checkpoint.restore.newest_restorable`); a site of the new layout without a
 copy of it first pulls one from a site that has it, then every actor loads from its own
 site's copy.
 """
@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from geopipe.checkpoint.restore import Restorable, SiteCopy, copy_sites, newest_restorable
 from geopipe.checkpoint.store import CheckpointError, latest_complete
 from geopipe.config import ClusterSpec
-from geopipe.optimizer.restore import Restorable, SiteCopy, copy_sites, newest_restorable
 from geopipe.runtime.control.health import quiet_get, ref_failed
 from geopipe.runtime.control.reporting import Reporter
 from geopipe.runtime.storage.sitestore import ShardSource, SiteStore

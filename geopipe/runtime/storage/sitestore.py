@@ -1,6 +1,6 @@
 """A site's checkpoint store: the actor that keeps checkpoint copies on that site's disk.
 
-With ``{site}`` in ``training.checkpoint.dir`` (see :mod:`geopipe.optimizer.restore`) no
+With ``{site}`` in ``training.checkpoint.dir`` (see :mod:`geopipe.checkpoint.restore`) no
 directory is shared between sites, and the driver may not see any of them. Each site that
 holds copies gets one :class:`SiteStore` actor, placed on a node of the site (beside its
 stage actors), named ``geopipe/<run>/<site>/checkpoints``. It pulls each stage's shard —
@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from geopipe.checkpoint.restore import SiteCopy
 from geopipe.checkpoint.store import (
     _RESERVED,
     MANIFEST,
@@ -45,7 +46,6 @@ from geopipe.checkpoint.store import (
     step_dirname,
 )
 from geopipe.checkpoint.writer import CheckpointWriter
-from geopipe.optimizer.restore import SiteCopy
 from geopipe.runtime.node import node_ip
 from geopipe.transport.bulk import ChunkClient, ChunkError, ChunkServer
 from geopipe.transport.security import RunCredentials
