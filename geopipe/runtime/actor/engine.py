@@ -47,18 +47,12 @@ import deepspeed
 import deepspeed.comm
 import torch
 import torch.distributed as dist
-from deepspeed.utils import (
-    safe_get_full_fp32_param,
-    safe_get_full_optimizer_state,
-    safe_set_full_fp32_param,
-    safe_set_full_optimizer_state,
-)
 from torch import Tensor, nn
 from torch.optim.lr_scheduler import LambdaLR
 
-from geopipe.checkpoint.format import ADAM_MOMENTS, ADAM_STATE_GROUPS, PARAMS_GROUP
 from geopipe.model.family import DTYPES, ModelDesc, build_stage
 from geopipe.model.gpt import GPTConfig, lm_loss
+from geopipe.runtime.actor import zero_state
 from geopipe.runtime.actor.backward import (
     ActivationMeter,
     WeightGradStore,
@@ -193,52 +187,49 @@ def param_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]
     return [g for g in groups if g["params"]]
 
 
-def _adam_partition_states(zero_optimizer: Any) -> list[dict[str, Tensor]]:
-    """The inner Adam's state of each flat fp32 partition, created if still lazy, and linked.
+def _process_groups(group_ranks: list[list[int]], my_group: int) -> tuple[StageMPU, Any]:
+    """This rank's DeepSpeed MPU (its ZeRO-1 group, a model-parallel group of itself) and
+    the group's second communicator for checkpoint threads.
 
-    Private DeepSpeed internals (ZeRO stage 1/2 optimizer of 0.19.x), kept to this function:
-    torch Adam creates its state at the first ``step()``, and only then does DeepSpeed link
-    each parameter's ``_hp_mapping`` to slices of it, so ``safe_{get,set}_full_optimizer_state``
-    fail on a fresh engine (``NoneType is not iterable``). Creating the same zero state Adam
-    would create (step 0) and re-linking makes them work; Adam then finds the state non-empty
-    and updates it in place, which keeps the links valid.
-    """
-    inner = zero_optimizer.optimizer
-    states = []
-    for flat in zero_optimizer.single_partition_of_fp32_groups:
-        state = inner.state[flat]
-        if not state:
-            state["step"] = torch.tensor(0.0)
-            for key in ADAM_MOMENTS:
-                state[key] = torch.zeros_like(flat, memory_format=torch.preserve_format)
-        states.append(state)
-    zero_optimizer._hp_optimizer_states_linked = False
-    zero_optimizer._lazy_init_hp_params_optimizer_state()
-    return states
+    Collective over the whole world: same groups, same order on every rank. The checkpoint
+    communicator carries the gathers that run while training continues, and must never
+    interleave with the training's own collectives on the data-parallel group."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dp_groups = [dist.new_group(ranks) for ranks in group_ranks]
+    mp_groups = [dist.new_group([r]) for r in range(world)]
+    ckpt_groups = [dist.new_group(ranks) for ranks in group_ranks]
+    mpu = StageMPU(dp_groups[my_group], group_ranks[my_group], mp_groups[rank])
+    return mpu, ckpt_groups[my_group]
 
 
-def assemble_snapshot(snap: dict[str, Any], group: Any, replicas: int) -> dict[str, Any]:
-    """Gather the replicas' :meth:`StageEngine.local_snapshot` into a full state.
-
-    COLLECTIVE on ``group`` (every replica calls it, same order); safe on a background
-    thread when ``group`` is the engine's ``ckpt_group``. Returns the same dictionary as
-    :meth:`StageEngine.full_state`.
-    """
-    out: dict[str, Any] = {g: {} for g in ADAM_STATE_GROUPS}
-    for g in snap["groups"]:
-        for key in ADAM_STATE_GROUPS:
-            local = g[key].contiguous()
-            if replicas > 1:
-                parts = [torch.empty_like(local) for _ in range(replicas)]
-                dist.all_gather(parts, local, group=group)
-                flat = torch.cat(parts)
-            else:
-                flat = local
-            for name, off, shape in g["layout"]:
-                numel = math.prod(shape)
-                out[key][name] = flat[off : off + numel].view(shape).clone()
-    out["step"], out["lr_step"] = snap["step"], snap["lr_step"]
-    return out
+def deepspeed_config(cfg: EngineConfig, replicas: int) -> dict[str, Any]:
+    """The ZeRO-1 engine's DeepSpeed config for a stage group of ``replicas``, every default
+    that would change the numbers set explicitly, each commented where it is set."""
+    return {
+        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+        "gradient_accumulation_steps": cfg.micro_batches,
+        "train_batch_size": cfg.micro_batch_size * cfg.micro_batches * replicas,
+        # DeepSpeed's default is 1.0, which clips silently.
+        "gradient_clipping": cfg.grad_clip,
+        "optimizer": {
+            "type": "Adam",
+            "params": {
+                "lr": cfg.lr,
+                "betas": list(cfg.betas),
+                "eps": cfg.eps,
+                "weight_decay": cfg.weight_decay,
+                # torch's Adam, not DeepSpeed's C++ one (a minute of compiling);
+                # adam_w_mode defaults to True, i.e. AdamW, even for "type": "Adam".
+                "torch_adam": True,
+                "adam_w_mode": cfg.weight_decay > 0,
+            },
+        },
+        "zero_optimization": {"stage": 1},
+        "steps_per_print": 2**31 - 1,
+        # False: backward never reduces; step() is the boundary (end_iteration).
+        "managed_gradient_accumulation": not cfg.defer_step,
+        **_precision_config(cfg.precision),
+    }
 
 
 class StageEngine:
@@ -296,43 +287,9 @@ class StageEngine:
         self._idle = [p for p in self.module.parameters() if id(p) not in active]
         self._scale = cfg.grad_scale
 
-        # Collective over the whole world: same groups, same order on every rank.
-        dp_groups = [dist.new_group(ranks) for ranks in group_ranks]
-        mp_groups = [dist.new_group([r]) for r in range(world)]
-        # A second communicator per replica group, used only by checkpoint threads: their
-        # gathers run while training continues, and must never interleave with the
-        # training's own collectives on the data-parallel group.
-        ckpt_groups = [dist.new_group(ranks) for ranks in group_ranks]
-        self.ckpt_group = ckpt_groups[my_group]
+        mpu, self.ckpt_group = _process_groups(group_ranks, my_group)
         self.replicas = len(group_ranks[my_group])
-        dp_ranks = group_ranks[my_group]
-        mpu = StageMPU(dp_groups[my_group], dp_ranks, mp_groups[rank])
-
-        ds_config = {
-            "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
-            "gradient_accumulation_steps": cfg.micro_batches,
-            "train_batch_size": cfg.micro_batch_size * cfg.micro_batches * len(dp_ranks),
-            # DeepSpeed's default is 1.0, which clips silently.
-            "gradient_clipping": cfg.grad_clip,
-            "optimizer": {
-                "type": "Adam",
-                "params": {
-                    "lr": cfg.lr,
-                    "betas": list(cfg.betas),
-                    "eps": cfg.eps,
-                    "weight_decay": cfg.weight_decay,
-                    # torch's Adam, not DeepSpeed's C++ one (a minute of compiling);
-                    # adam_w_mode defaults to True, i.e. AdamW, even for "type": "Adam".
-                    "torch_adam": True,
-                    "adam_w_mode": cfg.weight_decay > 0,
-                },
-            },
-            "zero_optimization": {"stage": 1},
-            "steps_per_print": 2**31 - 1,
-            # False: backward never reduces; step() is the boundary (end_iteration).
-            "managed_gradient_accumulation": not cfg.defer_step,
-            **_precision_config(cfg.precision),
-        }
+        ds_config = deepspeed_config(cfg, self.replicas)
         # The LR schedule is a plain torch LambdaLR, built by DeepSpeed on its torch optimizer
         # (so it scales the groups ZeRO steps with) and stepped once per optimizer step:
         # step k uses lr * lr_factor(k).
@@ -535,49 +492,12 @@ class StageEngine:
         COLLECTIVE inside the stage's ZeRO-1 group: every replica must call it (each gets the
         whole state). On an engine that has not stepped yet the moments are zeros, step 0.
         """
-        states = _adam_partition_states(self.engine.optimizer)
-        out: dict[str, Any] = {g: {} for g in ADAM_STATE_GROUPS}
-        for name, p in self.module.named_parameters():
-            out[PARAMS_GROUP][name] = safe_get_full_fp32_param(p).detach().cpu().clone()
-            for key in ADAM_MOMENTS:
-                out[key][name] = safe_get_full_optimizer_state(p, key).detach().cpu().clone()
-        out["step"] = int(states[0]["step"].item())
-        out["lr_step"] = int(self.engine.lr_scheduler.last_epoch)
-        return out
+        return zero_state.full_state(self.engine, self.module)
 
     def local_snapshot(self) -> dict[str, Any]:
-        """This replica's ZeRO-1 partitions (fp32 weights, Adam moments) copied to memory.
-
-        No communication, so training stalls only for the copy; :func:`assemble_snapshot`
-        later turns the replicas' snapshots into a :meth:`full_state` on a background thread.
-        Layout (DeepSpeed 0.19 ZeRO 1/2, private): per parameter group one flat buffer holds
-        the parameters in ``round_robin_bit16_groups`` order at ``round_robin_bit16_offsets``;
-        replica ``r`` owns the r-th of ``R`` equal slices. Checked against ``full_state`` in
-        the tests (bitwise).
-        """
-        zo = self.engine.optimizer
-        states = _adam_partition_states(zo)
-        names = {id(p): n for n, p in self.module.named_parameters()}
-        groups = []
-        for i, part in enumerate(zo.single_partition_of_fp32_groups):
-            groups.append(
-                {
-                    PARAMS_GROUP: part.detach().cpu().clone(),
-                    **{k: states[i][k].detach().cpu().clone() for k in ADAM_MOMENTS},
-                    "layout": [
-                        (names[id(p)], int(off), tuple(p.shape))
-                        for p, off in zip(
-                            zo.round_robin_bit16_groups[i], zo.round_robin_bit16_offsets[i],
-                            strict=True,
-                        )
-                    ],
-                }
-            )  # fmt: skip
-        return {
-            "groups": groups,
-            "step": int(states[0]["step"].item()),
-            "lr_step": int(self.engine.lr_scheduler.last_epoch),
-        }
+        """This replica's ZeRO-1 partitions (fp32 weights, Adam moments) copied to memory,
+        no communication (:func:`~geopipe.runtime.actor.zero_state.local_snapshot`)."""
+        return zero_state.local_snapshot(self.engine, self.module)
 
     def load_full_state(self, state: dict[str, Any]) -> None:
         """Load a :meth:`full_state` (taken with any replica count) into this engine.
@@ -587,38 +507,9 @@ class StageEngine:
         handed to every stage. A tied head's copy missing from ``state`` (saved by a layout
         where one stage held both ends) is taken from the embedding it equals.
         """
-        aliases = self.module.state_aliases()
-        source = {n: n if n in state[PARAMS_GROUP] else aliases.get(n, n)
-                  for n, _ in self.module.named_parameters()}  # fmt: skip
-        missing = [n for n, src in source.items() if src not in state[PARAMS_GROUP]]
-        if missing:
-            raise KeyError(f"state lacks parameters of this stage: {missing}")
-        states = _adam_partition_states(self.engine.optimizer)
-        with torch.no_grad():
-            for name, p in self.module.named_parameters():
-                value = state[PARAMS_GROUP][source[name]]
-                if value.shape != p.shape:
-                    raise ValueError(f"{name}: state shape {tuple(value.shape)} != {p.shape}")
-                safe_set_full_fp32_param(p, value.to(self.device, torch.float32))
-                # ZeRO-1 keeps a full working copy of the stage on every replica; the fp32
-                # master shard above does not write back to it until the next step.
-                p.copy_(value)
-                for key in ADAM_MOMENTS:
-                    safe_set_full_optimizer_state(
-                        p, state[key][source[name]].to(self.device, torch.float32), key
-                    )
-        for partition_state in states:
-            partition_state["step"].fill_(float(state["step"]))
-        self._set_lr_step(int(state["lr_step"]))
+        zero_state.load_full_state(self.engine, self.module, state, self.device)
+        zero_state.set_lr_step(self.engine, self._lr_lambda, int(state["lr_step"]))
         self._step_base = int(state["step"]) - self.engine.global_steps
-
-    def _set_lr_step(self, lr_step: int) -> None:
-        """Put the LambdaLR at ``lr_step`` and apply that step's LR to the optimizer groups."""
-        sched = self.engine.lr_scheduler
-        lrs = [base * self._lr_lambda(lr_step) for base in sched.base_lrs]
-        sched.load_state_dict({**sched.state_dict(), "last_epoch": lr_step, "_last_lr": lrs})
-        for group, lr in zip(sched.optimizer.param_groups, lrs, strict=True):
-            group["lr"] = lr
 
     def destroy(self) -> None:
         """Release the engine (hooks, hp links) and drop gradients and in-flight micro-batches.

@@ -18,7 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from geopipe.checkpoint.format import ADAM_STATE_GROUPS, PARAMS_GROUP
-from geopipe.runtime.actor.engine import assemble_snapshot
+from geopipe.runtime.actor.zero_state import assemble_snapshot
 
 __all__ = ["BoundaryKeeper"]
 

@@ -1,0 +1,176 @@
+"""Reading and writing a DeepSpeed ZeRO-1 engine's private state: the fp32 master shards,
+Adam's moments, the step counters — what checkpoints, boundary snapshots and state
+hand-offs need and DeepSpeed has no public API for.
+
+Written against DeepSpeed 0.19.x's ZeRO stage 1/2 optimizer; every private attribute used
+is named here and nowhere else, so an upgrade is checked in one file (the engine tests
+compare these against a single-process reference, bitwise).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from deepspeed.utils import (
+    safe_get_full_fp32_param,
+    safe_get_full_optimizer_state,
+    safe_set_full_fp32_param,
+    safe_set_full_optimizer_state,
+)
+from torch import Tensor, nn
+
+from geopipe.checkpoint.format import ADAM_MOMENTS, ADAM_STATE_GROUPS, PARAMS_GROUP
+
+__all__ = [
+    "adam_partition_states",
+    "assemble_snapshot",
+    "full_state",
+    "load_full_state",
+    "local_snapshot",
+    "set_lr_step",
+]
+
+
+def adam_partition_states(zero_optimizer: Any) -> list[dict[str, Tensor]]:
+    """The inner Adam's state of each flat fp32 partition, created if still lazy, and linked.
+
+    Private DeepSpeed internals (ZeRO stage 1/2 optimizer of 0.19.x), kept to this function:
+    torch Adam creates its state at the first ``step()``, and only then does DeepSpeed link
+    each parameter's ``_hp_mapping`` to slices of it, so ``safe_{get,set}_full_optimizer_state``
+    fail on a fresh engine (``NoneType is not iterable``). Creating the same zero state Adam
+    would create (step 0) and re-linking makes them work; Adam then finds the state non-empty
+    and updates it in place, which keeps the links valid.
+    """
+    inner = zero_optimizer.optimizer
+    states = []
+    for flat in zero_optimizer.single_partition_of_fp32_groups:
+        state = inner.state[flat]
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            for key in ADAM_MOMENTS:
+                state[key] = torch.zeros_like(flat, memory_format=torch.preserve_format)
+        states.append(state)
+    zero_optimizer._hp_optimizer_states_linked = False
+    zero_optimizer._lazy_init_hp_params_optimizer_state()
+    return states
+
+
+def assemble_snapshot(snap: dict[str, Any], group: Any, replicas: int) -> dict[str, Any]:
+    """Gather the replicas' :func:`local_snapshot` into a full state.
+
+    COLLECTIVE on ``group`` (every replica calls it, same order); safe on a background
+    thread when ``group`` is the engine's ``ckpt_group``. Returns the same dictionary as
+    :func:`full_state`.
+    """
+    out: dict[str, Any] = {g: {} for g in ADAM_STATE_GROUPS}
+    for g in snap["groups"]:
+        for key in ADAM_STATE_GROUPS:
+            local = g[key].contiguous()
+            if replicas > 1:
+                parts = [torch.empty_like(local) for _ in range(replicas)]
+                dist.all_gather(parts, local, group=group)
+                flat = torch.cat(parts)
+            else:
+                flat = local
+            for name, off, shape in g["layout"]:
+                numel = math.prod(shape)
+                out[key][name] = flat[off : off + numel].view(shape).clone()
+    out["step"], out["lr_step"] = snap["step"], snap["lr_step"]
+    return out
+
+
+def full_state(engine: Any, module: nn.Module) -> dict[str, Any]:
+    """Unsharded fp32 parameters and Adam state, keyed by partition-independent names.
+
+    COLLECTIVE inside the stage's ZeRO-1 group: every replica must call it (each gets the
+    whole state). On an engine that has not stepped yet the moments are zeros, step 0.
+    """
+    states = adam_partition_states(engine.optimizer)
+    out: dict[str, Any] = {g: {} for g in ADAM_STATE_GROUPS}
+    for name, p in module.named_parameters():
+        out[PARAMS_GROUP][name] = safe_get_full_fp32_param(p).detach().cpu().clone()
+        for key in ADAM_MOMENTS:
+            out[key][name] = safe_get_full_optimizer_state(p, key).detach().cpu().clone()
+    out["step"] = int(states[0]["step"].item())
+    out["lr_step"] = int(engine.lr_scheduler.last_epoch)
+    return out
+
+
+def local_snapshot(engine: Any, module: nn.Module) -> dict[str, Any]:
+    """This replica's ZeRO-1 partitions (fp32 weights, Adam moments) copied to memory.
+
+    No communication, so training stalls only for the copy; :func:`assemble_snapshot`
+    later turns the replicas' snapshots into a :func:`full_state` on a background thread.
+    Layout (DeepSpeed 0.19 ZeRO 1/2, private): per parameter group one flat buffer holds
+    the parameters in ``round_robin_bit16_groups`` order at ``round_robin_bit16_offsets``;
+    replica ``r`` owns the r-th of ``R`` equal slices. Checked against ``full_state`` in
+    the tests (bitwise).
+    """
+    zo = engine.optimizer
+    states = adam_partition_states(zo)
+    names = {id(p): n for n, p in module.named_parameters()}
+    groups = []
+    for i, part in enumerate(zo.single_partition_of_fp32_groups):
+        groups.append(
+            {
+                PARAMS_GROUP: part.detach().cpu().clone(),
+                **{k: states[i][k].detach().cpu().clone() for k in ADAM_MOMENTS},
+                "layout": [
+                    (names[id(p)], int(off), tuple(p.shape))
+                    for p, off in zip(
+                        zo.round_robin_bit16_groups[i], zo.round_robin_bit16_offsets[i],
+                        strict=True,
+                    )
+                ],
+            }
+        )  # fmt: skip
+    return {
+        "groups": groups,
+        "step": int(states[0]["step"].item()),
+        "lr_step": int(engine.lr_scheduler.last_epoch),
+    }
+
+
+def load_full_state(engine: Any, module: nn.Module, state: dict[str, Any], device: Any) -> None:
+    """Load a :func:`full_state` (taken with any replica count) into ``engine``'s shards.
+
+    Every replica of the group loads the same full state and keeps its own shard. Names
+    in ``state`` that this stage does not hold are ignored, so a whole-model state can be
+    handed to every stage. A tied head's copy missing from ``state`` (saved by a layout
+    where one stage held both ends) is taken from the embedding it equals.
+    """
+    aliases = module.state_aliases()
+    source = {n: n if n in state[PARAMS_GROUP] else aliases.get(n, n)
+              for n, _ in module.named_parameters()}  # fmt: skip
+    missing = [n for n, src in source.items() if src not in state[PARAMS_GROUP]]
+    if missing:
+        raise KeyError(f"state lacks parameters of this stage: {missing}")
+    states = adam_partition_states(engine.optimizer)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            value = state[PARAMS_GROUP][source[name]]
+            if value.shape != p.shape:
+                raise ValueError(f"{name}: state shape {tuple(value.shape)} != {p.shape}")
+            safe_set_full_fp32_param(p, value.to(device, torch.float32))
+            # ZeRO-1 keeps a full working copy of the stage on every replica; the fp32
+            # master shard above does not write back to it until the next step.
+            p.copy_(value)
+            for key in ADAM_MOMENTS:
+                safe_set_full_optimizer_state(
+                    p, state[key][source[name]].to(device, torch.float32), key
+                )
+    for partition_state in states:
+        partition_state["step"].fill_(float(state["step"]))
+
+
+def set_lr_step(engine: Any, lr_lambda: Callable[[int], float], lr_step: int) -> None:
+    """Put the LambdaLR at ``lr_step`` and apply that step's LR to the optimizer groups."""
+    sched = engine.lr_scheduler
+    lrs = [base * lr_lambda(lr_step) for base in sched.base_lrs]
+    sched.load_state_dict({**sched.state_dict(), "last_epoch": lr_step, "_last_lr": lrs})
+    for group, lr in zip(sched.optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
