@@ -5,34 +5,7 @@ onto a different pipeline partition, so a checkpoint must (1) either exist compl
 at all, (2) never execute code when read (no pickle, no ``torch.load``), and (3) be keyed by
 partition-independent parameter names so any stage layout can load it.
 
-On-disk format (``FORMAT_VERSION = 1``)::
-
-    <root>/
-      step-00000020/                 one checkpoint; exists only after a complete save
-        stage-0.safetensors          one shard per pipeline stage
-        stage-1.safetensors
-        manifest.json                written last: a step dir without a valid one is corrupt
-      .tmp-step-00000030-<pid>/      a save in progress or one that was killed ("partial")
-
-A shard ``stage-<k>.safetensors`` holds contiguous tensors (no shared storage):
-
-* ``params/<name>``                        parameters, e.g. ``params/blocks.7.attn.qkv.weight``
-* ``exp_avg/<name>``, ``exp_avg_sq/<name>``  the full (unsharded) Adam moments of ``<name>``
-* ``rng/torch``                            the torch CPU RNG state (uint8), if saved with ``rng=``
-* any other stage state, e.g. ``codec/<stream>`` error-feedback residuals
-
-and safetensors string metadata ``geopipe.format`` (``"1"``), ``geopipe.stage`` (``"<k>"``)
-and ``geopipe.meta``: JSON of the stage's small state (Adam step, LR-scheduler step,
-``"rng": {"python": [...], "numpy": [...]}``, ...). JSON turns tuples into lists.
-
-``manifest.json`` (keys beyond these are the caller's and are kept as given)::
-
-    {"format_version": 1, "step": 20, "time": 1767225600.0, "time_iso": "2026-01-01T00:00:00Z",
-     "config_hash": "...", "plan": {...}, "data": {...},
-     "model": {"n_layer": 4, "n_embd": 64, "n_head": 4, "vocab_size": 256, "max_seq_len": 128},
-     "num_stages": 2,
-     "stages": [{"stage": 0, "file": "stage-0.safetensors", "sha256": "<64 hex>",
-                 "bytes": 123456, "tensors": 14}, ...]}
+The on-disk format is described in :mod:`geopipe.checkpoint.format`.
 
 Saving (:mod:`.writer`): stages write shards into the temporary directory (each file
 fsynced, SHA-256 taken), then `CheckpointWriter.commit` writes the manifest, fsyncs the
@@ -46,7 +19,6 @@ import hashlib
 import json
 import logging
 import os
-import random
 import re
 import shutil
 import stat
@@ -57,7 +29,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import numpy as np
 import torch
 from safetensors import safe_open
 
@@ -76,7 +47,6 @@ __all__ = [
     "ShardInfo",
     "StageShard",
     "accepts",
-    "capture_rng",
     "check_compatible",
     "latest_complete",
     "list_checkpoints",
@@ -84,7 +54,6 @@ __all__ = [
     "load_state_for_layers",
     "move_aside",
     "prune",
-    "restore_rng",
     "step_dirname",
 ]
 
@@ -607,23 +576,3 @@ def move_aside(root: str | os.PathLike[str]) -> tuple[Path, str] | None:
 
 # --------------------------------------------------------------------------------------------
 # RNG state
-
-
-def capture_rng() -> dict[str, Any]:
-    """Python, numpy (global) and torch CPU RNG states; all JSON-able except ``"torch"``."""
-    version, internal, gauss = random.getstate()
-    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
-    return {
-        "python": [version, list(internal), gauss],
-        "numpy": [str(name), keys.tolist(), int(pos), int(has_gauss), float(cached)],
-        "torch": torch.get_rng_state(),
-    }
-
-
-def restore_rng(state: Mapping[str, Any]) -> None:
-    """Inverse of `capture_rng`; accepts the lists JSON gives back for the tuples."""
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(state["torch"].detach().cpu().to(torch.uint8))

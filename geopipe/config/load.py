@@ -103,7 +103,7 @@ _BOUND_KINDS = {"greater_than", "greater_than_equal", "less_than", "less_than_eq
 
 
 def _span(loc: tuple[Any, ...]) -> str | None:
-    """The physical range a bounded float field states (config.specs._bounded), if any."""
+    """The physical range a bounded float field states (config.fields.bounded), if any."""
     parent = _model_at(loc[:-1])
     field = parent.model_fields.get(loc[-1]) if parent and isinstance(loc[-1], str) else None
     for m in field.metadata if field else ():

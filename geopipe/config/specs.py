@@ -5,14 +5,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
-import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -24,6 +21,7 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from geopipe.config.fields import bounded, codec_setting, int_in, name_of
 from geopipe.config.hfdir import HFDirError, read_hf_dir
 
 __all__ = [
@@ -92,86 +90,27 @@ class ConfigError(ValueError):
         super().__init__("\n".join(lines))
 
 
-def _fmt(x: float) -> str:
-    return f"{x:g}"
+SiteName = name_of(64)
+RunName = name_of(128)
 
 
-def _bounded(lo: float, hi: float, *, lo_open: bool = False, unit: str = "") -> Any:
-    """A float that must be finite and inside a physical range; the error states the range.
-
-    Non-finite or absurd values would pass a plain ``gt=0`` and then break the planner's
-    arithmetic (an infinite device speed gives zero-time stages, ``1e-300`` an overflow), so
-    every number the cost model reads is bounded here, at the edge.
-    """
-    span = f"{'(' if lo_open else '['}{_fmt(lo)}, {_fmt(hi)}]" + (f" {unit}" if unit else "")
-
-    def check(v: float) -> float:
-        ok = math.isfinite(v) and (v > lo if lo_open else v >= lo) and v <= hi
-        if not ok:
-            raise ValueError(f"must be a finite number in {span}")
-        return v
-
-    check.span = span  # type: ignore[attr-defined]  # the loader quotes it for type errors
-    return Annotated[float, AfterValidator(check)]
-
-
-def _int_in(lo: int, hi: int) -> Any:
-    """An int inside ``[lo, hi]``; huge values are refused before any arithmetic sees them."""
-
-    def check(v: int) -> int:
-        if not lo <= v <= hi:
-            raise ValueError(f"must be an integer in [{lo}, {hi}]")
-        return v
-
-    return Annotated[int, AfterValidator(check)]
-
-
-def _name(max_len: int) -> Any:
-    """Run and site names become Ray actor and resource names and directory names."""
-
-    def check(v: str) -> str:
-        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", v) or len(v) > max_len:
-            raise ValueError(
-                f"use 1 to {max_len} letters, digits, '.', '_' or '-', starting with a letter "
-                "or digit (it names Ray actors and directories)"
-            )
-        return v
-
-    return Annotated[str, AfterValidator(check)]
-
-
-SiteName = _name(64)
-RunName = _name(128)
-
-
-def _codec_setting(v: Any) -> Any:
-    """A boundary's codec: one name for both directions, ``"fwd/bwd"``, or
-    ``{forward: fwd, backward: bwd}`` (kept as ``"fwd/bwd"``; checked by `check_spec`)."""
-    if not isinstance(v, dict):
-        return v
-    if set(v) != {"forward", "backward"} or not all(isinstance(x, str) for x in v.values()):
-        raise ValueError("give a codec name, or {forward: <codec>, backward: <codec>}")
-    f, b = v["forward"], v["backward"]
-    return f if f == b else f"{f}/{b}"
-
-
-CodecSetting = Annotated[str, BeforeValidator(_codec_setting)]
+CodecSetting = Annotated[str, BeforeValidator(codec_setting)]
 
 # Physical ranges (units in the key names). Wide enough for any real hardware, narrow
 # enough that every time and byte count the planner derives stays a finite float.
-TFLOPS = _bounded(1e-6, 1e4, lo_open=True, unit="TFLOP/s")
-FRACTION = _bounded(0.0, 1.0, lo_open=True)
-MEMORY_GB = _bounded(1e-9, 1e6, unit="GiB")
-BANDWIDTH_GBPS = _bounded(1e-6, 1e6, unit="Gbit/s")
-MEM_BW_GB_PER_S = _bounded(1e-3, 1e6, unit="GB/s")
-LATENCY_MS = _bounded(0.0, 1e5, unit="ms")
-LOSS = _bounded(0.0, 0.5, unit="(a fraction: 0.01 is 1 %)")
-RATIO = _bounded(0.01, 100.0)
-PROB = _bounded(0.0, 1.0)
-LR = _bounded(0.0, 10.0, lo_open=True)
-DECAY = _bounded(0.0, 10.0)
-CLIP = _bounded(0.0, 1e6)
-KnobInt = _int_in(-MAX_KNOB, MAX_KNOB)
+TFLOPS = bounded(1e-6, 1e4, lo_open=True, unit="TFLOP/s")
+FRACTION = bounded(0.0, 1.0, lo_open=True)
+MEMORY_GB = bounded(1e-9, 1e6, unit="GiB")
+BANDWIDTH_GBPS = bounded(1e-6, 1e6, unit="Gbit/s")
+MEM_BW_GB_PER_S = bounded(1e-3, 1e6, unit="GB/s")
+LATENCY_MS = bounded(0.0, 1e5, unit="ms")
+LOSS = bounded(0.0, 0.5, unit="(a fraction: 0.01 is 1 %)")
+RATIO = bounded(0.01, 100.0)
+PROB = bounded(0.0, 1.0)
+LR = bounded(0.0, 10.0, lo_open=True)
+DECAY = bounded(0.0, 10.0)
+CLIP = bounded(0.0, 1e6)
+KnobInt = int_in(-MAX_KNOB, MAX_KNOB)
 
 
 class _Spec(BaseModel):

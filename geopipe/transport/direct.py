@@ -1,45 +1,25 @@
 """Direct cross-site data plane: one-way, in-order, pipelined frames over one TCP stream.
 
-The runtime's inter-site path used to be Ray actor-call arguments; above 100 KiB those go
-through the object store and are pulled, which over a real 40 ms link cost ~7 one-way
-latencies per transfer and ~3 MB/s back to back. Here a `DirectSender` writes frames on one
-TCP connection to the peer's `DirectReceiver` (the runtime exchanges the receiver's
-``address`` over Ray): one-way, pipelined (nothing waits for an acknowledgement), in order,
-checksummed, coded. This module knows nothing of Ray.
+A `DirectSender` writes frames on one TCP connection to the peer's `DirectReceiver` (the
+runtime exchanges the receiver's ``address`` over Ray): one-way, pipelined (nothing waits
+for an acknowledgement), in order, checksummed, coded. Not Ray's actor calls: above
+100 KiB their arguments go through the object store, ~7 one-way latencies per transfer
+over a real link. This module knows nothing of Ray.
 
 [Note: why one TCP stream, plain sockets]
-Measured with ``benchmarks/direct_channel.py`` on a 2-core box: two network namespaces
-joined only by a user-space TUN forwarder (one-way 40 ms, i.e. 80 ms RTT, 200 Mbit/s, BDP
-2 MB), codec none, steady state. One stream with kernel buffer autotuning (BBR;
-``net.ipv4.tcp_rmem`` max 32 MiB, ``tcp_wmem`` max 4 MiB) moved 4 MiB messages at 191.8
-Mbit/s = 95.9 % of the link (16 MiB: 95.8 %, 1 MiB: 94 %, 128 KiB: 97 %; the IP/TCP
-headers cap goodput at 96.5 %), 1 KiB one-way in 41.6 ms. Striping 4 MiB messages over 4
-parallel streams gained nothing in steady state and was worse overall (109 against 185
-Mbit/s first send to last arrival: 4 start-ups overflow the bottleneck's queue together),
-so there is one stream and no re-ordering. A stream's window is bounded by its socket
-buffers, so one stream carries at most ~``tcp_wmem[2]`` / RTT (4 MiB / 80 ms = 420 Mbit/s
-here); on a faster or longer link raise ``net.ipv4.tcp_wmem``/``tcp_rmem`` (root) rather
-than set SO_SNDBUF/SO_RCVBUF, which switches autotuning off and is capped by
-``net.core.wmem_max``/``rmem_max`` (4 MiB here). The senders use cubic (see the note at
-:data:`CONGESTION` for why, measured). Idle gaps longer than the RTO (between steps, between
-phases) make the kernel restart cubic from 10 segments unless
-``net.ipv4.tcp_slow_start_after_idle=0`` (per network namespace; no plain socket option overrides
-it): 4 MiB messages after an idle second moved at 83 % of the test link with the default and
-97 % with 0, so the test bed sets it and the README tells real clusters to.
-
-A 2-rank gloo group per boundary pair (torch.distributed send/recv, measured on the same
-link) reaches the link rate only when every receive is pre-posted with its exact size
-(4 MiB: 96.6 %); with receives posted one at a time, as a consumer that learns sizes from
-a header would, each send waits for the receiver's ready notice, the link idles at least a
-round trip per message, and 4 MiB messages moved at 37 % of the link. gloo has no place
-for the codec header, the emulated delivery time or the key, a group cannot be re-made with
-one side replaced (a new rendezvous for both, and a receive blocked on a dead peer cannot be
-cancelled), and a failure poisons the group. Plain blocking sockets with a thread per
-direction are all this needs: asyncio would add a loop to every actor and no throughput.
-
-TCP_NODELAY is on: frames are written whole with one ``sendmsg``, so Nagle could only hold
-a frame's sub-MSS tail back until earlier data is acknowledged (up to an RTT); on the test
-link a 1 KiB message right behind a 1 MiB one arrived in ~87 ms either way (82 ms ideal).
+One stream with kernel buffer autotuning fills 95.9 % of a 200 Mbit/s, 80 ms-RTT link with
+4 MiB messages (the IP/TCP headers cap goodput at 96.5 %); striping over 4 streams gains
+nothing in steady state and loses at start-up, when the streams overflow the bottleneck's
+queue together (`benchmarks/direct_channel.py`). A stream carries at most
+``net.ipv4.tcp_wmem[2]`` / RTT: on a faster or longer link raise
+``tcp_wmem``/``tcp_rmem`` rather than set SO_SNDBUF/SO_RCVBUF, which switches autotuning
+off. With ``net.ipv4.tcp_slow_start_after_idle=0`` a connection idle between steps keeps
+its window (97 % of the link after an idle second, against 83 % with the kernel's
+default); the test bed sets it and the README tells real clusters to. gloo send/recv
+reaches the link rate only with every receive pre-posted at its exact size (37 % posted
+one at a time), has no room for the codec header or the key, and cannot be re-made with
+one side replaced; blocking sockets with a thread per direction need no event loop.
+TCP_NODELAY is on: frames are written whole, and Nagle could only delay a frame's tail.
 
 Frame (little endian)::
 
@@ -135,19 +115,13 @@ class PeerLostError(ConnectionError):
 
 
 # [Note: cubic, not the host's default]
-# The senders' congestion control, set per socket (the host's default, BBR here, stays for
-# everything else). Measured on the test bed (geopipe/testbed: 200 Mbit/s, one-way 40 ms),
-# training the demo GPT with 1F1B across it (`benchmarks/real_wan.py --latencies 40`, runs
-# interleaved): with BBR each 128 KiB activation or gradient took 51-58 ms one way (from
-# the frames' stamped send and arrival times) against 41-42 ms with cubic, for an ideal
-# 47 ms (latency + serialisation), and a step took 2.49-2.76 s against 2.13 s. 1F1B sends
-# one message per round trip: the flow is application-limited, BBR's bandwidth estimate
-# decays without fresh full-rate samples, and it paces each message out over more time
-# than the link needs; cubic sends it at once within its window. The price, measured with
-# `benchmarks/direct_channel.py --congestion bbr,cubic`: back-to-back 4 MiB messages
-# reached 82 % of the link with cubic against 96 % with BBR (1 MiB: 97 % against 80-86 %;
-# evenly paced 128 KiB at 15 or 100 ms gaps: the same 46.6 ms either way). Pipeline traffic
-# is many small, latency-bound messages, so cubic; set it to "" to keep the host's choice.
+# The senders' congestion control, set per socket. Pipeline traffic is application-limited
+# (1F1B sends one message per round trip): BBR's bandwidth estimate decays between messages
+# and it paces each one out slower than the link allows — a 128 KiB activation took 51-58 ms
+# one way with BBR against 41-42 ms with cubic on the test bed (ideal 47 ms), a step 2.5-2.8 s
+# against 2.1 s (`benchmarks/real_wan.py`). Cubic's price is back-to-back bulk: 82 % of the
+# link with 4 MiB messages against BBR's 96 % (`benchmarks/direct_channel.py`). "" keeps
+# the host's choice.
 CONGESTION = "cubic"
 
 

@@ -24,13 +24,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from geopipe.checkpoint.format import ADAM_STATE_GROUPS
+from geopipe.checkpoint.rng import capture_rng, restore_rng
 from geopipe.checkpoint.store import (
     PARAMS,
     ShardInfo,
-    capture_rng,
     load_checkpoint,
     load_state_for_layers,
-    restore_rng,
 )
 from geopipe.checkpoint.writer import shard_bytes, write_shard_file
 
