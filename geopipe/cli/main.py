@@ -13,6 +13,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from geopipe.cli.commands import (
     EXIT_USAGE,
@@ -27,7 +28,7 @@ from geopipe.cli.commands import (
 from geopipe.config import MAX_DELTA_N, MAX_STEPS, ConfigError
 from geopipe.optimizer.errors import PlanningError
 from geopipe.pipeline.schedule import AUTO, SCHEDULES
-from geopipe.transport.wire import CODECS
+from geopipe.transport.wire import CODECS, check_codec
 
 __all__ = ["EXIT_INTERNAL", "REPORT_TO", "build_parser", "main"]
 
@@ -59,13 +60,33 @@ def _delta_n(text: str) -> list[int]:
 _POSITIVE = _int_in(1, 1 << 31)
 
 
+def _codec(text: str) -> str:
+    try:
+        check_codec(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="geopipe",
         description="Train GPT models pipelined across data centres joined by slow WAN links.",
     )
     sub = p.add_subparsers(dest="command", required=True)
+    _planning_commands(sub)
+    _run_commands(sub)
+    _data_commands(sub)
+    tb = sub.add_parser(
+        "testbed", help="a real emulated WAN on this host (namespaces; needs root)",
+        add_help=False,
+    )  # fmt: skip
+    tb.add_argument("testbed_args", nargs=argparse.REMAINDER)
+    tb.set_defaults(func=_cmd_testbed)
+    return p
 
+
+def _planning_commands(sub: Any) -> None:
     pl = sub.add_parser("plan", help="choose micro-batch, seq len, ΔN and codec; predict speed")
     pl.add_argument("cluster", help="cluster YAML")
     pl.add_argument("--json", action="store_true", help="print one JSON document")
@@ -86,11 +107,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--delta-n", type=_delta_n, default=[0], help="ΔN, or one per WAN boundary: 4,2"
     )
     sm.add_argument("--pipelines", type=_POSITIVE, default=None, help="data-parallel degree D")
-    sm.add_argument("--codec", choices=CODECS, default=None, help="WAN codec (default: the link's)")
+    sm.add_argument(
+        "--codec",
+        type=_codec,
+        default=None,
+        metavar="CODEC",
+        help=f"WAN codec, one of {', '.join(CODECS)}, or one per direction: int4h/int8 "
+        "(default: the link's)",
+    )
     sm.add_argument("--json", action="store_true")
     sm.add_argument("--trace", metavar="FILE")
     sm.set_defaults(func=cmd_simulate)
 
+
+def _run_commands(sub: Any) -> None:
     la = sub.add_parser("launch", help="train on the cluster the YAML describes")
     la.add_argument("cluster")
     la.add_argument(
@@ -127,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=cmd_status)
 
+
+def _data_commands(sub: Any) -> None:
     pd = sub.add_parser("prepare-data", help="tokenize text, JSONL or Parquet into a dataset")
     pd.add_argument("inputs", nargs="+", metavar="INPUT", help="files or directories")
     pd.add_argument("--tokenizer", required=True, metavar="DIR", help="a tokenizer directory")
@@ -152,14 +184,6 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     ex.add_argument("--force", action="store_true", help="replace a non-empty --out")
     ex.set_defaults(func=cmd_export)
-
-    tb = sub.add_parser(
-        "testbed", help="a real emulated WAN on this host (namespaces; needs root)",
-        add_help=False,
-    )  # fmt: skip
-    tb.add_argument("testbed_args", nargs=argparse.REMAINDER)
-    tb.set_defaults(func=_cmd_testbed)
-    return p
 
 
 def _cmd_testbed(args: argparse.Namespace) -> int:

@@ -27,6 +27,7 @@ from geopipe.optimizer.costs import boundary_message_elems, split_backward
 from geopipe.optimizer.errors import PlanningError
 from geopipe.optimizer.memory import (
     W_HELD_FRACTION,
+    GiB,
     MemoryBreakdown,
     device_limits,
     plan_memory,
@@ -204,6 +205,21 @@ def codec_speed(site: SiteSpec, codec: str) -> float:
     ``site``: measured at launch (``plan.calibrate``) or given in the YAML, else nominal."""
     measured = site.codec_gb_per_s.get(codec)
     return measured * 1e9 if measured else codec_throughput_bytes_per_s(codec)
+
+
+def _memory_reason(e: Evaluation, over: list[int], host_over: list[str]) -> str:
+    """Why ``e``'s plan does not fit: the first stage over its device, else the first site
+    whose nodes cannot hold the recovery snapshots."""
+    if over:
+        k = over[0]
+        return (f"stage {k} needs {e.memory[k].total / GiB:.3g} GiB, "
+                f"device has {e.memory_limit_bytes[k] / GiB:.3g} GiB")  # fmt: skip
+    s = host_over[0]
+    return (
+        f"site {s}: recovery snapshots need {e.host_memory_bytes[s] / GiB:.3g} GiB of host "
+        f"RAM per node, nodes have {e.host_memory_limit_bytes[s] / GiB:.3g} GiB (set "
+        "training.recovery_snapshots: false to recover from checkpoints instead)"
+    )
 
 
 @dataclass(frozen=True)
@@ -394,6 +410,19 @@ class Evaluator:
             tuple(lat_b), tuple(inp), tuple(wgt),
         )  # fmt: skip
 
+    def wan_bytes(self, plan: Plan, elems: int) -> float:
+        """Bytes one iteration sends over the WAN: every boundary's activations and
+        gradients, each direction in its codec, for all pipelines; and the tie exchange."""
+        spec = self.spec
+        e, out = elem_bytes(spec.training.precision), 0.0
+        for j in plan.wan_boundaries:
+            per_mb = sum(
+                wire_bytes(plan.codecs[j], elems, spec.model.n_embd, e, d, spec.plan.topk_ratio)
+                for d in ("forward", "backward")
+            )
+            out += per_mb * plan.num_microbatches * plan.pipelines
+        return out + self.tie_exchange(plan)[1]
+
     def tie_exchange(self, plan: Plan) -> tuple[float, float]:
         """``(seconds, WAN bytes)`` per iteration of swapping a tied embedding's gradients.
 
@@ -486,15 +515,6 @@ class Evaluator:
         over = stages_over(mem, limits)
         host, host_limits = self.host_memory(plan)
         host_over = [s for s, lim in host_limits.items() if host[s] > lim]
-        wan_bytes = 0.0
-        e = elem_bytes(spec.training.precision)
-        for j in plan.wan_boundaries:
-            per_mb = sum(
-                wire_bytes(plan.codecs[j], elems, spec.model.n_embd, e, d, spec.plan.topk_ratio)
-                for d in ("forward", "backward")
-            )
-            wan_bytes += per_mb * plan.num_microbatches * plan.pipelines
-        wan_bytes += self.tie_exchange(plan)[1]
         base = Evaluation(
             candidate=c,
             plan=plan,
@@ -505,22 +525,10 @@ class Evaluator:
             memory_limit_bytes=limits,
             host_memory_bytes=host,
             host_memory_limit_bytes=host_limits,
-            wan_bytes=wan_bytes,
+            wan_bytes=self.wan_bytes(plan, elems),
         )
         if over or host_over:
-            if over:
-                k = over[0]
-                base.reason = (
-                    f"stage {k} needs {mem[k].total / (1 << 30):.3g} GiB, "
-                    f"device has {limits[k] / (1 << 30):.3g} GiB"
-                )
-            else:
-                s = host_over[0]
-                base.reason = (
-                    f"site {s}: recovery snapshots need {host[s] / (1 << 30):.3g} GiB of host "
-                    f"RAM per node, nodes have {host_limits[s] / (1 << 30):.3g} GiB (set "
-                    "training.recovery_snapshots: false to recover from checkpoints instead)"
-                )
+            base.reason = _memory_reason(base, over, host_over)
             if prune_above is not None:
                 base.skipped_simulation = True
                 return base  # the penalty depends on memory only: no need to simulate

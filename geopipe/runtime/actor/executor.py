@@ -108,6 +108,50 @@ class Fault:
     delay_s: float
 
 
+@dataclass
+class _Run:
+    """One iteration's moving parts: what has arrived, what waits to be sent."""
+
+    step: int
+    engine: Any
+    links: StageLinks
+    batch: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
+    first: bool
+    last: bool
+    recv_timeout_s: float
+    res: IterationResult
+    inputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    grads: dict[int, torch.Tensor] = field(default_factory=dict)
+    outs: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def act(self, c: int, mb: int) -> None:
+        """Run one action ``c`` on micro-batch ``mb``."""
+        step, engine, links, res = self.step, self.engine, self.links, self.res
+        if c == _RF:
+            self.inputs[mb] = links.inbox.get(("F", step, mb), timeout=self.recv_timeout_s)
+        elif c == _RB:
+            self.grads[mb] = links.inbox.get(("B", step, mb), timeout=self.recv_timeout_s)
+        elif c == _F:
+            x = self.batch(step, mb)[0] if self.first else self.inputs.pop(mb)
+            self.outs[mb] = engine.forward(mb, x)
+        elif c == _B:
+            if self.last:
+                res.losses.append(engine.backward_last(mb, self.batch(step, mb)[1]))
+            else:
+                engine.backward(mb, self.grads.pop(mb))
+        elif c == _I:
+            if self.last:
+                res.losses.append(engine.backward_input(mb, targets=self.batch(step, mb)[1]))
+            else:
+                engine.backward_input(mb, self.grads.pop(mb))
+        elif c == _W:
+            engine.backward_weight(mb)
+        elif c == _SF:
+            res.wan_bytes += links.send_forward(("F", step, mb), self.outs.pop(mb))
+        else:  # _SB
+            res.wan_bytes += links.send_backward(("B", step, mb), engine.input_grad(mb))
+
+
 def execute(
     program: list[tuple[int, int]],
     step: int,
@@ -139,41 +183,17 @@ def execute(
         duration_s=0.0, start=t_start, wan_bytes=0,
         micro_batches=sum(1 for c, _ in program if c == _F), optimizer_steps=0,
     )  # fmt: skip
-    inputs: dict[int, torch.Tensor] = {}
-    grads: dict[int, torch.Tensor] = {}
-    outs: dict[int, torch.Tensor] = {}
+    run = _Run(step, engine, links, batch, first, last, recv_timeout_s, res)
     sends = [i for i, (c, _) in enumerate(program) if c in (_SF, _SB)]
     spent = dict.fromkeys(BREAKDOWN, 0.0)
-    opt0, enc0, dec0, gc0 = engine.optimizer_s, links.encode_s(), links.inbox.decode_s, _GC.total_s
+    start = (engine.optimizer_s, links.encode_s(), links.inbox.decode_s, _GC.total_s)
     engine.meter.reset_peak()
     for i, (c, mb) in enumerate(program):
         if fault is not None and fault.step == step and sends and i == sends[-1]:
             time.sleep(fault.delay_s)
             os._exit(1)  # the injected failure: a process dying mid-iteration
         t0 = time.monotonic()
-        if c == _RF:
-            inputs[mb] = links.inbox.get(("F", step, mb), timeout=recv_timeout_s)
-        elif c == _RB:
-            grads[mb] = links.inbox.get(("B", step, mb), timeout=recv_timeout_s)
-        elif c == _F:
-            x = batch(step, mb)[0] if first else inputs.pop(mb)
-            outs[mb] = engine.forward(mb, x)
-        elif c == _B:
-            if last:
-                res.losses.append(engine.backward_last(mb, batch(step, mb)[1]))
-            else:
-                engine.backward(mb, grads.pop(mb))
-        elif c == _I:
-            if last:
-                res.losses.append(engine.backward_input(mb, targets=batch(step, mb)[1]))
-            else:
-                engine.backward_input(mb, grads.pop(mb))
-        elif c == _W:
-            engine.backward_weight(mb)
-        elif c == _SF:
-            res.wan_bytes += links.send_forward(("F", step, mb), outs.pop(mb))
-        else:  # _SB
-            res.wan_bytes += links.send_backward(("B", step, mb), engine.input_grad(mb))
+        run.act(c, mb)
         t1 = time.monotonic()
         spent[_SLOT[c]] += t1 - t0
         if c in (_RF, _RB):
@@ -182,7 +202,14 @@ def execute(
             res.events.append((Kind(c).name, mb, t0 - t_start, t1 - t_start))
         if first and c in (_B, _W):
             engine.input_grad(mb)  # frees the stored input of micro-batch mb
-    outs.clear()
+    run.outs.clear()
+    return _finish(run, spent, start)
+
+
+def _finish(run: _Run, spent: dict[str, float], start: tuple[float, ...]) -> IterationResult:
+    """Drain the sends, take the optimizer step, and fill in the iteration's figures."""
+    engine, links, res, step = run.engine, run.links, run.res, run.step
+    opt0, enc0, dec0, gc0 = start
     t0 = time.monotonic()
     links.finish()
     spent["drain"] = time.monotonic() - t0
@@ -192,7 +219,7 @@ def execute(
     # the runtime's deferred step, after the sends (a tied embedding's copies first swap
     # their gradients: [Note: tied embeddings across stages] in geopipe.model.hf)
     engine.end_iteration(
-        (lambda g: links.exchange_tied(step, g, recv_timeout_s)) if engine.has_tied else None
+        (lambda g: links.exchange_tied(step, g, run.recv_timeout_s)) if engine.has_tied else None
     )
     spent["tie_wait"] = max(0.0, time.monotonic() - t0 - (engine.optimizer_s - opt0))
     spent["optimizer"] = engine.optimizer_s - opt0
