@@ -54,15 +54,15 @@ def _allowed_busy(ctl, cal: dict) -> float:
     stage times on free links (no latency, no bandwidth limit, no transport cost)."""
     from dataclasses import replace
 
+    from geopipe.optimizer.evaluate import plan_schedule
     from geopipe.optimizer.refine import measured_costs
     from geopipe.optimizer.simulator import simulate
-    from geopipe.pipeline.schedule import make_schedule
 
     plan = ctl.plan
     c = measured_costs(ctl.spec, plan, cal["forward_s"], cal["backward_s"], cal["step_s"])
     zero = tuple(0.0 for _ in c.lat_f)
     c = replace(c, ser_f=zero, lat_f=zero, ser_b=zero, lat_b=zero)
-    sched = make_schedule(plan.schedule, plan.num_stages, plan.num_microbatches, plan.delta_n)
+    sched = plan_schedule(plan)
     return 1.0 - simulate(sched, c).bubble_ratio
 
 

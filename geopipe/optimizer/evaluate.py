@@ -42,10 +42,11 @@ from geopipe.optimizer.simulator import (
     lower_bound,
     simulate,
 )
-from geopipe.optimizer.steady import IN_ORDER, peak_in_flight, predict
+from geopipe.optimizer.steady import peak_in_flight, predict
 from geopipe.pipeline.schedule import (
     AUTO,
     AUTO_CHOICES,
+    IN_ORDER_FAMILIES,
     LOOKAHEAD_FAMILIES,
     SPLIT_FAMILIES,
     Schedule,
@@ -535,7 +536,7 @@ class Evaluator:
         costs = self.costs(plan)
         if prune_above is not None and not record:
             lb = lower_bound(costs, plan.num_microbatches, split)
-            if plan.schedule in IN_ORDER:  # too little ΔN shows here (simulator docs)
+            if plan.schedule in IN_ORDER_FAMILIES:  # too little ΔN shows here (simulator docs)
                 peaks = np.array([peak_in_flight(*args)])
                 lb = max(lb, float(in_flight_bound(costs, plan.num_microbatches, peaks)[0]))
             # Within the tie tolerance a slower plan may still win on memory: keep those.

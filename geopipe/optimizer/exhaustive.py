@@ -35,8 +35,8 @@ from geopipe.optimizer.evaluate import (
 from geopipe.optimizer.genetic import SearchResult
 from geopipe.optimizer.memory import W_HELD_FRACTION, device_limits, plan_memory
 from geopipe.optimizer.simulator import in_flight_bound, lower_bound
-from geopipe.optimizer.steady import IN_ORDER, peak_in_flight_batch
-from geopipe.pipeline.schedule import LOOKAHEAD_FAMILIES, SPLIT_FAMILIES
+from geopipe.optimizer.steady import peak_in_flight_batch
+from geopipe.pipeline.schedule import IN_ORDER_FAMILIES, LOOKAHEAD_FAMILIES, SPLIT_FAMILIES
 
 __all__ = ["MAX_EXHAUSTIVE", "exhaustive_search"]
 
@@ -129,7 +129,7 @@ def _score_base(ev: Evaluator, c0: Candidate, grid: np.ndarray, index: int) -> _
     over = ratio.max(axis=1) if p else np.zeros(len(grid))
     tokens = ev.spec.training.global_batch_size * plan.seq_len
     bound = np.full(len(grid), lower_bound(costs, m, split))
-    if plan.schedule in IN_ORDER:
+    if plan.schedule in IN_ORDER_FAMILIES:
         bound = np.maximum(bound, in_flight_bound(costs, m, in_flight))
     return _Scored(
         base=np.full(len(grid), index),

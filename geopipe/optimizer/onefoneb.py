@@ -21,21 +21,19 @@ family it does not know.
 from __future__ import annotations
 
 from geopipe.optimizer.simulator import PipelineCosts, Replay, result_for
-from geopipe.pipeline.schedule import warmup_counts
+from geopipe.pipeline.schedule import family, warmup_counts
 
-__all__ = ["FAMILIES", "fast_replay"]
-
-FAMILIES = frozenset({"1f1b", "lookahead"})
+__all__ = ["fast_replay"]
 
 
 def fast_replay(
     name: str, p: int, m: int, delta_n: tuple[int, ...], costs: PipelineCosts
 ) -> Replay:
-    """What :func:`~geopipe.optimizer.simulator.replay` returns for schedule ``name`` (one of
-    :data:`FAMILIES`) at ``m`` micro-batches, without the timeline."""
-    if name not in FAMILIES:
+    """What :func:`~geopipe.optimizer.simulator.replay` returns for schedule ``name`` (a
+    ``one-f-one-b`` family of the registry) at ``m`` micro-batches, without the timeline."""
+    if family(name).shape != "one-f-one-b":
         raise ValueError(f"no fast replay for schedule family {name!r}")
-    w = warmup_counts(p, m, delta_n if name == "lookahead" else [0] * (p - 1))
+    w = warmup_counts(p, m, family(name).delta_n(delta_n))
     f, b = costs.fwd_s, costs.bwd_s
     ser_f, lat_f, ser_b, lat_b = costs.ser_f, costs.lat_f, costs.ser_b, costs.lat_b
     clock = [0.0] * p

@@ -16,7 +16,7 @@ from geopipe.optimizer.evaluate import Candidate, Evaluation, Evaluator
 from geopipe.optimizer.exhaustive import exhaustive_search
 from geopipe.optimizer.genetic import SearchResult, genetic_search
 from geopipe.optimizer.ladder import delta_n_cover
-from geopipe.pipeline.schedule import AUTO, AUTO_CHOICES, LOOKAHEAD_FAMILIES
+from geopipe.pipeline.schedule import AUTO, AUTO_CHOICES, LOOKAHEAD_FAMILIES, family
 from geopipe.transport.wire import CODECS, check_codec
 
 __all__ = [
@@ -122,12 +122,12 @@ def _baselines(spec: ClusterSpec, cand: Candidate, record: bool) -> dict[str, Ev
     """1F1B and GPipe at the plan's settings; for a ``lookahead-zb`` plan also plain
     look-ahead at the same ΔN (what the split backward buys) and ZB-H1 (no look-ahead)."""
     names = ["1f1b", "gpipe"]
-    if cand.schedule == "lookahead-zb":
+    if family(cand.schedule).split_backward and family(cand.schedule).has_delta_n:
         names += ["lookahead", "zb-h1"]
     out = {}
     for name in names:
         ev = Evaluator(spec, schedule=name)
-        dn = cand.delta_n if name == "lookahead" else tuple(0 for _ in cand.delta_n)
+        dn = family(name).delta_n(cand.delta_n)
         out[name] = ev.evaluate(replace(cand, schedule=name, delta_n=dn), record=record)
     return out
 

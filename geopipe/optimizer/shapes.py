@@ -16,6 +16,7 @@ from geopipe.config import ClusterSpec
 from geopipe.model.sizes import layer_forward_flops, num_layers
 from geopipe.optimizer.memory import inflight_caps
 from geopipe.pipeline.partition import balanced_partition, order_sites
+from geopipe.pipeline.schedule import family
 from geopipe.plan import Plan, Shape
 from geopipe.transport.wire import transfer_time
 
@@ -120,6 +121,6 @@ def build_plan(
         delta_n=tuple(delta_n),
         codecs=tuple(codecs),
     )
-    if schedule == "lookahead-zb":
+    if family(schedule).memory_caps:
         plan = replace(plan, inflight_caps=tuple(inflight_caps(spec, plan)))
     return plan

@@ -41,7 +41,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from geopipe.optimizer.onefoneb import FAMILIES, fast_replay
+from geopipe.optimizer.onefoneb import fast_replay
 from geopipe.optimizer.simulator import (
     PipelineCosts,
     Replay,
@@ -58,12 +58,12 @@ from geopipe.pipeline.schedule import (
     FUSED_SHIFT,
     Kind,
     Schedule,
+    family,
     make_schedule,
     warmup_counts,
 )
 
 __all__ = [
-    "IN_ORDER",
     "gpipe_time",
     "peak_in_flight",
     "peak_in_flight_batch",
@@ -73,7 +73,6 @@ __all__ = [
 
 # Families whose stages run forwards and backwards in micro-batch order (the simulator's
 # in_flight_bound holds for them) and whose in-flight peak has the closed form below.
-IN_ORDER = frozenset({"gpipe", "1f1b", "lookahead"})
 
 # A probe's periodicity test: every compared difference within this fraction of the largest
 # event time. Rounding noise is ~1e-15 of it; a looser test could take a slow transient for
@@ -186,10 +185,11 @@ class _Structure:
 @lru_cache(maxsize=4096)
 def _structure(name: str, p: int, delta_n: tuple[int, ...]) -> _Structure | None:
     """The body of every stage (module note); None if there is none."""
-    if name == "gpipe":
+    fam = family(name)
+    if fam.shape == "all-forward":
         return None
-    if name in ("1f1b", "lookahead"):
-        return _one_f_one_b_structure(p, delta_n if name == "lookahead" else (0,) * (p - 1))
+    if fam.shape == "one-f-one-b":
+        return _one_f_one_b_structure(p, fam.delta_n(delta_n))
     return _found_structure(name, p, delta_n)
 
 
@@ -284,11 +284,11 @@ def _windows(progs: list[list[int]], bodies: list[_Body]) -> tuple[int, ...] | N
 
 def peak_in_flight(name: str, p: int, m: int, delta_n: tuple[int, ...]) -> tuple[int, ...]:
     """Micro-batches in flight at each stage's peak (the memory model's multiplier)."""
-    if name == "gpipe":
+    fam = family(name)
+    if fam.shape == "all-forward":
         return (m,) * p
-    if name in FAMILIES:  # see peak_in_flight_batch
-        dn = delta_n if name == "lookahead" else [0] * (p - 1)
-        return tuple(min(m, w + 1) for w in warmup_counts(p, m, dn))
+    if fam.shape == "one-f-one-b":  # see peak_in_flight_batch
+        return tuple(min(m, w + 1) for w in warmup_counts(p, m, fam.delta_n(delta_n)))
     st = _structure(name, p, delta_n)
     if st is not None and m >= st.m_s:
         return st.peak
@@ -304,9 +304,9 @@ def peak_in_flight_batch(name: str, p: int, m: int, delta_n: np.ndarray) -> np.n
     """
     rows = np.asarray(delta_n, dtype=np.int64)
     rows = rows.reshape(rows.shape[0] if rows.ndim > 1 else 1, max(p - 1, 0))
-    if name == "gpipe":
+    if family(name).shape == "all-forward":
         return np.full((rows.shape[0], p), m, dtype=np.int64)
-    if name in IN_ORDER:
+    if family(name).shape == "one-f-one-b":
         suffix = np.zeros((rows.shape[0], p), dtype=np.int64)
         if p > 1:
             suffix[:, :-1] = np.cumsum(rows[:, ::-1], axis=1)[:, ::-1]
@@ -327,7 +327,7 @@ def predict(
     """
     if record:
         return simulate(schedule_for(name, p, m, delta_n), costs, record=True)
-    if name == "gpipe":
+    if family(name).shape == "all-forward":
         return gpipe_time(costs, m)
     st = _structure(name, p, delta_n)
     if st is not None:
@@ -356,7 +356,7 @@ def _probe_lengths(m_s: int, m: int) -> list[int]:
 
 def _run(name: str, p: int, m: int, delta_n: tuple[int, ...], costs: PipelineCosts) -> Replay:
     """A full replay: the 1F1B family's fast one (:mod:`.onefoneb`), else the simulator's."""
-    if name in FAMILIES:
+    if family(name).shape == "one-f-one-b":
         return fast_replay(name, p, m, delta_n, costs)
     return replay(schedule_for(name, p, m, delta_n), costs)
 
@@ -422,7 +422,7 @@ def _window(
     one round earlier, and the largest period the probe can test."""
     st = _structure(name, p, delta_n)
     assert st is not None
-    if name in FAMILIES:  # the programs' shape is known (onefoneb): no need to build them
+    if family(name).shape == "one-f-one-b":  # the programs are known: no need to build them
         progs = [_one_f_one_b_ops(k, p, m_p, st.bodies[k].start) for k in range(p)]
     else:
         progs = schedule_for(name, p, m_p, delta_n).fused

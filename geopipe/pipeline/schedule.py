@@ -36,8 +36,10 @@ micro-batches of activations held in memory.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import lru_cache
+from typing import Literal
 
 from geopipe.pipeline.ir import (
     COMPUTE,
@@ -65,20 +67,25 @@ __all__ = [
     "AUTO",
     "AUTO_CHOICES",
     "COMPUTE",
+    "FAMILIES",
     "FUSED_B",
     "FUSED_F",
     "FUSED_I",
     "FUSED_MASK",
     "FUSED_SHIFT",
     "INPUT_BACKWARD",
+    "IN_ORDER_FAMILIES",
     "LOOKAHEAD_FAMILIES",
+    "ONE_F_ONE_B_FAMILIES",
     "SCHEDULES",
     "SPLIT_FAMILIES",
     "Action",
+    "Family",
     "Kind",
     "Program",
     "Schedule",
     "ScheduleError",
+    "family",
     "gpipe",
     "lookahead",
     "lookahead_zb",
@@ -142,6 +149,56 @@ def lookahead(p: int, m: int, delta_n: Sequence[int]) -> Schedule:
     return Schedule("lookahead", p, m, progs, caps, tuple(delta_n))
 
 
+@dataclass(frozen=True)
+class Family:
+    """A schedule family, as the planner, the simulator, the steady-state extrapolation and
+    the runtime see it: adding a schedule is one entry here, its generator and golden files.
+
+    ``shape`` says how its programs are built, which the fast paths rely on:
+    ``"all-forward"`` (every forward, then every backward: ``m`` in flight, a closed-form
+    time), ``"one-f-one-b"`` (warm-up forwards then one forward per backward: ``min(m, w+1)``
+    in flight, a closed-form steady state and a fast replay), ``"replayed"`` (any other:
+    its in-flight peak and steady state are found by replaying its programs)."""
+
+    name: str
+    build: Callable[[int, int, Sequence[int], Sequence[int] | None], Schedule]
+    shape: Literal["all-forward", "one-f-one-b", "replayed"]
+    has_delta_n: bool  # a ΔN per WAN boundary, searched by the planner
+    split_backward: bool  # backward as I, then W
+    memory_caps: bool  # its plans carry per-stage in-flight caps from device memory
+
+    @property
+    def in_order(self) -> bool:
+        """Forwards and backwards each in micro-batch order, one backward per forward."""
+        return self.shape != "replayed"
+
+    def delta_n(self, delta_n: Sequence[int]) -> tuple[int, ...]:
+        """The ΔN this family runs with: the given one, or none."""
+        return tuple(delta_n) if self.has_delta_n else (0,) * len(delta_n)
+
+
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family("gpipe", lambda p, m, dn, caps: gpipe(p, m), "all-forward", False, False, False),
+        Family("1f1b", lambda p, m, dn, caps: one_f_one_b(p, m), "one-f-one-b", False, False,
+               False),
+        Family("lookahead", lambda p, m, dn, caps: lookahead(p, m, dn), "one-f-one-b", True,
+               False, False),
+        Family("zb-h1", lambda p, m, dn, caps: zb_h1(p, m), "replayed", False, True, False),
+        Family("lookahead-zb", lambda p, m, dn, caps: lookahead_zb(p, m, dn, caps),
+               "replayed", True, True, True),
+    )
+}  # fmt: skip
+
+
+def family(name: str) -> Family:
+    """The family called ``name``; a clear error for an unknown one."""
+    if name not in FAMILIES:
+        raise ValueError(f"unknown schedule '{name}' ({', '.join(FAMILIES)})")
+    return FAMILIES[name]
+
+
 def make_schedule(
     name: str,
     p: int,
@@ -149,27 +206,19 @@ def make_schedule(
     delta_n: Sequence[int] | None = None,
     caps: Sequence[int] | None = None,
 ) -> Schedule:
-    """Build a schedule by family name: ``gpipe``, ``1f1b``, ``lookahead``, ``zb-h1`` or
-    ``lookahead-zb`` (``caps``: its per-stage in-flight caps, see :func:`lookahead_zb`)."""
+    """Build a schedule by family name (:data:`FAMILIES`; ``caps``: a memory-capped family's
+    per-stage in-flight caps, see :func:`lookahead_zb`)."""
     dn = list(delta_n) if delta_n is not None else [0] * (p - 1)
-    if name == "gpipe":
-        return gpipe(p, m)
-    if name == "1f1b":
-        return one_f_one_b(p, m)
-    if name == "lookahead":
-        return lookahead(p, m, dn)
-    if name == "zb-h1":
-        return zb_h1(p, m)
-    if name == "lookahead-zb":
-        return lookahead_zb(p, m, dn, caps)
-    raise ValueError(f"unknown schedule '{name}' ({', '.join(SCHEDULES)})")
+    return family(name).build(p, m, dn, caps)
 
 
-SCHEDULES = ("gpipe", "1f1b", "lookahead", "zb-h1", "lookahead-zb")
+SCHEDULES = tuple(FAMILIES)
 # ``plan.schedule: auto``: the planner plans each of these and keeps the faster (see
 # geopipe.optimizer.planner.plan_cluster); everything after planning sees the one it chose.
 AUTO = "auto"
 AUTO_CHOICES = ("lookahead", "lookahead-zb")
-# Families with a ΔN per boundary (the planner searches it), and with split backwards.
-LOOKAHEAD_FAMILIES = ("lookahead", "lookahead-zb")
-SPLIT_FAMILIES = ("zb-h1", "lookahead-zb")
+# Derived from the registry, for membership tests
+LOOKAHEAD_FAMILIES = tuple(n for n, f in FAMILIES.items() if f.has_delta_n)
+SPLIT_FAMILIES = tuple(n for n, f in FAMILIES.items() if f.split_backward)
+IN_ORDER_FAMILIES = frozenset(n for n, f in FAMILIES.items() if f.in_order)
+ONE_F_ONE_B_FAMILIES = frozenset(n for n, f in FAMILIES.items() if f.shape == "one-f-one-b")

@@ -29,7 +29,7 @@ from geopipe.config import RECOVERY_SNAPSHOTS_KEPT
 from geopipe.model.data import TokenStream, open_corpus, sample_indices
 from geopipe.model.family import DTYPES, ModelDesc, stage_param_names
 from geopipe.optimizer.codec_guard import Fallback, apply_fallbacks
-from geopipe.pipeline.schedule import make_schedule
+from geopipe.optimizer.evaluate import plan_schedule
 from geopipe.plan import Plan
 from geopipe.runtime.actor import probe
 from geopipe.runtime.actor.executor import FOREGROUND, Fault, IterationResult, execute
@@ -151,10 +151,7 @@ class StageWorker:
         self.shape = (self.plan.micro_batch_size, self.plan.seq_len, self.model.hidden)
 
     def _make_program(self) -> None:
-        plan = self.plan
-        sched = make_schedule(
-            plan.schedule, self.p, plan.num_microbatches, plan.delta_n, plan.inflight_caps or None
-        )
+        sched = plan_schedule(self.plan)
         self.program = list(zip(*sched.programs[self.k], strict=True))
 
     def set_delta_n(self, delta_n: list[int]) -> None:
