@@ -275,12 +275,14 @@ def reference_losses(spec, seq_len: int) -> list[float]:
     import torch
 
     from geopipe.model.data import Corpus, TokenStream, sample_indices
-    from geopipe.model.gpt import GPTConfig, GPTStage, lm_loss, num_layers
+    from geopipe.model.family import build_stage
+    from geopipe.model.gpt import lm_loss
     from geopipe.runtime.actor.engine import lr_factor
+    from geopipe.runtime.control.models import model_desc
 
     m, t = spec.model, spec.training
-    cfg = GPTConfig(m.n_layer, m.n_embd, m.n_head, m.vocab_size, m.max_seq_len)
-    model = GPTStage(cfg, 0, num_layers(cfg), seed=t.seed)
+    desc = model_desc(m)
+    model = build_stage(desc, 0, desc.num_layers, seed=t.seed)
     opt = torch.optim.Adam(model.parameters(), lr=t.lr, betas=(0.9, 0.95), eps=1e-8)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, partial(lr_factor, warmup_steps=t.warmup_steps, total_steps=t.steps)

@@ -42,17 +42,21 @@ def _role(a: argparse.Namespace) -> None:
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+    from geopipe.config import load_cluster
     from geopipe.model.data import Corpus, TokenStream, global_indices
-    from geopipe.model.gpt import GPTConfig, GPTStage, lm_loss, num_layers
+    from geopipe.model.family import build_stage
+    from geopipe.model.gpt import lm_loss
+    from geopipe.runtime.control.models import model_desc
 
     torch.set_num_threads(1)
     os.environ["GLOO_SOCKET_IFNAME"] = a.ifname
     dist.init_process_group(
         "gloo", init_method=f"tcp://{a.master}:{a.port}", rank=a.rank, world_size=2
     )
-    cfg = GPTConfig(4, 128, 4, 256, 128)
-    start, end = (0, a.split) if a.rank == 0 else (a.split, num_layers(cfg))
-    model = GPTStage(cfg, start, end, seed=0)
+    # the demo's model, as geopipe's side of the comparison trains it
+    desc = model_desc(load_cluster(ROOT / "clusters" / "local-2dc.yaml").model)
+    start, end = (0, a.split) if a.rank == 0 else (a.split, desc.num_layers)
+    model = build_stage(desc, start, end, seed=0)
     stage = PipelineStage(model, a.rank, 2, torch.device("cpu"))
     kind = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[a.schedule]
     sched = kind(stage, n_microbatches=a.micro_batches, loss_fn=lm_loss)

@@ -7,12 +7,13 @@ import math
 import time
 from typing import TYPE_CHECKING, Any
 
+from geopipe.config import GiB
+
 if TYPE_CHECKING:
     from geopipe.config import ClusterSpec
     from geopipe.optimizer.templates import Template, TemplateSet
 
 __all__ = [
-    "GiB",
     "fmt_time",
     "format_checkpoints",
     "format_model",
@@ -23,8 +24,6 @@ __all__ = [
     "model_summary",
     "print_plan",
 ]
-
-GiB = float(1 << 30)
 
 
 def fmt_time(s: float) -> str:
@@ -338,7 +337,7 @@ def format_templates(ts: TemplateSet) -> str:
             for j in range(t.num_stages - 1)
             if t.stage_sites[j] != t.stage_sites[j + 1]
         ]
-        peak = max(t.peak_memory_bytes, default=0.0) / (1 << 30)
+        peak = max(t.peak_memory_bytes, default=0.0) / GiB
         rows.append(
             (
                 _fmt_counts(t),

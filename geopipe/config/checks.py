@@ -7,12 +7,12 @@ from __future__ import annotations
 import difflib
 
 from geopipe.config.specs import (
-    GB,
     MAX_DELTA_N,
     MAX_LAYERS,
     MAX_SITE_DEVICES,
     Choice,
     ClusterSpec,
+    GiB,
     Range,
 )
 from geopipe.model.sizes import num_layers, param_totals, train_bytes_per_param
@@ -106,22 +106,22 @@ def cross_check(spec: ClusterSpec) -> Problems:
     # Weights, gradients and Adam state before ZeRO-1 shards the Adam part.
     bpp = train_bytes_per_param(spec.training.precision)
     total_need = total_params * bpp
-    total_have = sum(s.devices * s.device_memory_gb * GB for s in spec.sites)
-    biggest_dev = max(s.device_memory_gb * GB for s in spec.sites)
+    total_have = sum(s.devices * s.device_memory_gb * GiB for s in spec.sites)
+    biggest_dev = max(s.device_memory_gb * GiB for s in spec.sites)
     if total_need > total_have:
         problems.append(
             (
                 "model",
-                f"the model's weights, gradients and Adam state need {total_need / GB:.3g} GiB "
-                f"but all devices together have {total_have / GB:.3g} GiB",
+                f"the model's weights, gradients and Adam state need {total_need / GiB:.3g} GiB "
+                f"but all devices together have {total_have / GiB:.3g} GiB",
             )
         )
     elif largest_layer * bpp > biggest_dev:
         problems.append(
             (
                 "model",
-                f"one layer needs {largest_layer * bpp / GB:.3g} GiB but the largest device has "
-                f"{biggest_dev / GB:.3g} GiB",
+                f"one layer needs {largest_layer * bpp / GiB:.3g} GiB but the largest device has "
+                f"{biggest_dev / GiB:.3g} GiB",
             )
         )
     if m.n_layer > MAX_LAYERS:

@@ -51,7 +51,7 @@ __all__ = [
 ]
 
 GBPS = 1e9  # bits per second in one Gbit/s
-GB = 1 << 30  # bytes in one GiB (device memory is quoted in GiB)
+GiB = float(1 << 30)  # bytes in one GiB: device and host memory are quoted in GiB
 
 # Upper bounds on values whose typos would make the planner allocate per-unit lists (layers,
 # devices, micro-batches, ΔN candidates, GA individuals) until memory runs out. Each is far
@@ -436,6 +436,19 @@ class GASpec(_Spec):
         return self
 
 
+class GainsSpec(_Spec):
+    """How much faster (predicted) a choice must be before the run takes it: the model errs
+    by a few per cent, and keeping the simpler or the running choice costs nothing."""
+
+    auto_schedule: PROB = Field(
+        0.02, description="schedule auto: look-ahead with split backward over plain look-ahead"
+    )
+    mixed_pipelines: PROB = Field(
+        0.02, description="pipelines of different shapes over the best identical ones"
+    )
+    grow_back: PROB = Field(0.05, description="a layout over returned devices over the running one")
+
+
 class PlanSpec(_Spec):
     schedule: Literal["gpipe", "1f1b", "lookahead", "zb-h1", "lookahead-zb", "auto"] = Field(
         "lookahead",
@@ -460,6 +473,7 @@ class PlanSpec(_Spec):
     pipelines: Choice | None = Field(None, description="data-parallel degree D (default: search)")
     topk_ratio: FRACTION = 0.01
     ga: GASpec = GASpec()
+    min_gain: GainsSpec = GainsSpec()
 
 
 class SecuritySpec(_Spec):
@@ -535,7 +549,8 @@ class ClusterSpec(_Spec):
         # How the data plane is protected changes no number a checkpoint holds.
         # Neither a machine's measured codec speeds nor the codec error policy change what
         # a checkpoint holds.
-        exclude: dict = {"security": True, "health": True, "plan": {"max_codec_error"},
+        exclude: dict = {"security": True, "health": True,
+                         "plan": {"max_codec_error", "min_gain"},
                          "sites": {"__all__": {"codec_gb_per_s"}}}  # fmt: skip
         if not self.model.is_hf:
             exclude["model"] = {"hf", *HF_ONLY_FIELDS}

@@ -16,7 +16,7 @@ from itertools import pairwise
 
 import numpy as np
 
-from geopipe.config import ClusterSpec, SiteSpec, choice_values
+from geopipe.config import ClusterSpec, GiB, SiteSpec, choice_values
 from geopipe.model.sizes import (
     elem_bytes,
     layer_forward_flops,
@@ -27,7 +27,6 @@ from geopipe.optimizer.costs import boundary_message_elems, split_backward
 from geopipe.optimizer.errors import PlanningError
 from geopipe.optimizer.memory import (
     W_HELD_FRACTION,
-    GiB,
     MemoryBreakdown,
     device_limits,
     plan_memory,
@@ -470,7 +469,7 @@ class Evaluator:
             b = snapshot_bytes(spec.model, plan.partition[k], spec.training.snapshots_kept)
             need[site] = max(need.get(site, 0.0), b * spec.site(site).devices_per_node)
         limits = {
-            s: spec.site(s).host_memory_gb * (1 << 30)
+            s: spec.site(s).host_memory_gb * GiB
             for s in need
             if spec.site(s).host_memory_gb is not None
         }

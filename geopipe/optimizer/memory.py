@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from geopipe.config import ClusterSpec
+from geopipe.config import ClusterSpec, GiB
 from geopipe.model.sizes import adam_bytes_per_param, elem_bytes, stage_param_count
 from geopipe.optimizer.costs import activation_bytes
 from geopipe.plan import Plan
@@ -39,7 +39,6 @@ __all__ = [
     "stages_over",
 ]
 
-GiB = float(1 << 30)
 
 # What a micro-batch past its input-gradient pass (I) still holds until its W, as a share
 # of its activations. 1.0 because the runtime keeps the micro-batch's autograd graph whole

@@ -21,8 +21,8 @@ differently by another pipeline holds its ZeRO-1 group's union of layers (weight
 gradients; Adam state stays sharded) and reduces it inside its site. The predictions are
 the templates' own (memory per stage), so :func:`best_mix` adds what the union costs each
 such actor and drops mixes that would not fit (:func:`union_overflow`), and asks a mix to
-beat the best identical pipelines by :data:`MIN_GAIN` (its wider intra-site reductions are
-not in the time either).
+beat the best identical pipelines by ``plan.min_gain.mixed_pipelines`` (its wider
+intra-site reductions are not in the time either).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 
+from geopipe.config import GiB
 from geopipe.model.sizes import (
     adam_bytes_per_param,
     elem_bytes,
@@ -46,7 +47,6 @@ from geopipe.plan import PipelineLayout, Plan
 
 __all__ = [
     "MAX_SPLITS",
-    "MIN_GAIN",
     "MixChoice",
     "SplitTemplateSet",
     "best_mix",
@@ -54,7 +54,6 @@ __all__ = [
     "mixed_plan",
 ]  # fmt: skip
 
-MIN_GAIN = 0.02  # a mix must be predicted this much faster than identical pipelines
 MAX_SPLITS = 6
 MAX_SPLIT_MOVES = 8  # layer moves of the local search over splits
 _MAX_VECTORS = 64  # every vector of a split while there are at most this many
@@ -248,7 +247,7 @@ def union_overflow(ts: TemplateSet, plan: Plan) -> list[tuple[int, int]]:
     held, k = plan.held_layers(), plan.pipelines
     sizes = {key: len(g) for groups in plan.shared_groups().values() for g in groups
              for key in g}  # fmt: skip
-    limit = {s.name: s.device_memory_gb * float(1 << 30) for s in spec.sites}
+    limit = {s.name: s.device_memory_gb * GiB for s in spec.sites}
     over = []
     for r in range(plan.pipelines):
         one = plan.pipeline(r)

@@ -20,18 +20,12 @@ from geopipe.pipeline.schedule import AUTO, AUTO_CHOICES, LOOKAHEAD_FAMILIES, fa
 from geopipe.transport.wire import CODECS, check_codec
 
 __all__ = [
-    "AUTO_MIN_GAIN",
     "CodecRow",
     "PlanReport",
     "codec_rows",
     "evaluate_fixed",
     "plan_cluster",
 ]
-
-# ``schedule: auto`` takes look-ahead with split backward only when it is predicted at least
-# this much faster: the model's error on either schedule is a few per cent, and the plain
-# schedule is the simpler one (no deferred weight gradients held).
-AUTO_MIN_GAIN = 0.02
 
 
 @dataclass(frozen=True)
@@ -138,14 +132,15 @@ def plan_cluster(
     """Search the plan for ``spec``; baselines run at the best plan's settings.
 
     ``schedule`` (default: the YAML's) ``auto`` plans each of :data:`AUTO_CHOICES` and keeps
-    the split-backward plan only when it is predicted at least :data:`AUTO_MIN_GAIN` faster
+    the split-backward plan only when it is predicted ``plan.min_gain.auto_schedule`` faster
     (its ``W`` passes fill the fill and drain that ΔN cannot; on a link with little to hide
     the split only costs its extra backward pass)."""
     if (schedule or spec.plan.schedule) == AUTO:
         plain, split = (plan_cluster(spec, exhaustive, record, s) for s in AUTO_CHOICES)
         faster = split.best.feasible and (
             not plain.best.feasible
-            or split.best.tokens_per_s >= (1 + AUTO_MIN_GAIN) * plain.best.tokens_per_s
+            or split.best.tokens_per_s
+            >= (1 + spec.plan.min_gain.auto_schedule) * plain.best.tokens_per_s
         )
         return split if faster else plain
     ev = Evaluator(spec, schedule=schedule)

@@ -16,7 +16,7 @@ When devices come back, :func:`decide_grow` returns :class:`GrowBack` (switch to
 layout at the next step boundary) or :class:`Stay`.
 
 The new layout is the best homogeneous one, :func:`geopipe.optimizer.templates.best_uniform`,
-or — when it is predicted at least :data:`~geopipe.optimizer.mixes.MIN_GAIN` faster — a
+or — when it is predicted ``plan.min_gain.mixed_pipelines`` faster — a
 mix of templates over the alive devices (:func:`geopipe.optimizer.mixes.best_mix`, Oobleck's
 heterogeneous instantiation), judged with the planner's cost model.
 
@@ -36,7 +36,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from geopipe.optimizer.mixes import MIN_GAIN, best_mix, uniform_time
+from geopipe.optimizer.mixes import best_mix, uniform_time
 from geopipe.optimizer.templates import Template, TemplateSet, best_uniform
 from geopipe.plan import Plan
 
@@ -183,7 +183,7 @@ def best_layout(
     running: Plan | None = None,
 ) -> tuple[Template, Plan, float] | None:
     """The layout to run on ``devices``: the best identical pipelines, or a mix of
-    templates predicted at least ``MIN_GAIN`` faster; its (first) template, plan and
+    templates predicted ``plan.min_gain.mixed_pipelines`` faster; its (first) template, plan and
     predicted iteration time. None if nothing fits."""
     choice = best_uniform(templates, devices, global_batch, micro_batch)
     if choice is None:
@@ -192,7 +192,8 @@ def best_layout(
     plan = templates.plan_for(template, d, global_batch // (d * micro_batch))
     uniform_s = uniform_time(templates, devices, global_batch, micro_batch)  # memoised choice
     mix = best_mix(templates, devices, global_batch, micro_batch, running=running)
-    if mix is not None and mix.iteration_time_s < (1 - MIN_GAIN) * uniform_s:
+    gain = templates.spec.plan.min_gain.mixed_pipelines
+    if mix is not None and mix.iteration_time_s < (1 - gain) * uniform_s:
         first = max(mix.instantiation.pipelines, key=lambda p: p.template.num_stages)
         return first.template, mix.plan, mix.iteration_time_s
     return template, plan, uniform_s
@@ -220,13 +221,14 @@ def decide_grow(
     devices_now: Mapping[str, int],
     global_batch: int,
     micro_batch: int,
-    min_gain: float = 0.05,
     now_s: float | None = None,
+    min_gain: float | None = None,
 ) -> GrowBack | Stay:
     """Whether to grow back onto ``devices_now`` (devices the running plan uses plus free
     ones): to the layout :func:`best_layout` picks for them, and only for a predicted gain
-    of at least ``min_gain``. ``now_s``: the running plan's predicted time (a mixed plan's
-    must be given; identical pipelines are predicted here)."""
+    of at least ``min_gain`` (default: ``plan.min_gain.grow_back``). ``now_s``: the running
+    plan's predicted time (a mixed plan's must be given; identical pipelines are predicted
+    here)."""
     choice = best_layout(templates, devices_now, global_batch, micro_batch, running=plan)
     if choice is None:
         return Stay("no layout fits the devices")
@@ -239,6 +241,8 @@ def decide_grow(
         if now is None:
             return Stay("no prediction for the running layout")
         now_s = now.iteration_time_s
+    if min_gain is None:
+        min_gain = templates.spec.plan.min_gain.grow_back
     if new_s > (1 - min_gain) * now_s:
         return Stay(f"predicted gain below {min_gain:.0%}")
     return GrowBack(new_plan, now_s, new_s)

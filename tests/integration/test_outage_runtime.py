@@ -23,6 +23,7 @@ import ray
 from test_recovery_runtime import events, events_ready, last_loss_per_step, run
 from test_runtime import tiny_doc
 
+from geopipe.checkpoint.store import list_checkpoints
 from geopipe.runtime.control.health import HealthConfig
 
 pytestmark = pytest.mark.ray
@@ -35,14 +36,21 @@ def _ray(ray_cluster):
     yield
 
 
-def freezer(run_dir: Path, seconds: float, seen: list):
-    """Stop west's stage for ``seconds`` once two steps are done; record what status.json
-    says meanwhile."""
+def freezer(run_dir: Path, seconds: float, seen: list, after_checkpoint: bool = False):
+    """Stop west's stage for ``seconds`` once two steps are done (and, with
+    ``after_checkpoint``, a checkpoint is complete); record what status.json says meanwhile."""
+
+    def ready() -> bool:
+        if not events_ready(run_dir):
+            return False
+        return not after_checkpoint or any(
+            i.status == "complete" for i in list_checkpoints(run_dir / "checkpoints")
+        )
 
     def freeze(ctl) -> None:
         pid = ray.get(ctl.actors[1][0].ping.remote())
         while True:  # until the freeze lands inside a step, not in a checkpoint's save
-            while ctl.state.name != "running" or not events_ready(run_dir):
+            while ctl.state.name != "running" or not ready():
                 time.sleep(0.05)
             os.kill(pid, signal.SIGSTOP)
             time.sleep(0.3)
@@ -96,8 +104,8 @@ def test_an_outage_past_the_deadline_takes_the_site_loss_path(tmp_path: Path) ->
     health = HealthConfig(heartbeat_s=0.5, unresponsive_s=2.0, wan_outage_s=4.0)
     seen: list = []
     try:
-        _, state = run(doc, tmp_path / "cut", steps=STEPS, health=health,
-                       kill=freezer(tmp_path / "cut", 15.0, seen))  # fmt: skip
+        freeze = freezer(tmp_path / "cut", 15.0, seen, after_checkpoint=True)
+        _, state = run(doc, tmp_path / "cut", steps=STEPS, health=health, kill=freeze)
         failure = events(tmp_path / "cut", "failure")
         assert len(failure) == 1 and failure[0]["dead"][0].split("/")[-2] == "stage1"
         assert events(tmp_path / "cut", "link_silent")

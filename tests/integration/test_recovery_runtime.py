@@ -352,12 +352,14 @@ def test_mixed_pipelines_after_a_failure_checkpoint_then_grow_back(tmp_path):
 def step_loss_from(ckpt, doc: dict, step: int) -> float:
     """The mean loss of ``step``'s global batch under the checkpoint's parameters."""
     from geopipe.model.data import Corpus, TokenStream, sample_indices
-    from geopipe.model.gpt import GPTConfig, GPTStage, lm_loss, num_layers
+    from geopipe.model.family import build_stage
+    from geopipe.model.gpt import lm_loss
+    from geopipe.runtime.control.models import model_desc
 
     spec = parse_cluster(doc, "ref")
     m, t, b = spec.model, spec.training, spec.plan.micro_batch_size
-    cfg = GPTConfig(m.n_layer, m.n_embd, m.n_head, m.vocab_size, m.max_seq_len)
-    model = GPTStage(cfg, 0, num_layers(cfg), seed=t.seed)
+    desc = model_desc(m)
+    model = build_stage(desc, 0, desc.num_layers, seed=t.seed)
     names = [n for n, _ in model.named_parameters()]
     params = load_state_for_layers(ckpt, names)["params"]
     assert set(params) == set(names)  # every parameter, from exactly one shard

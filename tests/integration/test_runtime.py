@@ -24,12 +24,13 @@ import yaml
 
 from geopipe.config import parse_cluster
 from geopipe.model.data import Corpus, TokenStream, global_indices
-from geopipe.model.gpt import GPTConfig, GPTStage, lm_loss
-from geopipe.model.sizes import num_layers
+from geopipe.model.family import build_stage
+from geopipe.model.gpt import lm_loss
 from geopipe.runtime.actor.engine import lr_factor
 from geopipe.runtime.actor.executor import BREAKDOWN, FOREGROUND
 from geopipe.runtime.control.cluster import LaunchError
 from geopipe.runtime.control.controller import Controller, LaunchOptions
+from geopipe.runtime.control.models import model_desc
 from geopipe.runtime.control.placement import ACTOR_ENV
 
 pytestmark = pytest.mark.ray
@@ -75,8 +76,8 @@ def reference(doc: dict, until: int | None = None) -> tuple[list[float], dict[st
     that many steps, the schedule unchanged)."""
     spec = parse_cluster(doc, "ref")
     m, t, pl = spec.model, spec.training, spec.plan
-    cfg = GPTConfig(m.n_layer, m.n_embd, m.n_head, m.vocab_size, m.max_seq_len)
-    model = GPTStage(cfg, 0, num_layers(m.n_layer), seed=t.seed)
+    desc = model_desc(m)
+    model = build_stage(desc, 0, desc.num_layers, seed=t.seed)
     opt = torch.optim.Adam(model.parameters(), lr=t.lr, betas=(0.9, 0.95), eps=1e-8)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, partial(lr_factor, warmup_steps=t.warmup_steps, total_steps=t.steps)

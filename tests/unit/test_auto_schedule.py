@@ -1,5 +1,5 @@
 """``plan.schedule: auto``: the planner plans look-ahead and look-ahead with split backward
-and keeps the split only when it is predicted at least AUTO_MIN_GAIN faster; the run then
+and keeps the split only when it is predicted plan.min_gain.auto_schedule faster; the run then
 sees the schedule it chose. Pure: no Ray."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from geopipe.config import ClusterSpec, load_cluster
 from geopipe.optimizer.evaluate import Evaluator
-from geopipe.optimizer.planner import AUTO_MIN_GAIN, plan_cluster
+from geopipe.optimizer.planner import plan_cluster
 from geopipe.runtime.control.planning import plan_run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,7 +56,7 @@ def test_auto_keeps_the_faster_schedule(spec: ClusterSpec, chosen: str) -> None:
     split = plan_cluster(spec, schedule="lookahead-zb")
     auto = plan_cluster(_with(spec, schedule="auto"))
     gain = split.best.tokens_per_s / plain.best.tokens_per_s - 1
-    want = split if gain >= AUTO_MIN_GAIN else plain
+    want = split if gain >= spec.plan.min_gain.auto_schedule else plain
     assert auto.best.plan.schedule == want.best.plan.schedule == chosen, gain
     assert auto.best.iteration_time_s == want.best.iteration_time_s
     assert auto.best.plan.to_dict() == want.best.plan.to_dict()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from geopipe.config import ModelSpec, load_cluster
+from geopipe.config import GiB, ModelSpec, load_cluster
 from geopipe.model.sizes import layer_param_counts
 from geopipe.optimizer.costs import activation_bytes
 from geopipe.optimizer.evaluate import INFEASIBLE, Candidate, Evaluator
@@ -26,7 +26,6 @@ from geopipe.optimizer.memory import MemoryBreakdown, snapshot_bytes, stage_memo
 
 ROOT = Path(__file__).resolve().parents[2]
 TOY = ModelSpec(n_layer=2, n_embd=8, n_head=2, vocab_size=16, max_seq_len=4)
-GiB = 1 << 30
 
 
 def test_toy_param_counts() -> None:

@@ -17,7 +17,7 @@ from geopipe.cli.render import format_status
 from geopipe.config import parse_cluster
 from geopipe.model.data import global_indices, sample_indices
 from geopipe.optimizer.instantiate import instantiate
-from geopipe.optimizer.mixes import MIN_GAIN, SplitTemplateSet, best_mix, layer_split
+from geopipe.optimizer.mixes import SplitTemplateSet, best_mix, layer_split
 from geopipe.optimizer.planner import plan_cluster
 from geopipe.optimizer.policies import Failure, Reconfigure, decide, decide_grow
 from geopipe.optimizer.templates import best_uniform, build_templates
@@ -129,7 +129,7 @@ def test_split_templates_lay_every_vector_over_the_split(demo) -> None:
 def test_best_mix_matches_brute_force_over_every_split(demo) -> None:
     """Losing one east device of 2 × 4: the mix found from the templates' splits is as fast
     as the best instantiation over every possible east/west split, uses all 7 devices, and
-    beats the best identical pipelines by more than MIN_GAIN."""
+    beats the best identical pipelines by more than plan.min_gain.mixed_pipelines."""
     spec, plan, ts = demo
     alive = {"east": 3, "west": 4}
     gb, b = spec.training.global_batch_size, plan.micro_batch_size
@@ -146,7 +146,7 @@ def test_best_mix_matches_brute_force_over_every_split(demo) -> None:
     assert sum(p.num_microbatches for p in got.plan.mix) == gb // b
     t, d = best_uniform(ts, alive, gb, b)
     uniform = ts.predict(t.stages_per_site, d, gb // (b * d)).iteration_time_s
-    assert got.iteration_time_s < (1 - MIN_GAIN) * uniform
+    assert got.iteration_time_s < (1 - spec.plan.min_gain.mixed_pipelines) * uniform
 
 
 def test_recovery_decides_for_the_mix_and_grow_back_needs_its_time(demo) -> None:
@@ -192,7 +192,13 @@ def test_uneven_devices_at_launch_run_a_mix() -> None:
     best = plan_cluster(spec).best
     got = mixed_at_launch(spec, best)
     assert got is not None and got.plan.heterogeneous
-    assert got.iteration_time_s < (1 - MIN_GAIN) * best.iteration_time_s
+    assert got.iteration_time_s < (1 - spec.plan.min_gain.mixed_pipelines) * best.iteration_time_s
+    # the threshold is the YAML's: demand more than the mix gains and identical pipelines stay
+    doc["plan"]["min_gain"] = {
+        "mixed_pipelines": 1 - got.iteration_time_s / best.iteration_time_s + 0.01
+    }
+    strict = parse_cluster(doc, "uneven")
+    assert mixed_at_launch(strict, plan_cluster(strict).best) is None
     plan = got.plan
     assert sorted(plan.site_of(*k) for k in plan.actors()) == ["east"] * 2 + ["west"] * 3
     assert plan.total_microbatches == best.plan.total_microbatches

@@ -41,9 +41,9 @@ def plan_run(spec: ClusterSpec, fixed: Plan | None) -> tuple[ClusterSpec, Plan, 
 
 def mixed_at_launch(spec: ClusterSpec, best: Evaluation) -> Evaluation | None:
     """When the planner's identical pipelines leave devices idle (uneven device counts),
-    a mix of templates over all devices if it is predicted at least ``MIN_GAIN`` faster
+    a mix of templates over all devices if it is predicted ``plan.min_gain.mixed_pipelines`` faster
     (:func:`geopipe.optimizer.policies.best_layout`); its prediction, else None."""
-    from geopipe.optimizer.mixes import MIN_GAIN, best_mix
+    from geopipe.optimizer.mixes import best_mix
     from geopipe.optimizer.templates import build_templates
 
     plan = best.plan
@@ -54,7 +54,8 @@ def mixed_at_launch(spec: ClusterSpec, best: Evaluation) -> Evaluation | None:
     ts = build_templates(spec, plan=plan)
     gb = spec.training.global_batch_size
     mix = best_mix(ts, devices, gb, plan.micro_batch_size, running=plan)
-    if mix is None or not mix.iteration_time_s < (1 - MIN_GAIN) * best.iteration_time_s:
+    gain = spec.plan.min_gain.mixed_pipelines
+    if mix is None or not mix.iteration_time_s < (1 - gain) * best.iteration_time_s:
         return None
     return Evaluation(
         candidate=replace(best.candidate, pipelines=mix.plan.pipelines), plan=mix.plan,
