@@ -11,6 +11,7 @@ import random
 from pathlib import Path
 
 import pytest
+from _refsim import reference_time
 
 from geopipe.config import ClusterSpec, load_cluster
 from geopipe.optimizer.evaluate import Candidate, Evaluator
@@ -113,42 +114,6 @@ def test_link_is_a_fifo_server() -> None:
 # A straightforward reference: the unfused action lists, one action at a time
 
 
-def _reference(sched: Schedule, c: PipelineCosts) -> float:
-    p = sched.num_stages
-    clock = [0.0] * p
-    ptr = [0] * p
-    arrive: dict[tuple[int, Kind, int], float] = {}
-    free: dict[tuple[int, str], float] = {}
-    while any(ptr[k] < len(sched.stages[k]) for k in range(p)):
-        moved = False
-        for k in range(p):
-            while ptr[k] < len(sched.stages[k]):
-                a = sched.stages[k][ptr[k]]
-                if a.kind in (Kind.RECV_F, Kind.RECV_B):
-                    key = (k, a.kind, a.mb)
-                    if key not in arrive:
-                        break
-                    clock[k] = max(clock[k], arrive[key])
-                elif a.kind == Kind.F:
-                    clock[k] += c.fwd_s[k]
-                elif a.kind == Kind.B:
-                    clock[k] += c.bwd_s[k]
-                elif a.kind == Kind.SEND_F:
-                    start = max(clock[k], free.get((k, "f"), 0.0))
-                    free[(k, "f")] = start + c.ser_f[k]
-                    arrive[(k + 1, Kind.RECV_F, a.mb)] = start + c.ser_f[k] + c.lat_f[k]
-                else:
-                    j = k - 1
-                    start = max(clock[k], free.get((j, "b"), 0.0))
-                    free[(j, "b")] = start + c.ser_b[j]
-                    arrive[(j, Kind.RECV_B, a.mb)] = start + c.ser_b[j] + c.lat_b[j]
-                ptr[k] += 1
-                moved = True
-        if not moved:
-            raise ScheduleError("deadlock (reference)")
-    return max(clock[k] + c.step_s[k] for k in range(p))
-
-
 def test_matches_unfused_reference_on_random_costs() -> None:
     rng = random.Random(1234)
     for _ in range(150):
@@ -166,7 +131,7 @@ def test_matches_unfused_reference_on_random_costs() -> None:
         dn = [rng.choice([0, 0, 1, 3, 6]) for _ in range(nb)]
         for sched in (gpipe(p, m), one_f_one_b(p, m), lookahead(p, m, dn)):
             got = simulate(sched, c).iteration_time_s
-            assert got == pytest.approx(_reference(sched, c), rel=1e-12), (sched.to_text(), c)
+            assert got == pytest.approx(reference_time(sched, c), rel=1e-12), (sched.to_text(), c)
 
 
 # --------------------------------------------------------------------------------------------

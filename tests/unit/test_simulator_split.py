@@ -9,12 +9,11 @@ import itertools
 import random
 
 import pytest
+from _refsim import reference_time
 
 from geopipe.optimizer.simulator import DEFAULT_INPUT_SHARE, PipelineCosts, lower_bound, simulate
 from geopipe.pipeline.schedule import (
-    Kind,
     Schedule,
-    ScheduleError,
     lookahead,
     lookahead_zb,
     one_f_one_b,
@@ -57,43 +56,6 @@ def test_costs_split_default_and_explicit() -> None:
     assert r.iteration_time_s == pytest.approx(3 * 3.5)
 
 
-def _reference(sched: Schedule, c: PipelineCosts) -> float:
-    """One action at a time, no fusion: the semantics the docstring states."""
-    p = sched.num_stages
-    inp, wgt = c.split()
-    dur = {Kind.F: c.fwd_s, Kind.B: c.bwd_s, Kind.I: inp, Kind.W: wgt}
-    clock = [0.0] * p
-    ptr = [0] * p
-    arrive: dict[tuple[int, Kind, int], float] = {}
-    free: dict[tuple[int, str], float] = {}
-    while any(ptr[k] < len(sched.stages[k]) for k in range(p)):
-        moved = False
-        for k in range(p):
-            while ptr[k] < len(sched.stages[k]):
-                a = sched.stages[k][ptr[k]]
-                if a.kind in (Kind.RECV_F, Kind.RECV_B):
-                    key = (k, a.kind, a.mb)
-                    if key not in arrive:
-                        break
-                    clock[k] = max(clock[k], arrive[key])
-                elif a.kind in dur:
-                    clock[k] += dur[a.kind][k]
-                elif a.kind == Kind.SEND_F:
-                    start = max(clock[k], free.get((k, "f"), 0.0))
-                    free[(k, "f")] = start + c.ser_f[k]
-                    arrive[(k + 1, Kind.RECV_F, a.mb)] = start + c.ser_f[k] + c.lat_f[k]
-                else:
-                    j = k - 1
-                    start = max(clock[k], free.get((j, "b"), 0.0))
-                    free[(j, "b")] = start + c.ser_b[j]
-                    arrive[(j, Kind.RECV_B, a.mb)] = start + c.ser_b[j] + c.lat_b[j]
-                ptr[k] += 1
-                moved = True
-        if not moved:
-            raise ScheduleError("deadlock (reference)")
-    return max(clock[k] + c.step_s[k] for k in range(p))
-
-
 def _random_costs(rng: random.Random, p: int) -> PipelineCosts:
     nb = p - 1
 
@@ -121,7 +83,7 @@ def test_matches_unfused_reference_on_random_costs() -> None:
         c = _random_costs(rng, p)
         for sched in _split_schedules(rng, p, m):
             got = simulate(sched, c).iteration_time_s
-            assert got == pytest.approx(_reference(sched, c), rel=1e-12), sched.to_text()
+            assert got == pytest.approx(reference_time(sched, c), rel=1e-12), sched.to_text()
 
 
 def test_recorded_timeline_names_the_split() -> None:
