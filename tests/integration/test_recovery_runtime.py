@@ -83,6 +83,10 @@ def test_replica_killed_mid_iteration_recovers_in_place(tmp_path, capsys):
     losses match an uninterrupted run up to float summation order (measured ~1e-6; bound
     1e-4 with codec none)."""
     doc = tiny_doc(2, 2, steps=4)
+    # 8 micro-batches per pipeline: the kill, 40 % into step 2, lands well after the step-2
+    # boundary snapshot is assembled in the background (with 2, under load, it could land
+    # first, and the survivors would rightly roll back to step 1)
+    doc["training"]["global_batch_size"] = 32
     ref = reference(doc)[0]  # the uninterrupted run, in one process
     ctl, state = run(doc, tmp_path / "chaos", steps=4, chaos=2)  # kills once, in step 2
     failure = events(tmp_path / "chaos", "failure")
