@@ -74,13 +74,17 @@ OnSilence = Callable[[str, str, float], None]  # (event, site, silent seconds)
 
 
 def silent_sites(stale: list[int], pending: list[int], sites: list[str]) -> set[str]:
-    """The sites every pending actor of which is stale (no ping answered): a link down,
-    not a frozen process — those leave their site's other actors answering."""
-    stale_set = set(stale)
+    """The sites with an unfinished actor where every actor — finished ones too — is stale
+    (no ping answered): a link down, not a frozen process, which leaves its site's other
+    actors answering whether or not they have finished the step."""
+    stale_set, pending_set = set(stale), set(pending)
     by_site: dict[str, list[int]] = {}
-    for i in pending:
-        by_site.setdefault(sites[i], []).append(i)
-    return {s for s, members in by_site.items() if all(i in stale_set for i in members)}
+    for i, site in enumerate(sites):
+        by_site.setdefault(site, []).append(i)
+    return {
+        s for s, members in by_site.items()
+        if all(i in stale_set for i in members) and any(i in pending_set for i in members)
+    }  # fmt: skip
 
 
 def await_step(
@@ -114,7 +118,9 @@ def await_step(
             raise StepHung(f"step unfinished after {hang_s:.0f} s: a hang")
         stale, sent_at = [], {}
         waiting = [index[ref] for ref in pending]
-        for i in waiting:
+        # every actor is pinged: a finished one answering tells a frozen process from a
+        # silent site (and only an unfinished one can be lost)
+        for i in range(len(actors)):
             ping, sent = pings.get(i, (None, now))
             if ping is not None and not ray.wait([ping], timeout=0)[0]:
                 if now - sent > cfg.unresponsive_s:
@@ -129,7 +135,9 @@ def await_step(
                     on_silence("healed", s, now - silent_since.pop(s))
                 else:
                     silent_since.pop(s)
-        lost = [i for i in stale if sites is None or sites[i] not in silent]
+        unfinished = set(waiting)
+        stale_waiting = [i for i in stale if i in unfinished]
+        lost = [i for i in stale_waiting if sites is None or sites[i] not in silent]
         for s in sorted(silent):
             first = s not in silent_since
             since = silent_since.setdefault(
@@ -138,7 +146,7 @@ def await_step(
             if on_silence is not None:
                 on_silence("silent" if first else "waiting", s, now - since)
             if now - since > outage_s:  # past the deadline: the site-loss path
-                lost += [i for i in stale if sites and sites[i] == s]
+                lost += [i for i in stale_waiting if sites and sites[i] == s]
         if lost:
             raise ActorsUnresponsive(sorted(lost), cfg.unresponsive_s)
     for s, since in silent_since.items():  # the step finished: every site answered
