@@ -100,12 +100,15 @@ def test_an_outage_past_the_deadline_takes_the_site_loss_path(tmp_path: Path) ->
     doc = tiny_doc(1, 1, steps=STEPS)
     doc["name"] = "partition"
     # West's layers have no other replica: a checkpoint is what the re-formed job needs.
-    doc["training"]["checkpoint"] = {"every_steps": 2, "keep": 2}
+    # Saved every 10 steps, so the freeze (after the first) finds steps between saves: with
+    # a save every 2 steps its every attempt could land in a save until the run was over.
+    doc["training"]["checkpoint"] = {"every_steps": 10, "keep": 2}
     health = HealthConfig(heartbeat_s=0.5, unresponsive_s=2.0, wan_outage_s=4.0)
     seen: list = []
     try:
         freeze = freezer(tmp_path / "cut", 15.0, seen, after_checkpoint=True)
         _, state = run(doc, tmp_path / "cut", steps=STEPS, health=health, kill=freeze)
+        assert seen, "west was never frozen inside a step"
         failure = events(tmp_path / "cut", "failure")
         assert len(failure) == 1 and failure[0]["dead"][0].split("/")[-2] == "stage1"
         assert events(tmp_path / "cut", "link_silent")
