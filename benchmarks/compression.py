@@ -11,7 +11,9 @@ message), int2h 2 bits (14.2×).
 ``codec_encode_decode_ms_per_mib``: encode + decode of a 4 MiB fp32 tensor ([8, 128, 1024]),
 median of 9, in this process (``--speed-only`` measures just that).
 
-Run: ``.venv/bin/python benchmarks/compression.py [--steps 300] [--speed-only]``
+The per-step loss curves of every codec are drawn into ``--plot`` (a PNG; matplotlib).
+
+Run: ``.venv/bin/python benchmarks/compression.py [--steps 300] [--speed-only] [--plot F]``
 """
 
 from __future__ import annotations
@@ -49,11 +51,33 @@ def codec_speed() -> dict[str, float]:
     return out
 
 
+def plot_losses(path: Path, curves: dict[str, list[float]]) -> None:
+    """Loss against step, one line per codec."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for codec, losses in curves.items():
+        ax.plot(range(1, len(losses) + 1), losses, label=codec, lw=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_title("Two emulated sites, one stage each: loss per WAN codec", loc="left")
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--codecs", default=",".join(CODECS))
     ap.add_argument("--speed-only", action="store_true", help="encode/decode speed only")
+    ap.add_argument("--plot", type=Path, default=Path("compression_losses.png"),
+                    help="PNG of every codec's loss curve")  # fmt: skip
     args = ap.parse_args()
     speed = codec_speed()
     for name, ms in speed.items():
@@ -65,6 +89,7 @@ def main() -> None:
 
     tmp = Path(tempfile.mkdtemp(prefix="geopipe-codec-"))
     out: dict[str, dict] = {}
+    curves: dict[str, list[float]] = {}
     try:
         for codec in args.codecs.split(","):
             doc = two_site_doc(f"codec-{codec}", 5.0, 1.0, 16, codec=codec)
@@ -72,7 +97,7 @@ def main() -> None:
             doc["training"].update(lr=0.002, warmup_steps=3)
             doc["plan"].update(micro_batch_size=2, seq_len=64, topk_ratio=0.1)
             _, res, _ = run(spec_of(doc), args.steps, tmp / codec, "lookahead")
-            losses = [m.loss for m in res.steps]
+            losses = curves[codec] = [m.loss for m in res.steps]
             out[codec] = {
                 "wan_bytes": sum(m.wan_bytes for m in res.steps),
                 "final_loss": statistics.mean(losses[-5:]),
@@ -100,6 +125,9 @@ def main() -> None:
                 f"{result[f'{name}_loss_delta']:+.2%} vs none"
             )
     result["codec_encode_decode_ms_per_mib"] = speed
+    plot_losses(args.plot, curves)
+    result["loss_curves_png"] = str(args.plot)
+    print(f"loss curves: {args.plot}")
     print(json.dumps(result))
 
 
