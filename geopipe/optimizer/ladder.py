@@ -64,8 +64,8 @@ def delta_n_estimate(costs: PipelineCosts, j: int) -> int:
     [Note: one ΔN estimate] The templates scale this (the genetic search starts from
     :func:`delta_n_cover`, which does not overshoot).
     The round trip is the sum of both directions, which differ when the codec or the link
-    is asymmetric (top-k gradients, uneven links); twice the slower direction, which the GA
-    once used, overshoots there. On symmetric links the two agree.
+    is asymmetric (top-k gradients, uneven links); twice the slower direction would overshoot
+    there. On symmetric links the two agree.
     """
     rt = costs.ser_f[j] + costs.lat_f[j] + costs.ser_b[j] + costs.lat_b[j]
     return math.ceil(rt / max(costs.fwd_s[j] + costs.bwd_s[j], 1e-12))

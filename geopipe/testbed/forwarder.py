@@ -11,10 +11,10 @@ Measured on a 2-core machine (``benchmarks/direct_channel.py``):
 
 * **GSO offload.** The TUN devices are opened with ``IFF_VNET_HDR`` and TSO/checksum
   offload, so the kernel hands over whole GSO super-packets (up to 64 KiB) instead of
-  1500-byte segments: at 200 Mbit/s the forwarder used ~3-12 % of a core, without it ~6×
+  1500-byte segments: at 200 Mbit/s the forwarder uses ~3-12 % of a core, without it ~6×
   more. The rate is charged per on-the-wire segment (payload plus one IP/TCP header per
   MSS, :func:`~geopipe.testbed.plan.wire_bytes_of_gso`).
-* **SCHED_FIFO.** On 2 cores busy with training, a normal-priority forwarder queued behind
+* **SCHED_FIFO.** On 2 cores busy with training, a normal-priority forwarder queues behind
   the trainers for milliseconds, adding jitter to every packet. It runs at real-time
   priority; it never spins (it sleeps in ``select`` until the next packet is due), and the
   kernel's RT throttling bounds it anyway.

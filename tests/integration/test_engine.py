@@ -390,7 +390,7 @@ def test_full_state_reshards_from_two_replicas_to_one(zero1_run: tuple[list[dict
 def test_split_backward_pipeline_matches_reference(defer: bool) -> None:
     # lookahead-zb on 2x2 ZeRO-1 with active per-stage clipping: stage 0's W is a full
     # backward (nothing to send upstream), stage 1 splits I/W and defers W; DeepSpeed must
-    # see the gradients a full backward gives ([Note: split backward]) — also with the
+    # see the gradients a full backward gives ([Note: I and W in autograd]) — also with the
     # runtime's deferred step ([Note: the step after the sends]).
     assert any(a.kind == Kind.W for a in _schedule("lookahead-zb", 4).stages[1])
     cfg = dataclasses.replace(ZERO1_CFG, defer_step=defer)

@@ -1,6 +1,6 @@
 """The split backward of one stage (``I`` then ``W``), and a meter of the activations it holds.
 
-[Note: split backward]
+[Note: I and W in autograd]
     A zero-bubble schedule splits a micro-batch's backward into ``I`` (the gradient w.r.t.
     the stage input, sent upstream at once) and ``W`` (the weight gradients, later). As in
     Qi et al.'s own implementation, the deferred part is the matmul weight gradients:
@@ -31,18 +31,18 @@
     backward (as torch's pipelining does).
 
 [Note: W accumulates in place]
-    Handing ``W``'s fresh gradients to autograd made it add them to ``p.grad`` in a pass of
-    its own (plus DeepSpeed's hook bookkeeping): on the wsplit stage (n_embd 384, sequence
-    64, one thread) ``I`` + ``W`` took 13.2 ms against 11.4 ms for the fused backward,
-    W's matmuls being 4.8 ms of its 7.6. Now ``W`` takes each parameter's accumulated
-    ``.grad`` (leaving None), adds the micro-batch's gradient into it — ``addmm_`` for the
-    Linear weights, so the sum is made by the matmul itself — and the surrogate hands that
-    buffer back: autograd's AccumulateGrad, finding ``p.grad`` None and the tensor otherwise
-    unreferenced, adopts it without a copy, and DeepSpeed's per-parameter hooks fire exactly
-    as for a full backward (at the accumulation boundary they reduce what ``.grad`` holds).
-    The engine drops its own references before the backward so the adoption can happen;
-    a referenced tensor would be cloned, correct but slower. A replica's weight-gradient
-    factor is applied here (``scale``), the surrogate then runs unscaled.
+    ``W`` makes no fresh gradient for autograd to add to ``p.grad`` in a pass of its own: it
+    takes each parameter's accumulated ``.grad`` (leaving None), adds the micro-batch's
+    gradient into it — ``addmm_`` for the Linear weights, so the sum is made by the matmul
+    itself — and the surrogate hands that buffer back: autograd's AccumulateGrad, finding
+    ``p.grad`` None and the tensor otherwise unreferenced, adopts it without a copy, and
+    DeepSpeed's per-parameter hooks fire exactly as for a full backward (at the accumulation
+    boundary they reduce what ``.grad`` holds). The engine drops its own references before
+    the backward so the adoption can happen; a referenced tensor would be cloned, correct
+    but slower. A replica's weight-gradient factor is applied here (``scale``), the
+    surrogate then runs unscaled. So ``I`` + ``W`` costs 1.02 × the fused backward (a
+    separate accumulation pass would add 8-9 %; ``benchmarks/wsplit.py --testbed``, the
+    calibrated costs it prints).
 
 [Note: activation meter]
     :class:`ActivationMeter` counts the bytes autograd keeps for backward (saved tensors,
@@ -75,7 +75,7 @@ def drop_output_hooks(out: Tensor) -> None:
 
 class WeightGradStore:
     """Per micro-batch, what ``W`` needs: each Linear call's input and output gradient, and
-    the other parameters' gradients from ``I`` (see [Note: split backward])."""
+    the other parameters' gradients from ``I`` (see [Note: I and W in autograd])."""
 
     def __init__(self, module: nn.Module) -> None:
         self._linears = [m for m in module.modules() if isinstance(m, nn.Linear)]

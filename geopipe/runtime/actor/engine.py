@@ -72,19 +72,16 @@ __all__ = [
 
 
 # [Note: the step after the sends]
-# Inside the last backward, DeepSpeed's step (the ZeRO-1 reduction and Adam) runs before
-# that backward's input gradient can be sent, so every stage but the first delayed its
-# upstream neighbour's last gradient by its own optimizer step — in every schedule without
-# a split backward, and down the whole pipeline in series. The simulator (rightly) puts the
-# step after the pipeline, so look-ahead ran 5-14 % above its calibrated prediction, on the
-# real-network test bed and on the emulated link alike, while lookahead-zb, whose last `I`
-# sends before its `W` steps, was within 1-4 % (benchmarks/wsplit.py; stage 0 waited
-# 0.07-0.10 s per step for its last gradients against lookahead-zb's 0.02-0.04 s; the step
-# is 0.04 s and spikes to 0.13 s). With ``defer_step`` the boundary is DeepSpeed's
-# unmanaged mode: backward only accumulates, ``end_iteration`` (after the step's sends)
-# reduces and steps. It is also what a mixed plan needs: its ZeRO-1 group may span stages
-# of one pipeline, and a downstream stage blocked in the all-reduce would never send the
-# upstream one its last gradient.
+# DeepSpeed steps (the ZeRO-1 reduction and Adam) inside the last backward, before that
+# backward's input gradient can be sent: every stage but the first would hold its upstream
+# neighbour's last gradient back by its own optimizer step (0.04 s, spikes to 0.13 s), in
+# every schedule without a split backward and down the pipeline in series. With
+# ``defer_step`` the boundary is DeepSpeed's unmanaged mode: backward only accumulates,
+# ``end_iteration`` (after the step's sends) reduces and steps — where the simulator puts
+# the step. Look-ahead then runs within 2-5 % of its calibrated prediction
+# (benchmarks/wsplit.py; 5-14 % above it with the step inside the backward). It is also what
+# a mixed plan needs: its ZeRO-1 group may span stages of one pipeline, and a downstream
+# stage blocked in the all-reduce would never send the upstream one its last gradient.
 
 
 @dataclass(frozen=True)
@@ -393,7 +390,7 @@ class StageEngine:
     def backward_input(
         self, mb: int, grad_out: Tensor | None = None, targets: Tensor | None = None
     ) -> float | None:
-        """``I`` of micro-batch ``mb`` ([Note: split backward] in :mod:`.backward`): from the
+        """``I`` of micro-batch ``mb`` ([Note: I and W in autograd] in :mod:`.backward`): from the
         gradient received from downstream, or on the last stage from ``targets`` (returns
         the micro-batch loss). :meth:`input_grad` then has the gradient to send."""
         out = self._pop_output(mb)

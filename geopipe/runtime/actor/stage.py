@@ -90,8 +90,8 @@ class StageSpec:
 # [Note: garbage collection off the step]
 # Python's cyclic collector pauses every thread of the actor, and its oldest generation
 # scans every object the process holds: with torch, DeepSpeed and Ray imported that is
-# ~0.4 M+ objects, and over the test bed one such collection took 0.195 s inside a forward
-# (the step went 0.73 -> 0.91 s; the gc column of the step breakdown measures it). The
+# ~0.4 M+ objects: over the test bed one such collection takes 0.195 s inside a forward, a
+# quarter of a step (benchmarks/wsplit.py --testbed; the gc column of the step breakdown). The
 # objects that exist once a stage is built (modules, libraries, the engine) live as long as
 # the actor, so after setup they are collected once and frozen (gc.freeze: moved to a
 # generation the collector never scans); collections then only walk what training made

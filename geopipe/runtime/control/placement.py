@@ -27,12 +27,11 @@ __all__ = ["Placement"]
 # Ray runs a threaded actor's calls on a pool thread, so the training loop allocates from
 # one of glibc's per-thread arenas, whose heaps glibc shrinks (madvise) as soon as their top
 # is free. Activations come and go by the hundred megabytes per step, and look-ahead keeps
-# many micro-batches alive at once: measured on the demo's first stage with 31 in flight,
-# a step took 72 k page faults (every activation re-faulted, zeroed by the kernel) and its
-# forwards ran 1.4x slower; over the real-network test bed at ΔN 30 the stage spent more
-# time in the kernel than in Python, its forwards 4x slower than at ΔN 0 (0.71 s against
-# 0.19 s per step). MALLOC_ARENA_MAX=1 puts every thread on the main heap: 1-4 k faults a
-# step, forward time independent of ΔN. The few threads of an actor barely contend for it
+# many micro-batches alive at once, so every step would re-fault its activations (zeroed by
+# the kernel): with 31 in flight on the demo's first stage 72 k page faults a step, and over
+# the test bed at ΔN 30 forwards 4x slower than at ΔN 0 (benchmarks/real_wan.py, the step
+# breakdown). MALLOC_ARENA_MAX=1 puts every thread on the main heap: 1-4 k faults a step,
+# forward time independent of ΔN. The few threads of an actor barely contend for it
 # (they take turns at the GIL anyway).
 ACTOR_ENV = {"OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "1"}
 
