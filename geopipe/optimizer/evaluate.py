@@ -9,10 +9,11 @@ partitions and whole evaluations are cached, because the genetic search revisits
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import pairwise
+from typing import TypeVar
 
 import numpy as np
 
@@ -68,7 +69,9 @@ __all__ = [
     "Evaluator",
     "SearchSpace",
     "choose",
+    "lean_tie",
     "plan_schedule",
+    "tie_limit",
 ]
 
 INFEASIBLE = 1e3  # fitness floor for infeasible candidates (feasible ones are s/token ≪ 1)
@@ -78,6 +81,7 @@ INFEASIBLE = 1e3  # fitness floor for infeasible candidates (feasible ones are s
 # plans the one holding the least activation memory in flight wins (choose()), everywhere a
 # plan is chosen: the GA, exhaustive search, the templates' ΔN ladder and ΔN refinement.
 TIE_TOLERANCE = 0.005
+_T = TypeVar("_T")
 # A link busier than this (mean of both directions) leaves no headroom for retransmissions.
 MAX_LINK_UTILIZATION = 0.95
 _ADAM_BYTES_PER_PARAM = 28.0  # read p, g, m, v; write p, m, v (fp32) per optimizer step
@@ -171,6 +175,25 @@ class Evaluation:
         }
 
 
+def tie_limit(fastest: float) -> float:
+    """The slowest time (or fitness) that still ties with ``fastest`` ([Note: lean ties])."""
+    return fastest * (1 + TIE_TOLERANCE)
+
+
+def lean_tie(
+    items: Iterable[_T],
+    time: Callable[[_T], float],
+    memory: Callable[[_T], float],
+    tiebreak: Callable[[_T], tuple] = lambda _: (),
+) -> _T:
+    """The rule of [Note: lean ties], the one home of it: among ``items`` within the tie
+    tolerance of the fastest, the least memory, then the faster, then ``tiebreak``."""
+    pool = list(items)
+    limit = tie_limit(min(time(x) for x in pool))
+    ties = [x for x in pool if time(x) <= limit]
+    return min(ties, key=lambda x: (memory(x), time(x), *tiebreak(x)))
+
+
 def choose(evaluations: Iterable[Evaluation]) -> Evaluation | None:
     """The plan to run among ``evaluations`` ([Note: lean ties]).
 
@@ -183,11 +206,9 @@ def choose(evaluations: Iterable[Evaluation]) -> Evaluation | None:
     ok = [e for e in pool if e.feasible]
     if not ok:
         return min(pool, key=lambda e: e.fitness, default=None)
-    fastest = min(e.fitness for e in ok)
-    ties = [e for e in ok if e.fitness <= fastest * (1 + TIE_TOLERANCE)]
     # Equal memory and time (ΔN the warm-up cap hides): the smaller ΔN, for a stable answer.
-    return min(ties, key=lambda e: (e.activation_bytes, e.fitness, sum(e.candidate.delta_n),
-                                    e.candidate.delta_n))  # fmt: skip
+    return lean_tie(ok, lambda e: e.fitness, lambda e: e.activation_bytes,
+                    lambda e: (sum(e.candidate.delta_n), e.candidate.delta_n))  # fmt: skip
 
 
 def codec_space(settings: Sequence[str]) -> tuple[str, ...]:
@@ -262,6 +283,24 @@ def plan_schedule(plan: Plan) -> Schedule:
     return _schedule(
         plan.schedule, plan.num_stages, plan.num_microbatches, plan.delta_n, plan.inflight_caps
     )
+
+
+def plan_peak_memory(spec: ClusterSpec, plan: Plan) -> list[MemoryBreakdown]:
+    """Every stage's peak memory under ``plan``, with the activations its schedule holds in
+    flight: a split backward's own lists (their caps come from device memory) counted in
+    full, the other families by the steady-state count."""
+    if plan.schedule in SPLIT_FAMILIES:
+        in_flight: tuple[float, ...] = plan_schedule(plan).peak_held(W_HELD_FRACTION)
+    else:
+        args = (plan.schedule, plan.num_stages, plan.num_microbatches, plan.delta_n)
+        in_flight = peak_in_flight(*args)
+    return plan_memory(spec, plan, in_flight)
+
+
+def fits(spec: ClusterSpec, plan: Plan) -> bool:
+    """Whether ``plan`` fits its devices' memory: the one feasibility rule for a plan
+    (:func:`~geopipe.optimizer.memory.stages_over` on :func:`plan_peak_memory`)."""
+    return not stages_over(plan_peak_memory(spec, plan), device_limits(spec, plan.stage_sites))
 
 
 class Evaluator:
@@ -503,14 +542,10 @@ class Evaluator:
             return Evaluation(c, None, False, why)
         elems = boundary_message_elems(spec.model, plan.micro_batch_size, plan.seq_len)
         args = (plan.schedule, plan.num_stages, plan.num_microbatches, plan.delta_n)
-        # Split backwards: the plan's own lists (their caps come from device memory) are
-        # replayed in full; the steady-state shortcut covers the other families.
+        # Split backwards: the plan's own lists are replayed in full; the steady-state
+        # shortcut covers the other families.
         split = plan.schedule in SPLIT_FAMILIES
-        if split:
-            in_flight: tuple[float, ...] = plan_schedule(plan).peak_held(W_HELD_FRACTION)
-        else:
-            in_flight = peak_in_flight(*args)
-        mem = plan_memory(spec, plan, in_flight)
+        mem = plan_peak_memory(spec, plan)
         limits = device_limits(spec, plan.stage_sites)
         over = stages_over(mem, limits)
         host, host_limits = self.host_memory(plan)

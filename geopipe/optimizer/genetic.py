@@ -34,7 +34,14 @@ from dataclasses import dataclass
 
 from deap import algorithms, base, creator, tools
 
-from geopipe.optimizer.evaluate import TIE_TOLERANCE, Candidate, Evaluation, Evaluator, choose
+from geopipe.optimizer.evaluate import (
+    TIE_TOLERANCE,
+    Candidate,
+    Evaluation,
+    Evaluator,
+    choose,
+    tie_limit,
+)
 from geopipe.optimizer.ladder import delta_n_cover
 
 __all__ = ["SearchResult", "genetic_search"]
@@ -326,7 +333,7 @@ def _lean(genes: _Genes, g: list[int]) -> None:
     ok = [e.fitness for e in genes.seen.values() if e.feasible and not e.skipped_simulation]
     if not ok:
         return
-    limit = min(ok) * (1 + TIE_TOLERANCE)
+    limit = tie_limit(min(ok))
     g = list(g)
     changed = True
     while changed:

@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from geopipe.config import ClusterSpec
-from geopipe.optimizer.evaluate import TIE_TOLERANCE, Candidate, Evaluation, Evaluator
+from geopipe.optimizer.evaluate import Candidate, Evaluation, Evaluator, lean_tie
 from geopipe.optimizer.memory import stages_over
 from geopipe.optimizer.shapes import build_plan
 from geopipe.optimizer.simulator import PipelineCosts, lower_bound
@@ -305,9 +305,9 @@ class LayoutPredictor:
         fastest = min(rank(pr) for pr in tried.values())
         if math.isinf(fastest):  # report the smallest ΔN: the least memory it can need
             return at(ladder[0])
-        # [Note: lean ties]: within the tolerance, the least memory (ΔN changes activations only)
-        ties = [pr for pr in tried.values() if rank(pr) <= fastest * (1 + TIE_TOLERANCE)]
-        return min(ties, key=lambda pr: (sum(pr.peak_memory_bytes), rank(pr), sum(pr.delta_n)))
+        # ΔN changes activations only: the least memory within the tie tolerance
+        return lean_tie(tried.values(), rank, lambda pr: sum(pr.peak_memory_bytes),
+                        lambda pr: (sum(pr.delta_n),))  # fmt: skip
 
     def _predict_at(self, stage_sites: Layout, d: int, m: int, dn: tuple[int, ...]) -> Prediction:
         """Predict one ΔN: memory at the in-flight peak, the time at ``m`` (exact)."""

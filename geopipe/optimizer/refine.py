@@ -12,8 +12,7 @@ from dataclasses import replace
 from geopipe.config import ClusterSpec
 from geopipe.optimizer import steady
 from geopipe.optimizer.costs import split_backward
-from geopipe.optimizer.evaluate import TIE_TOLERANCE, Evaluator, plan_schedule
-from geopipe.optimizer.memory import W_HELD_FRACTION, device_limits, plan_memory, stages_over
+from geopipe.optimizer.evaluate import Evaluator, fits, plan_peak_memory, plan_schedule, tie_limit
 from geopipe.optimizer.simulator import PipelineCosts, simulate
 from geopipe.pipeline.schedule import LOOKAHEAD_FAMILIES, SPLIT_FAMILIES
 from geopipe.plan import Plan
@@ -72,15 +71,9 @@ def predict(plan: Plan, costs: PipelineCosts) -> float:
 def _memory(spec: ClusterSpec, plan: Plan) -> float | None:
     """Total peak bytes over the stages (ΔN changes only the activations), None if it does
     not fit."""
-    if plan.schedule in SPLIT_FAMILIES:
-        in_flight: tuple[float, ...] = plan_schedule(plan).peak_held(W_HELD_FRACTION)
-    else:
-        args = (plan.schedule, plan.num_stages, plan.num_microbatches, plan.delta_n)
-        in_flight = steady.peak_in_flight(*args)
-    mem = plan_memory(spec, plan, in_flight)
-    if stages_over(mem, device_limits(spec, plan.stage_sites)):
+    if not fits(spec, plan):
         return None
-    return sum(mb.total for mb in mem)
+    return sum(mb.total for mb in plan_peak_memory(spec, plan))
 
 
 def refine_delta_n(
@@ -103,7 +96,7 @@ def refine_delta_n(
                 t = predict(trial, costs)
                 if t < best_t * (1 - 1e-9):
                     best, best_t, changed = trial, t, True
-    limit = best_t * (1 + TIE_TOLERANCE)
+    limit = tie_limit(best_t)
     lean, lean_t = best, best_t
     lean_mem = _memory(spec, best)
     changed = True

@@ -21,7 +21,7 @@ import pytest
 from geopipe.config import GiB, ModelSpec, load_cluster
 from geopipe.model.sizes import layer_param_counts
 from geopipe.optimizer.costs import activation_bytes
-from geopipe.optimizer.evaluate import INFEASIBLE, Candidate, Evaluator
+from geopipe.optimizer.evaluate import INFEASIBLE, Candidate, Evaluator, fits
 from geopipe.optimizer.memory import MemoryBreakdown, snapshot_bytes, stage_memory
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -159,6 +159,14 @@ def test_evaluator_flags_memory_over_device() -> None:
     # a leaner candidate (fewer micro-batches in flight) still fits the smaller device
     lean = Evaluator(just_below).evaluate(Candidate(2, 2, 128, (0,), ("none",)))
     assert lean.feasible, lean.reason
+
+    # fits(spec, plan) is the evaluator's device verdict, for any caller holding a plan
+    assert ok.plan is not None and lean.plan is not None
+    assert fits(just_above, ok.plan) and not fits(just_below, ok.plan)
+    assert fits(just_below, lean.plan)
+    for sched in ("1f1b", "lookahead", "lookahead-zb"):
+        e = Evaluator(just_below, schedule=sched).evaluate(c)
+        assert e.plan is not None and fits(just_below, e.plan) == e.feasible
 
 
 def test_infeasible_penalty_grows_with_overshoot() -> None:
