@@ -50,8 +50,7 @@ from pathlib import Path
 
 from _common import run, spec_of, two_site_doc
 
-from geopipe.optimizer.evaluate import plan_schedule
-from geopipe.optimizer.memory import W_HELD_FRACTION, plan_memory
+from geopipe.optimizer.evaluate import plan_peak_memory, plan_schedule
 from geopipe.optimizer.refine import measured_costs
 from geopipe.optimizer.simulator import simulate
 
@@ -64,7 +63,7 @@ def measure(spec, schedule: str, steps: int, run_dir: Path) -> dict:
     measured = res.steps[CALIBRATION_STEPS:]
     plan = ctl.plan
     sched = plan_schedule(plan)
-    model = plan_memory(ctl.spec, plan, sched.peak_held(W_HELD_FRACTION))
+    model = plan_peak_memory(ctl.spec, plan)  # the planner's own memory verdict's figures
     cal = [e for e in events if e["event"] == "calibrated"][-1]
     stages = range(len(measured[0].breakdown))
     parts = sorted({k for m in measured for b in m.breakdown for k in b})

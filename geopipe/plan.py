@@ -12,7 +12,12 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, replace
 
-__all__ = ["PipelineLayout", "Plan", "Shape"]
+__all__ = ["ActorKey", "PipelineLayout", "Plan", "Shape"]
+
+# One stage actor of a plan: (stage k, pipeline r). In a uniform plan the pipeline is the
+# stage's replica; a mixed plan's pipelines are ordered so that r < replicas(k) ([Note:
+# heterogeneous plans]).
+ActorKey = tuple[int, int]
 
 
 @dataclass(frozen=True)

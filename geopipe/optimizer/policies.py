@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 from geopipe.optimizer.mixes import best_mix, uniform_time
 from geopipe.optimizer.templates import Template, TemplateSet, best_uniform
-from geopipe.plan import Plan
+from geopipe.plan import ActorKey, Plan
 
 __all__ = [
     "Actor",
@@ -54,7 +54,7 @@ __all__ = [
     "newest_common_boundary",
 ]
 
-Actor = tuple[int, int]  # (stage, replica) of a plan
+Actor = ActorKey  # (stage, replica) of a plan: the one actor key type
 
 
 @dataclass(frozen=True)

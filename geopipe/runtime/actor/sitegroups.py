@@ -32,11 +32,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from geopipe.plan import Plan
+from geopipe.plan import ActorKey, Plan
 
 __all__ = ["Key", "SiteWorld", "grad_scale", "site_worlds"]
 
-Key = tuple[int, int]  # (stage, pipeline)
+Key = ActorKey  # (stage, pipeline)
 
 
 @dataclass(frozen=True)

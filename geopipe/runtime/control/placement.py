@@ -12,7 +12,7 @@ from typing import Any
 
 from geopipe.config import ClusterSpec
 from geopipe.model.family import ModelDesc
-from geopipe.plan import Plan
+from geopipe.plan import ActorKey, Plan
 from geopipe.runtime.actor.links import WanPeer
 from geopipe.runtime.actor.sitegroups import grad_scale, site_worlds
 from geopipe.runtime.actor.stage import StageSpec, StageWorker
@@ -51,14 +51,14 @@ class Placement:
         self.names: list[str] = []  # every actor ever created, in order
         self._name_of: dict[int, str] = {}  # id(actor handle) -> its Ray actor name
         self.site_rank: dict[int, int] = {}  # id(actor handle) -> rank in its site's world
-        self.wan_addresses: dict[tuple[int, int], tuple[str, int]] = {}  # WAN receivers
+        self.wan_addresses: dict[ActorKey, tuple[str, int]] = {}  # WAN receivers
         self.model: ModelDesc = model_desc(spec.model)
 
     # -- the actors ----------------------------------------------------------------------------
     def flat(self) -> list[Any]:
         return [a for row in self.rows for a in row]
 
-    def roles(self) -> dict[tuple[int, int], Any]:
+    def roles(self) -> dict[ActorKey, Any]:
         """``{(stage, replica): actor}`` of the current layout."""
         return {(k, r): a for k, row in enumerate(self.rows) for r, a in enumerate(row)}
 

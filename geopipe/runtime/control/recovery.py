@@ -35,7 +35,7 @@ from geopipe.optimizer.policies import (
     decide_grow,
     newest_common_boundary,
 )
-from geopipe.plan import Plan
+from geopipe.plan import ActorKey, Plan
 from geopipe.runtime.control.checkpointing import CheckpointCoordinator
 from geopipe.runtime.control.cluster import LaunchError, site_resource
 from geopipe.runtime.control.health import ActorsUnresponsive, HealthConfig, alive, quiet_get
@@ -44,7 +44,7 @@ from geopipe.runtime.control.reporting import Reporter
 
 __all__ = ["Recovered", "Recovery"]
 
-Key = tuple[int, int]  # (stage, replica) in the plan that was running
+Key = ActorKey  # (stage, replica) in the plan that was running
 
 
 @dataclass(frozen=True)
