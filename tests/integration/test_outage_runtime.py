@@ -24,7 +24,7 @@ from test_recovery_runtime import events, events_ready, last_loss_per_step, run
 from test_runtime import tiny_doc
 
 from geopipe.checkpoint.store import list_checkpoints
-from geopipe.runtime.control.health import HealthConfig
+from geopipe.config import HealthSpec
 
 pytestmark = pytest.mark.ray
 # Enough steps that the freeze (after step 2) lands mid-run however fast the steps go.
@@ -77,7 +77,7 @@ def freezer(run_dir: Path, seconds: float, seen: list, after_checkpoint: bool = 
 def test_a_short_outage_is_waited_out_with_the_same_losses(tmp_path: Path) -> None:
     doc = tiny_doc(1, 1, steps=STEPS)
     doc["name"] = "outage"
-    health = HealthConfig(heartbeat_s=0.5, unresponsive_s=2.0, wan_outage_s=30.0)
+    health = HealthSpec(heartbeat_s=0.5, unresponsive_s=2.0, wan_outage_s=30.0)
     run(doc, tmp_path / "calm", steps=STEPS, health=health)
     calm = last_loss_per_step(tmp_path / "calm")
     seen: list = []
@@ -103,7 +103,7 @@ def test_an_outage_past_the_deadline_takes_the_site_loss_path(tmp_path: Path) ->
     # Saved every 10 steps, so the freeze (after the first) finds steps between saves: with
     # a save every 2 steps its every attempt could land in a save until the run was over.
     doc["training"]["checkpoint"] = {"every_steps": 10, "keep": 2}
-    health = HealthConfig(heartbeat_s=0.5, unresponsive_s=2.0, wan_outage_s=4.0)
+    health = HealthSpec(heartbeat_s=0.5, unresponsive_s=2.0, wan_outage_s=4.0)
     seen: list = []
     try:
         freeze = freezer(tmp_path / "cut", 15.0, seen, after_checkpoint=True)

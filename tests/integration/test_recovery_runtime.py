@@ -18,10 +18,9 @@ from _state import alive_actor_names
 from test_runtime import reference, tiny_doc
 
 from geopipe.checkpoint.store import latest_complete, load_checkpoint, load_state_for_layers
-from geopipe.config import parse_cluster
+from geopipe.config import HealthSpec, parse_cluster
 from geopipe.runtime.control.cluster import LaunchError
 from geopipe.runtime.control.controller import Controller, LaunchOptions
-from geopipe.runtime.control.health import HealthConfig
 
 pytestmark = pytest.mark.ray
 
@@ -49,7 +48,7 @@ def last_loss_per_step(run_dir: Path) -> list[float]:
 
 
 def run(doc: dict, run_dir: Path, steps: int, chaos: int | None = None, kill=None,
-        health: HealthConfig | None = None):  # fmt: skip
+        health: HealthSpec | None = None):  # fmt: skip
     opts = LaunchOptions(steps=steps, run_dir=str(run_dir), progress=False, chaos_kill_every=chaos)
     if health is not None:
         opts.health = health
@@ -173,7 +172,7 @@ def test_frozen_actor_is_caught_by_heartbeat_and_replaced(tmp_path):
     try:
         # A short unanswered-ping limit (production: 10 s) keeps the test quick; the
         # mechanism is the same.
-        health = HealthConfig(heartbeat_s=0.5, unresponsive_s=3.0)
+        health = HealthSpec(heartbeat_s=0.5, unresponsive_s=3.0)
         _, state = run(doc, tmp_path / "frozen", steps=6, kill=freeze, health=health)
         failure = events(tmp_path / "frozen", "failure")
         assert len(failure) == 1 and "heartbeat" in failure[0]["error"]

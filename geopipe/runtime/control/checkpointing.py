@@ -330,7 +330,9 @@ class CheckpointCoordinator:
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        ready, _ = ray.wait(pending.refs, num_returns=len(pending.refs), timeout=10)
+        ready, _ = ray.wait(
+            pending.refs, num_returns=len(pending.refs), timeout=self.spec.health.settle_s
+        )
         if len(ready) == len(pending.refs):  # poll() stands in for writers that died
             self._pending = pending
             try:

@@ -32,11 +32,11 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from geopipe.config import ClusterSpec
+from geopipe.config import ClusterSpec, HealthSpec
 from geopipe.optimizer.codec_guard import apply_fallbacks, codec_fallbacks
 from geopipe.optimizer.evaluate import Evaluation
 from geopipe.optimizer.policies import GrowBack
@@ -53,7 +53,6 @@ from geopipe.runtime.control.cluster import (
 )
 from geopipe.runtime.control.health import (
     ActorsUnresponsive,
-    HealthConfig,
     StepHung,
     await_step,
     hang_timeout_s,
@@ -98,7 +97,7 @@ class LaunchOptions:
     resume: str | bool = False  # True: newest complete checkpoint of the run; or a path
     chaos_kill_every: int | None = None  # kill a random stage actor every N steps (demo aid)
     checkpoint_sync: bool = False  # write checkpoints synchronously (benchmarks compare)
-    health: HealthConfig = field(default_factory=HealthConfig)
+    health: HealthSpec | None = None  # the control plane's clocks; None: the YAML's
 
 
 @dataclass
@@ -144,10 +143,8 @@ class Controller:
 
         self.spec = with_overrides(spec, opts.steps, opts.schedule)
         auth_env(self.spec)  # before anything imports ray: it reads RAY_AUTH_MODE at import
-        if opts.health.wan_outage_s is None:  # the YAML's, unless the caller set one
-            opts = replace(
-                opts, health=replace(opts.health, wan_outage_s=self.spec.health.wan_outage_s)
-            )
+        if opts.health is not None:  # the caller's clocks replace the YAML's
+            self.spec = self.spec.model_copy(update={"health": opts.health})
         self.opts = opts
         self.state = Planning()
         self.run_dir = run_dir_for(self.spec, opts.run_dir)
@@ -263,7 +260,7 @@ class Controller:
         from geopipe.optimizer.templates import build_templates
 
         self.recovery = Recovery(self.spec, self.placement, self.checkpoints, self.reporter,
-                                 self.opts.health)  # fmt: skip
+                                 self.spec.health)  # fmt: skip
         # Pipeline templates for every device count are ready before anything fails.
         self.recovery.templates = build_templates(self.spec, plan=self.plan)
         if self._resume is not None:
@@ -346,11 +343,11 @@ class Controller:
         refs = [a.run_iteration.remote(step, record) for a in flat]
         self.chaos.maybe_strike(step, self._rows(), self.calibrator.predicted_s)
         hang_s = hang_timeout_s(self.calibrator.predicted_s, self.calibrator.calibrated,
-                                self.opts.health)  # fmt: skip
+                                self.spec.health)  # fmt: skip
         site_of = {id(a): s for a, s in self.placement.actor_sites()}
         sites = [site_of.get(id(a), "?") for a in flat]
         try:
-            results = await_step(flat, refs, hang_s, self.opts.health, sites,
+            results = await_step(flat, refs, hang_s, self.spec.health, sites,
                                  lambda *e: self._silence(step, sites, *e))  # fmt: skip
         except (RayActorError, RayTaskError, StepHung, ActorsUnresponsive) as exc:
             return Recovering(step, exc, refs)
@@ -378,7 +375,7 @@ class Controller:
         flat = self.flat_actors()
         refs = [a.run_iteration.remote(step, False) for a in flat]
         return await_step(
-            flat, refs, hang_timeout_s(0.0, False, self.opts.health), self.opts.health
+            flat, refs, hang_timeout_s(0.0, False, self.spec.health), self.spec.health
         )
 
     def _record(self, step: int, results: list) -> None:
@@ -459,7 +456,7 @@ class Controller:
         metrics and in status.json (``geopipe status``: waiting for link …)."""
         others = sorted({s for s in sites if s != site}) or ["driver"]
         link = f"{','.join(others)}→{site}"
-        limit = self.opts.health.wan_outage_s or 0.0
+        limit = self.spec.health.wan_outage_s
         if event == "silent":
             print(f"geopipe: step {step}: link {link} silent for {secs:.0f} s: waiting up to "
                   f"{limit:.0f} s (health.wan_outage_s) before writing site {site} off",

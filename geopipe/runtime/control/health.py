@@ -17,18 +17,22 @@ Three ways a step can fail, each found as early as it can be:
   the same and is waited for as long;
 * a hang (actors answer, the step never ends) after :func:`hang_timeout_s`, which follows
   the measured step time, so a slow WAN gets a long timeout and a fast one a short one.
+
+Every clock here is the YAML's ``health`` section (:class:`~geopipe.config.HealthSpec`,
+its one home, defaults documented there).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from geopipe.config import HealthSpec
 
 __all__ = [
     "ActorsUnresponsive",
-    "HealthConfig",
     "StepHung",
     "alive",
     "await_step",
@@ -37,17 +41,6 @@ __all__ = [
     "ref_failed",
     "silent_sites",
 ]
-
-
-@dataclass(frozen=True)
-class HealthConfig:
-    heartbeat_s: float = 1.0  # each unfinished actor is pinged this often during a step …
-    unresponsive_s: float = 10.0  # … and one leaving a ping unanswered this long is lost
-    hang_factor: float = 20.0  # a step may take this many predicted steps …
-    hang_floor_s: float = 30.0  # … but at least this long once calibrated
-    hang_floor_uncalibrated_s: float = 120.0  # … and this long before (warm-up steps)
-    # A whole site silent this long is written off (None: the YAML's health.wan_outage_s).
-    wan_outage_s: float | None = None
 
 
 class ActorsUnresponsive(RuntimeError):
@@ -62,7 +55,7 @@ class StepHung(TimeoutError):
     """The step did not finish within the hang timeout although its actors answer."""
 
 
-def hang_timeout_s(predicted_s: float, calibrated: bool, cfg: HealthConfig) -> float:
+def hang_timeout_s(predicted_s: float, calibrated: bool, cfg: HealthSpec) -> float:
     """How long a step may run before it counts as hung: ``hang_factor`` × the predicted
     step — after calibration a prediction from the measured stage times and link delays —
     but at least the floor (a longer one before calibration, whose steps include warm-up)."""
@@ -88,7 +81,7 @@ def silent_sites(stale: list[int], pending: list[int], sites: list[str]) -> set[
 
 
 def await_step(
-    actors: list[Any], refs: list, hang_s: float, cfg: HealthConfig,
+    actors: list[Any], refs: list, hang_s: float, cfg: HealthSpec,
     sites: list[str] | None = None, on_silence: OnSilence | None = None,
 ) -> list:  # fmt: skip
     """The step's results (``refs[i]`` is ``actors[i]``'s, in site ``sites[i]``), failing
@@ -102,7 +95,7 @@ def await_step(
     pending = list(refs)
     pings: dict[int, tuple[Any, float]] = {}  # actor index -> (ping in flight, sent at)
     silent_since: dict[str, float] = {}  # site -> when its first unanswered ping went out
-    outage_s = cfg.wan_outage_s if cfg.wan_outage_s is not None else 60.0
+    outage_s = cfg.wan_outage_s
     beat = time.monotonic() + cfg.heartbeat_s
     while pending:
         wait_s = max(0.0, beat - time.monotonic())

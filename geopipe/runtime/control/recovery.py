@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from geopipe.config import ClusterSpec
+from geopipe.config import ClusterSpec, HealthSpec
 from geopipe.optimizer.policies import (
     Fail,
     Failure,
@@ -38,7 +38,7 @@ from geopipe.optimizer.policies import (
 from geopipe.plan import ActorKey, Plan
 from geopipe.runtime.control.checkpointing import CheckpointCoordinator
 from geopipe.runtime.control.cluster import LaunchError, site_resource
-from geopipe.runtime.control.health import ActorsUnresponsive, HealthConfig, alive, quiet_get
+from geopipe.runtime.control.health import ActorsUnresponsive, alive, quiet_get
 from geopipe.runtime.control.placement import Placement
 from geopipe.runtime.control.reporting import Reporter
 
@@ -64,7 +64,7 @@ class Recovery:
         placement: Placement,
         checkpoints: CheckpointCoordinator,
         reporter: Reporter,
-        health: HealthConfig,
+        health: HealthSpec,
     ) -> None:
         self.spec = spec
         self.placement = placement
@@ -209,7 +209,8 @@ class Recovery:
         kept = set().union(*(cov[j] for j in survivors if j not in released))
         needed = [k for k in released if not cov[k] <= kept]  # holds state no one else does
         if needed:
-            done, _ = ray.wait([ref_of[k] for k in needed], num_returns=len(needed), timeout=60)
+            done, _ = ray.wait([ref_of[k] for k in needed], num_returns=len(needed),
+                               timeout=self.health.stuck_release_s)  # fmt: skip
             released = [k for k in released if ref_of[k] not in done]
         for k in released:
             self.placement.kill(survivors.pop(k))

@@ -321,7 +321,8 @@ class SiteCopies:
         for s, ref in again.items():
             save.fetches[s] = ref
         if again:
-            ray.wait(list(again.values()), num_returns=len(again), timeout=120)
+            ray.wait(list(again.values()), num_returns=len(again),
+                     timeout=self.spec.health.copy_wait_s)  # fmt: skip
 
     def _finish(self, save: _Save, strict: bool) -> None:
         """Collect the sites' commits; abandon the copies that failed; report."""
@@ -371,7 +372,7 @@ class SiteCopies:
         if save is None:
             return
         refs = save.flat_refs + list(save.fetches.values())
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=10)
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.spec.health.settle_s)
         if len(ready) == len(refs):
             self.poll(wait=True)
             return
