@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from geopipe.runtime.actor.executor import IterationResult
@@ -58,3 +60,20 @@ def test_tensorboard_gets_every_step_scalar(tmp_path) -> None:
     assert [(e.step, e.value) for e in loss] == [(0, 5.0), (1, 4.0), (2, 3.0)]
     assert [e.value for e in acc.Scalars("train/wan_bytes")] == [1000, 2000, 3000]
     assert [e.value for e in acc.Scalars("train/grad_norm")] == [2.0, 3.0, 4.0]
+
+
+def test_the_control_plane_speaks_through_one_function(capsys) -> None:
+    """Every console line of the driver goes through ``say`` (the reporter's): one prefix,
+    warnings marked, a leading newline kept ahead of the prefix (after a ^C)."""
+    from geopipe.runtime.control.reporting import Reporter
+
+    rep = Reporter("r", Path("/nonexistent"), 1)
+    rep.say("step 3 failed")
+    rep.say("disk full", warning=True)
+    rep.say("\nfinishing the step in flight")
+    assert capsys.readouterr().err.splitlines() == [
+        "geopipe: step 3 failed",
+        "geopipe: warning: disk full",
+        "",
+        "geopipe: finishing the step in flight",
+    ]

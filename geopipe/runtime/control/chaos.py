@@ -4,7 +4,6 @@ watch recovery on your own cluster."""
 from __future__ import annotations
 
 import random
-import sys
 import threading
 import time
 from typing import Any
@@ -36,7 +35,7 @@ class ChaosMonkey:
         victim = rows[k][r]
 
         def kill() -> None:
-            print(f"geopipe chaos: killing stage {k} replica {r} at step {step}", file=sys.stderr)
+            self.reporter.say(f"chaos: killing stage {k} replica {r} at step {step}")
             self.reporter.event("chaos_kill", step=step, stage=k, replica=r, time=time.time())
             ray.kill(victim, no_restart=True)
 

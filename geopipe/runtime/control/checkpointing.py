@@ -15,7 +15,6 @@ says which it is and warns when a "shared" directory is not visible from every s
 from __future__ import annotations
 
 import os
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -201,8 +200,8 @@ class CheckpointCoordinator:
     def _say_moved(self, path: Path | str, run: str, site: str | None) -> None:
         """A fresh launch found another run's checkpoints: they were moved, not adopted."""
         where = f" (site {site})" if site else ""
-        print(f"geopipe: moved the checkpoints of run {run}{where} to {path}; resume them "
-              f"with --resume {path}/step-…", file=sys.stderr)  # fmt: skip
+        self.reporter.say(f"moved the checkpoints of run {run}{where} to {path}; resume them "
+                          f"with --resume {path}/step-…")  # fmt: skip
         self.reporter.event("checkpoints_moved_aside", run=run, path=str(path), site=site)
 
     def _storage_event(self, mode: str, dirs: dict[str, str], warning: str | None) -> None:
@@ -210,7 +209,7 @@ class CheckpointCoordinator:
         self.reporter.event("checkpoint_storage", mode=mode, dirs=dirs, warning=warning,
                             replicated=self.spec.training.checkpoint.replicated)  # fmt: skip
         if warning:
-            print(f"geopipe: warning: {warning}", file=sys.stderr)
+            self.reporter.say(warning, warning=True)
 
     def close(self) -> None:
         if self.copies is not None:
@@ -386,14 +385,14 @@ class CheckpointCoordinator:
                 raise LaunchError(f"--resume: no complete checkpoint under {self.where()}")
             path = found[0]
             for p, reason in found[1]:
-                print(f"geopipe: skipping checkpoint {p}: {reason}", file=sys.stderr)
+                self.reporter.say(f"skipping checkpoint {p}: {reason}")
                 self.skipped.append((p.name, reason))
         elif resume is True:
             if not self.root.is_dir():
                 raise LaunchError(f"--resume: no checkpoint directory {self.root}")
 
             def skipped(path: Path, reason: str) -> None:
-                print(f"geopipe: skipping checkpoint {path.name}: {reason}", file=sys.stderr)
+                self.reporter.say(f"skipping checkpoint {path.name}: {reason}")
                 self.skipped.append((path.name, reason))
 
             info = latest_complete(self.root, on_skip=skipped)

@@ -28,7 +28,6 @@ import contextlib
 import os
 import secrets
 import signal
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -234,7 +233,7 @@ class Controller:
         self.data_digest = self.placement.check_data(self._resume and self._resume.data_digest)
         if not self.spec.ray.links_emulated:  # emulated links are the YAML's by construction
             spec, predicted, self.links_measured = probe_links(
-                self.spec, self.plan, self.placement, given
+                self.spec, self.plan, self.placement, self.reporter.say, given
             )
             self.spec, self.predicted = spec, predicted or self.predicted  # a mix keeps its own
         metrics = Path(self.opts.metrics_out) if self.opts.metrics_out else None
@@ -423,9 +422,9 @@ class Controller:
             self.reporter.event("codec_fallback", step=step, link=f"{fb.src}→{fb.dst}",
                                 direction=fb.direction, codec=fb.old, to=fb.new,
                                 error=round(fb.error, 6), bound=bound)  # fmt: skip
-            print(f"geopipe: step {step}: {fb.direction} codec {fb.old} on {fb.src}→{fb.dst} "
-                  f"errs {fb.error:.3g} > plan.max_codec_error {bound:g}: {fb.new} from the "
-                  "next step", file=sys.stderr)  # fmt: skip
+            self.reporter.say(f"step {step}: {fb.direction} codec {fb.old} on {fb.src}→{fb.dst} "
+                              f"errs {fb.error:.3g} > plan.max_codec_error {bound:g}: {fb.new} "
+                              "from the next step")  # fmt: skip
 
     def _checkpoint(self, state: Checkpointing) -> State:
         from ray.exceptions import RayActorError, RayTaskError
@@ -458,14 +457,13 @@ class Controller:
         link = f"{','.join(others)}→{site}"
         limit = self.spec.health.wan_outage_s
         if event == "silent":
-            print(f"geopipe: step {step}: link {link} silent for {secs:.0f} s: waiting up to "
-                  f"{limit:.0f} s (health.wan_outage_s) before writing site {site} off",
-                  file=sys.stderr)  # fmt: skip
+            self.reporter.say(f"step {step}: link {link} silent for {secs:.0f} s: waiting up "
+                              f"to {limit:.0f} s (health.wan_outage_s) before writing site "
+                              f"{site} off")  # fmt: skip
             self.reporter.event("link_silent", step=step, link=link, site=site, silent_s=secs,
                                 at=time.time())  # fmt: skip
         if event == "healed":
-            print(f"geopipe: step {step}: link {link} answers again after {secs:.0f} s",
-                  file=sys.stderr)  # fmt: skip
+            self.reporter.say(f"step {step}: link {link} answers again after {secs:.0f} s")
             self.reporter.event("link_healed", step=step, link=link, site=site, silent_s=secs,
                                 at=time.time())  # fmt: skip
             self.reporter.waiting = None
@@ -495,10 +493,9 @@ class Controller:
             if self._stop_requested:
                 raise KeyboardInterrupt
             self._stop_requested = True
-            print(
-                "\ngeopipe: finishing the step in flight, then saving a checkpoint "
-                "(Ctrl-C again to abandon it)",
-                file=sys.stderr,
+            self.reporter.say(
+                "\nfinishing the step in flight, then saving a checkpoint "
+                "(Ctrl-C again to abandon it)"
             )
 
         previous = signal.signal(signal.SIGINT, handler)
@@ -512,10 +509,9 @@ class Controller:
         """The data plane is always authenticated; say when it is not encrypted over a real
         network (``security.encrypt: false``: a trusted private network)."""
         if not self.spec.encrypted and not self.spec.ray.links_emulated:
-            print(
-                "geopipe: security.encrypt is off: activations, gradients and checkpoint "
-                "copies cross the network in clear (authenticated, not encrypted)",
-                file=sys.stderr,
+            self.reporter.say(
+                "security.encrypt is off: activations, gradients and checkpoint "
+                "copies cross the network in clear (authenticated, not encrypted)"
             )
 
     def _manifest(self, step: int) -> dict:

@@ -26,7 +26,7 @@ send and arrival times into one-way transfer times across hosts.
 from __future__ import annotations
 
 import statistics
-import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -182,7 +182,11 @@ def with_codec_speeds(
 
 
 def probe_links(
-    spec: ClusterSpec, plan: Any, placement: Any, given: dict[str, dict[str, float]] | None = None
+    spec: ClusterSpec,
+    plan: Any,
+    placement: Any,
+    say: Callable[[str], None],
+    given: dict[str, dict[str, float]] | None = None,
 ) -> tuple[ClusterSpec, Any, list]:
     """Measure the layout's WAN links and each boundary site's codec speeds, warn where the
     YAML is off, and return the spec with the measurements, the plan's prediction under
@@ -192,7 +196,7 @@ def probe_links(
     from geopipe.runtime.control.planning import candidate_of
 
     measured = measure_links(spec, placement.rows, plan.stage_sites, placement.wan_addresses)
-    warn_if_off(measured)
+    warn_if_off(measured, say)
     spec = with_measured_links(spec, measured)
     codecs = searched_codecs(spec)
     if codecs:
@@ -204,12 +208,11 @@ def probe_links(
     return spec, predicted, measured
 
 
-def warn_if_off(measured: list[LinkMeasurement]) -> None:
+def warn_if_off(measured: list[LinkMeasurement], say: Callable[[str], None]) -> None:
     for m in measured:
         off = m.off()
         if off:
-            print(
-                f"geopipe: link {m.src} -> {m.dst} measures {'; '.join(off)}: more than "
-                f"{WARN_OFF:.0%} off; planning with the measurement",
-                file=sys.stderr,
+            say(
+                f"link {m.src} -> {m.dst} measures {'; '.join(off)}: more than "
+                f"{WARN_OFF:.0%} off; planning with the measurement"
             )

@@ -196,7 +196,7 @@ class MetricsSink:
                 for direction, err in m.codec_error.items():
                     self._tb.add_scalar(f"codec/error_{direction}", err, m.step)
             except Exception as exc:  # a full disk must not stop training: say so once
-                print(f"geopipe: warning: TensorBoard logging stopped: {exc}", file=sys.stderr)
+                say(f"TensorBoard logging stopped: {exc}", warning=True)
                 self._tb = None
 
     def event(self, kind: str, **fields: Any) -> None:
@@ -219,6 +219,15 @@ TENSORBOARD_SCALARS = (
 )  # fmt: skip
 
 
+def say(message: str, warning: bool = False) -> None:
+    """Tell the user something, on stderr: every console line of the control plane comes
+    through here (:meth:`Reporter.say <geopipe.runtime.control.reporting.Reporter.say>`;
+    rich keeps a live progress bar below what is written there)."""
+    lead = "\n" if message.startswith("\n") else ""
+    kind = "warning: " if warning else ""
+    print(f"{lead}geopipe: {kind}{message.lstrip(chr(10))}", file=sys.stderr, flush=True)
+
+
 def _tensorboard(logdir: Path) -> Any:
     """A TensorBoard event writer (torch's SummaryWriter), or None with one warning when
     it cannot start: the metrics file and Ray's gauges still record everything."""
@@ -227,5 +236,5 @@ def _tensorboard(logdir: Path) -> Any:
 
         return SummaryWriter(log_dir=str(logdir), flush_secs=5)
     except Exception as exc:
-        print(f"geopipe: warning: no TensorBoard logs ({exc})", file=sys.stderr)
+        say(f"no TensorBoard logs ({exc})", warning=True)
         return None

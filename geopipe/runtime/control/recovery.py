@@ -19,7 +19,6 @@ better layout fits devices that came back.
 
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -96,8 +95,7 @@ class Recovery:
         self.reporter.event("failure", step=step, dead=[names[k] for k in dead], error=err,
                             lost_sites=lost_sites)  # fmt: skip
         lost = f"; site(s) {', '.join(lost_sites)} lost entirely" if lost_sites else ""
-        print(f"geopipe: step {step} failed ({len(dead)} actor(s) lost{lost}): recovering",
-              file=sys.stderr)  # fmt: skip
+        self.reporter.say(f"step {step} failed ({len(dead)} actor(s) lost{lost}): recovering")
         survivors = {key: a for key, a in roles.items() if key not in dead}
         released = self._release(survivors, ref_of, grace_s)
         have = {k: set(quiet_get([a.boundary_steps.remote()], 30)[0] or [])
@@ -139,10 +137,9 @@ class Recovery:
         how = "surviving replicas"
         if ckpt is not None:
             how = f"checkpoint {ckpt.name}" + (f" (site {ckpt.site}'s copy)" if ckpt.site else "")
-        print(
-            f"geopipe: recovered in {seconds:.1f} s from {how}: {new_plan.describe()}, "
-            f"continuing at step {resume_at}",
-            file=sys.stderr,
+        self.reporter.say(
+            f"recovered in {seconds:.1f} s from {how}: {new_plan.describe()}, "
+            f"continuing at step {resume_at}"
         )
         self.reporter.recoveries.append(
             {"seconds": seconds, "step": resume_at, "failed_step": step}
@@ -288,10 +285,9 @@ class Recovery:
         seconds = time.perf_counter() - t0
         self.reporter.event("grown", step=step, seconds=seconds, moved=moved,
                             plan=decision.plan.to_dict())  # fmt: skip
-        print(
-            f"geopipe: devices are back: now {decision.plan.describe()} (took {seconds:.1f} s), "
-            f"at step {step}",
-            file=sys.stderr,
+        self.reporter.say(
+            f"devices are back: now {decision.plan.describe()} (took {seconds:.1f} s), "
+            f"at step {step}"
         )
         return seconds
 

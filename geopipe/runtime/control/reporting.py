@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from geopipe.plan import Plan
-from geopipe.runtime.control.metrics import MetricsSink, StepMetrics
+from geopipe.runtime.control.metrics import MetricsSink, StepMetrics, say
 
 __all__ = ["Progress", "Reporter"]
 
@@ -69,6 +69,10 @@ class Reporter:
         self.checkpoint_dirs: dict[str, str] = {}  # site -> its checkpoint directory
         self.run_id: str | None = None  # this launch's identity (checkpoints carry it)
         self.waiting: dict | None = None  # a silent link the step waits for (link, secs)
+
+    def say(self, message: str, warning: bool = False) -> None:
+        """Tell the user something (:func:`~geopipe.runtime.control.metrics.say`)."""
+        say(message, warning)
 
     def open(self, metrics_path: Path) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)

@@ -27,7 +27,6 @@ site's copy.
 from __future__ import annotations
 
 import contextlib
-import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -345,7 +344,7 @@ class SiteCopies:
                    + "; ".join(f"{s}: {why}" for s, why in save.failed.items()))  # fmt: skip
             if strict:
                 raise CheckpointError(why)
-            print(f"geopipe: warning: {why}", file=sys.stderr)
+            self.reporter.say(why, warning=True)
             return
         first = next(iter(committed.values()))
         copies = {s: c["path"] for s, c in committed.items()}
@@ -359,9 +358,8 @@ class SiteCopies:
             transferred={s: c.get("via", {}) for s, c in committed.items()},
         )  # fmt: skip
         if save.failed:
-            print(f"geopipe: checkpoint step {save.step}: copy failed on "
-                  f"{', '.join(save.failed)} ({'; '.join(save.failed.values())})",
-                  file=sys.stderr)  # fmt: skip
+            failed = f"{', '.join(save.failed)} ({'; '.join(save.failed.values())})"
+            self.reporter.say(f"checkpoint step {save.step}: copy failed on {failed}")
 
     def settle(self) -> None:
         """After a failure: commit what can be committed of the save in flight, abandon the
