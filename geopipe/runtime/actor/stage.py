@@ -32,6 +32,7 @@ from geopipe.optimizer.codec_guard import Fallback, apply_fallbacks
 from geopipe.optimizer.evaluate import plan_schedule
 from geopipe.plan import Plan
 from geopipe.runtime.actor import probe
+from geopipe.runtime.actor.engine_config import EngineConfig
 from geopipe.runtime.actor.executor import FOREGROUND, Fault, IterationResult, execute
 from geopipe.runtime.actor.handoff import Restore, restore_boundary
 from geopipe.runtime.actor.links import StageLinks, WanPeer
@@ -58,9 +59,9 @@ class StageSpec:
     run: str
     stage: int
     replica: int
-    plan: dict
+    plan: Plan
     model: ModelDesc
-    engine: dict  # EngineConfig fields
+    engine: EngineConfig
     global_batch: int
     seed: int
     data: str
@@ -132,11 +133,11 @@ class StageWorker:
     def _configure(self, spec: StageSpec) -> None:
         """(Re)build everything that depends on the plan: program, data, links."""
         self.spec = spec
-        self.plan = Plan.from_dict(spec.plan)
+        self.plan = spec.plan
         self.k, self.p = spec.stage, self.plan.num_stages
         self.first, self.last = self.k == 0, self.k == self.p - 1
         self.model = spec.model
-        self.dtype = DTYPES[spec.engine.get("precision", "fp32")]
+        self.dtype = DTYPES[spec.engine.precision]
         self._make_program()
         self.layers = tuple(self.plan.partition[self.k])
         self.stream: TokenStream | None = None
@@ -196,14 +197,12 @@ class StageWorker:
     ) -> float:
         """Join the site's process group, build the ZeRO-1 engine and the links: p2p ranks
         inside the site, the WAN neighbours' receiver addresses (see :meth:`listen`)."""
-        from geopipe.runtime.actor.engine import EngineConfig, StageEngine, init_process_group
+        from geopipe.runtime.actor.engine import StageEngine, init_process_group
 
         t0 = time.perf_counter()
         init_process_group(site_rank, site_world, master[0], master[1], timeout_s)
         hold = tuple(self.spec.hold) if self.spec.hold is not None else None
-        self.engine = StageEngine(
-            self.model, self.layers, groups, my_group, EngineConfig(**self.spec.engine), hold
-        )
+        self.engine = StageEngine(self.model, self.layers, groups, my_group, self.spec.engine, hold)
         s, links = self.spec, self.links
         if up_rank is not None:
             links.connect_up_p2p(up_rank)

@@ -13,6 +13,7 @@ from typing import Any
 from geopipe.config import ClusterSpec
 from geopipe.model.family import ModelDesc
 from geopipe.plan import ActorKey, Plan
+from geopipe.runtime.actor.engine_config import EngineConfig
 from geopipe.runtime.actor.links import WanPeer
 from geopipe.runtime.actor.sitegroups import grad_scale, site_worlds
 from geopipe.runtime.actor.stage import StageSpec, StageWorker
@@ -162,16 +163,16 @@ class Placement:
             scale = grad_scale(full, (k, r))
             first = full.first_microbatch(r)
             stand_in = full.layers_of(k, r) == full.layers_of(k, 0)
-        engine = {
-            "lr": t.lr, "weight_decay": t.weight_decay, "grad_clip": t.grad_clip,
-            "warmup_steps": t.warmup_steps, "total_steps": max(self.lr_horizon, t.steps),
-            "micro_batches": plan.num_microbatches, "seed": t.seed,
-            "micro_batch_size": plan.micro_batch_size, "grad_scale": scale,
-            "defer_step": True,  # [Note: the step after the sends] in geopipe.runtime.actor.engine
-            "precision": t.precision,
-        }  # fmt: skip
+        engine = EngineConfig(
+            lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
+            warmup_steps=t.warmup_steps, total_steps=max(self.lr_horizon, t.steps),
+            micro_batches=plan.num_microbatches, seed=t.seed,
+            micro_batch_size=plan.micro_batch_size, grad_scale=scale,
+            defer_step=True,  # [Note: the step after the sends] in geopipe.runtime.actor.engine
+            precision=t.precision,
+        )  # fmt: skip
         return StageSpec(
-            run=spec.name, stage=k, replica=r, plan=plan.to_dict(), model=self.model,
+            run=spec.name, stage=k, replica=r, plan=plan, model=self.model,
             engine=engine, global_batch=t.global_batch_size, seed=t.seed, data=t.data,
             data_max_bytes=t.data_max_bytes, topk_ratio=spec.plan.topk_ratio,
             up_wan=self._wan_peer(plan, k, k - 1) if k > 0 else None,

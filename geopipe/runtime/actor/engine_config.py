@@ -1,0 +1,71 @@
+"""The settings of one stage replica's engine, as plain data the driver builds and Ray ships.
+
+Apart from :mod:`geopipe.runtime.actor.engine` so the driver (placement) can build and check
+them without importing DeepSpeed or torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["PRECISIONS", "EngineConfig"]
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Optimizer and accumulation settings of one stage replica.
+
+    ``micro_batches`` is the number of micro-batches this replica runs per optimizer step
+    (DeepSpeed's ``gradient_accumulation_steps``); ``micro_batch_size`` only feeds DeepSpeed's
+    batch bookkeeping (``train_batch_size``), never the numbers. ``grad_clip`` 0 disables
+    clipping; otherwise it clips the global norm of *this stage's* gradient (see
+    :class:`StageEngine`). ``weight_decay`` > 0 selects AdamW (decaying only >= 2-D weights).
+    """
+
+    lr: float
+    weight_decay: float = 0.0
+    grad_clip: float = 0.0
+    warmup_steps: int = 0
+    total_steps: int = 1
+    micro_batches: int = 1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    seed: int = 0
+    lr_schedule: Literal["cosine", "constant"] = "cosine"
+    micro_batch_size: int = 1
+    # A mixed plan's factor on this replica's weight gradients (1 for identical pipelines;
+    # [Note: gradient scale of a mixed plan] in geopipe.runtime.actor.sitegroups).
+    grad_scale: float = 1.0
+    # Reduce and step once after the iteration's sends instead of inside the last backward
+    # (the runtime always does: [Note: the step after the sends] in :mod:`.engine`).
+    defer_step: bool = False
+    # The training precision ([Note: mixed precision] in :mod:`.engine`): weights,
+    # activations and gradients in it, fp32 master weights and Adam state in ZeRO-1.
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"EngineConfig.lr must be > 0, got {self.lr}")
+        for name in ("weight_decay", "grad_clip", "warmup_steps", "seed"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"EngineConfig.{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("total_steps", "micro_batches", "micro_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"EngineConfig.betas must be two values in [0, 1), got {self.betas}")
+        if not self.eps > 0:
+            raise ValueError(f"EngineConfig.eps must be > 0, got {self.eps}")
+        if not (self.grad_scale > 0 and math.isfinite(self.grad_scale)):
+            raise ValueError(f"EngineConfig.grad_scale must be > 0, got {self.grad_scale}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"EngineConfig.precision must be one of {sorted(PRECISIONS)}, "
+                             f"got {self.precision!r}")  # fmt: skip
+        if self.lr_schedule not in ("cosine", "constant"):
+            raise ValueError(
+                f"EngineConfig.lr_schedule must be 'cosine' or 'constant', got {self.lr_schedule!r}"
+            )
