@@ -36,11 +36,14 @@ lint: install
 	$(VENV)/bin/ruff format --check geopipe tests benchmarks
 	$(VENV)/bin/lint-imports
 
+# The unit tier is pure and runs on both cores (pytest-xdist); the integration tier starts
+# Ray actors that take both cores themselves, so it runs alone, one test at a time.
 test: lint
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q -n 2 tests/unit
+	$(VENV)/bin/python -m pytest -q tests/integration
 
 test-fast: install
-	$(VENV)/bin/python -m pytest -q tests/unit
+	$(VENV)/bin/python -m pytest -q -n 2 tests/unit
 
 bench: install
 	$(PY) benchmarks/planner.py

@@ -39,7 +39,6 @@ LATENCY_MS, RATE_MBIT, M = 40.0, 50.0, 32
 MBS, SEQ, HIDDEN = 128, 64, 32  # one boundary message: 128 × 64 × 32 fp32 = 1 MiB
 SETTINGS = {"none": ["none"], "int8": ["int8"], "int4h": ["int4h"],
             "planner": ["none", "int8", "int4h"]}  # fmt: skip
-CALIBRATION_STEPS = 3
 
 
 def doc_for(name: str, codecs: list[str]) -> dict:
@@ -56,6 +55,8 @@ def _role(address: str, steps: int, names: list[str]) -> None:
     """Inside east's namespace: attach to the bed's Ray and train each setting in turn."""
     import ray
     from _common import run, spec_of
+
+    from geopipe.runtime.control.calibration import CALIBRATION_STEPS  # steps not counted
 
     out = {}
     try:

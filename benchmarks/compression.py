@@ -26,7 +26,7 @@ from pathlib import Path
 
 from _common import run, spec_of, two_site_doc
 
-CODECS = ("none", "fp16", "bf16", "int8", "int4", "int4h", "int2h", "topk")
+from geopipe.transport.codec import CODECS
 
 
 def codec_speed() -> dict[str, float]:

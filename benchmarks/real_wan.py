@@ -48,7 +48,6 @@ GEOPIPE_RUNS = (("geopipe_1f1b", "1f1b", "none"), ("geopipe_lookahead", "lookahe
 # only on request (--runs)
 DEFAULT_RUNS = ("torch_1f1b", "torch_gpipe", "geopipe_1f1b", "geopipe_lookahead",
                 "geopipe_lookahead_int8")  # fmt: skip
-CALIBRATION_STEPS = 3
 
 
 # --------------------------------------------------------------------------- geopipe (driver)
@@ -114,6 +113,8 @@ def _model_times(ctl, steps) -> list[float]:
 
 
 def _summary(ctl, res, events: list[dict]) -> dict:
+    from geopipe.runtime.control.calibration import CALIBRATION_STEPS  # steps not counted
+
     steps = res.steps[CALIBRATION_STEPS:]
     plan_ev = next(e for e in events if e["event"] == "plan")
     lines = [json.loads(x) for x in ctl.metrics_path.read_text().splitlines()]

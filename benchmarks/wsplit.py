@@ -53,9 +53,9 @@ from _common import run, spec_of, two_site_doc
 from geopipe.optimizer.evaluate import plan_peak_memory, plan_schedule
 from geopipe.optimizer.refine import measured_costs
 from geopipe.optimizer.simulator import simulate
+from geopipe.runtime.control.calibration import CALIBRATION_STEPS  # steps not counted
 
 SCHEDULES = ("lookahead", "lookahead-zb")
-CALIBRATION_STEPS = 3
 
 
 def measure(spec, schedule: str, steps: int, run_dir: Path) -> dict:
