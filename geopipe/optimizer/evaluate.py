@@ -69,6 +69,7 @@ __all__ = [
     "Evaluator",
     "SearchSpace",
     "choose",
+    "lean_descent",
     "lean_tie",
     "plan_schedule",
     "tie_limit",
@@ -192,6 +193,33 @@ def lean_tie(
     limit = tie_limit(min(time(x) for x in pool))
     ties = [x for x in pool if time(x) <= limit]
     return min(ties, key=lambda x: (memory(x), time(x), *tiebreak(x)))
+
+
+def lean_descent(
+    genes: Sequence[int],
+    slots: Iterable[int],
+    lower: Callable[[int, int], Iterable[int]],
+    accept: Callable[[list[int]], bool],
+) -> list[int]:
+    """The one ΔN descent of [Note: lean ties]: slot by slot, move a slot's value to the first
+    of ``lower(slot, value)`` that ``accept`` takes, for as long as one is taken; sweep the
+    slots again until a sweep changes nothing. ``accept`` says whether the plan with those
+    genes stays feasible and within the tie tolerance (and, where asked, holds less)."""
+    g = list(genes)
+    order = list(slots)
+    changed = True
+    while changed:
+        changed = False
+        for i in order:
+            moved = True
+            while moved:
+                moved = False
+                for v in lower(i, g[i]):
+                    trial = [*g[:i], v, *g[i + 1 :]]
+                    if accept(trial):
+                        g, changed, moved = trial, True, True
+                        break
+    return g
 
 
 def choose(evaluations: Iterable[Evaluation]) -> Evaluation | None:

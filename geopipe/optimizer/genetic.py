@@ -40,6 +40,7 @@ from geopipe.optimizer.evaluate import (
     Evaluation,
     Evaluator,
     choose,
+    lean_descent,
     tie_limit,
 )
 from geopipe.optimizer.ladder import delta_n_cover
@@ -334,18 +335,12 @@ def _lean(genes: _Genes, g: list[int]) -> None:
     if not ok:
         return
     limit = tie_limit(min(ok))
-    g = list(g)
-    changed = True
-    while changed:
-        changed = False
-        for i in range(3, 3 + genes.w):
-            while g[i] > 0:
-                trial = list(g)
-                trial[i] -= 1
-                e = genes.score(trial)
-                if not (e.feasible and not e.skipped_simulation and e.fitness <= limit):
-                    break
-                g, changed = trial, True
+
+    def accept(trial: list[int]) -> bool:
+        e = genes.score(trial)
+        return e.feasible and not e.skipped_simulation and e.fitness <= limit
+
+    lean_descent(g, range(3, 3 + genes.w), lambda _, v: [v - 1] if v > 0 else [], accept)
 
 
 def _hill_climb(g: list[int], ups: list[int], fitness, retune) -> list[int]:

@@ -12,7 +12,14 @@ from dataclasses import replace
 from geopipe.config import ClusterSpec
 from geopipe.optimizer import steady
 from geopipe.optimizer.costs import split_backward
-from geopipe.optimizer.evaluate import Evaluator, fits, plan_peak_memory, plan_schedule, tie_limit
+from geopipe.optimizer.evaluate import (
+    Evaluator,
+    fits,
+    lean_descent,
+    plan_peak_memory,
+    plan_schedule,
+    tie_limit,
+)
 from geopipe.optimizer.simulator import PipelineCosts, simulate
 from geopipe.pipeline.schedule import LOOKAHEAD_FAMILIES, SPLIT_FAMILIES
 from geopipe.plan import Plan
@@ -97,24 +104,22 @@ def refine_delta_n(
                 if t < best_t * (1 - 1e-9):
                     best, best_t, changed = trial, t, True
     limit = tie_limit(best_t)
-    lean, lean_t = best, best_t
-    lean_mem = _memory(spec, best)
-    changed = True
-    while changed:
-        changed = False
-        for j in plan.wan_boundaries:
-            for v in values:
-                if v >= lean.delta_n[j]:
-                    break
-                trial = _with(lean, j, v)
-                mem = _memory(spec, trial)
-                if mem is None or (lean_mem is not None and mem >= lean_mem):
-                    continue
-                t = predict(trial, costs)
-                if t <= limit:
-                    lean, lean_t, lean_mem, changed = trial, t, mem, True
-                    break
-    return lean, lean_t
+    lean = {"t": best_t, "mem": _memory(spec, best)}
+
+    def accept(dn: list[int]) -> bool:  # fits, holds less, and stays within the tolerance
+        trial = replace(best, delta_n=tuple(dn))
+        mem = _memory(spec, trial)
+        if mem is None or (lean["mem"] is not None and mem >= lean["mem"]):
+            return False
+        t = predict(trial, costs)
+        if t <= limit:
+            lean.update(t=t, mem=mem)
+        return t <= limit
+
+    dn = lean_descent(
+        best.delta_n, plan.wan_boundaries, lambda _, v: [x for x in values if x < v], accept
+    )
+    return replace(best, delta_n=tuple(dn)), lean["t"]
 
 
 def _with(plan: Plan, j: int, v: int) -> Plan:

@@ -390,3 +390,27 @@ def test_two_boundaries_stay_within_tolerance_and_locally_lean() -> None:
         dn = list(got.delta_n)
         dn[j] -= 1
         assert predict(replace(got, delta_n=tuple(dn)), costs) > fastest * (1 + TIE_TOLERANCE)
+
+
+def test_lean_descent_stops_where_no_slot_can_go_lower() -> None:
+    """The one ΔN descent: from any start, every slot ends where lowering it further is
+    refused, and only the listed slots move."""
+    from geopipe.optimizer.evaluate import lean_descent
+
+    rng = random.Random(3)
+    for _ in range(200):
+        start = [rng.randrange(0, 9) for _ in range(4)]
+        floor = [rng.randrange(0, 9) for _ in range(4)]
+
+        def ok(g: list[int], floor=floor) -> bool:  # a coupled, non-separable acceptance
+            near = all(x >= f - 2 for x, f in zip(g, floor, strict=True))
+            return near and sum(g) >= sum(floor) - 3
+
+        if not ok(start):
+            continue
+        got = lean_descent(start, [1, 2, 3], lambda _, v: [v - 1] if v > 0 else [], ok)
+        assert got[0] == start[0] and ok(got)
+        for i in (1, 2, 3):
+            lower = list(got)
+            lower[i] -= 1
+            assert got[i] == 0 or not ok(lower)
