@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from geopipe.optimizer.costs import INPUT_GRAD_SHARE
 from geopipe.pipeline.schedule import (
     FUSED_B,
     FUSED_F,
@@ -51,9 +52,6 @@ __all__ = [
 ]
 
 _F, _B, _SF, _RF, _SB, _RB, _I, _W = (int(k) for k in Kind)
-# A split backward's share of the full backward when the costs do not say (Qi et al. measure
-# I ≈ W for transformer layers).
-DEFAULT_INPUT_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -63,7 +61,8 @@ class PipelineCosts:
     ``ser_f[j]``/``lat_f[j]``: serialisation and latency of one activation message over
     boundary ``j`` (stage j -> j+1); ``ser_b[j]``/``lat_b[j]``: the gradient going back.
     ``inp_s``/``wgt_s``: a split backward's ``I`` and ``W`` per stage (empty: ``bwd_s``
-    split by :data:`DEFAULT_INPUT_SHARE`); only schedules with ``I``/``W`` read them.
+    split by :data:`~geopipe.optimizer.costs.INPUT_GRAD_SHARE`); only schedules with
+    ``I``/``W`` read them.
     """
 
     fwd_s: tuple[float, ...]
@@ -80,7 +79,7 @@ class PipelineCosts:
         """Per-stage ``I`` and ``W`` durations."""
         if self.inp_s and self.wgt_s:
             return self.inp_s, self.wgt_s
-        inp = tuple(b * DEFAULT_INPUT_SHARE for b in self.bwd_s)
+        inp = tuple(b * INPUT_GRAD_SHARE for b in self.bwd_s)
         return inp, tuple(b - i for b, i in zip(self.bwd_s, inp, strict=True))
 
 

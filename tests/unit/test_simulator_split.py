@@ -11,7 +11,8 @@ import random
 import pytest
 from _refsim import reference_time
 
-from geopipe.optimizer.simulator import DEFAULT_INPUT_SHARE, PipelineCosts, lower_bound, simulate
+from geopipe.optimizer.costs import INPUT_GRAD_SHARE
+from geopipe.optimizer.simulator import PipelineCosts, lower_bound, simulate
 from geopipe.pipeline.schedule import (
     Schedule,
     lookahead,
@@ -47,7 +48,7 @@ def test_zb_h1_bubble_is_a_third_of_1f1b(t: float) -> None:
 
 def test_costs_split_default_and_explicit() -> None:
     c = PipelineCosts((1.0,), (2.0,), (0.0,), (), (), (), ())
-    assert c.split() == ((2.0 * DEFAULT_INPUT_SHARE,), (2.0 * (1 - DEFAULT_INPUT_SHARE),))
+    assert c.split() == ((2.0 * INPUT_GRAD_SHARE,), (2.0 * (1 - INPUT_GRAD_SHARE),))
     c2 = dataclasses.replace(c, inp_s=(0.0,), wgt_s=(2.5,))
     assert c2.split() == ((0.0,), (2.5,))
     # busy counts what ran: F + I + W per micro-batch for split schedules
