@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _hand1f1b import hand_1f1b
 
 from geopipe.pipeline.schedule import (
     Action,
@@ -221,27 +222,6 @@ def _edit(s: Schedule, stage: int, new: list[Action], caps: tuple[int, ...] | No
     )
 
 
-def _hand_1f1b(p: int, m: int, warm: list[int]) -> Schedule:
-    """1F1B-shaped lists with arbitrary warm-up counts (caps generous, so only order matters)."""
-    stages = []
-    for k in range(p):
-        order = [(Kind.F, i) for i in range(warm[k])]
-        for j in range(m - warm[k]):
-            order += [(Kind.F, warm[k] + j), (Kind.B, j)]
-        order += [(Kind.B, j) for j in range(m - warm[k], m)]
-        acts = []
-        for kind, mb in order:
-            if kind == Kind.F:
-                seq = ([] if k == 0 else [Kind.RECV_F]) + [Kind.F]
-                seq += [] if k == p - 1 else [Kind.SEND_F]
-            else:
-                seq = ([] if k == p - 1 else [Kind.RECV_B]) + [Kind.B]
-                seq += [] if k == 0 else [Kind.SEND_B]
-            acts += [Action(k, c, mb) for c in seq]
-        stages.append(acts)
-    return Schedule.from_actions("hand", p, m, stages, [m] * p)
-
-
 def _raises(s: Schedule, *fragments: str) -> str:
     with pytest.raises(ScheduleError) as info:
         validate(s)
@@ -253,7 +233,7 @@ def _raises(s: Schedule, *fragments: str) -> str:
 
 def test_hand_builder_matches_generator() -> None:
     s = lookahead(4, 8, [0, 3, 0])
-    assert _hand_1f1b(4, 8, warmup_counts(4, 8, [0, 3, 0])).programs == s.programs
+    assert hand_1f1b(4, 8, warmup_counts(4, 8, [0, 3, 0])).programs == s.programs
 
 
 def test_b_before_f_is_caught() -> None:
@@ -335,7 +315,7 @@ def test_deadlock_downstream_lookahead_only() -> None:
     # ΔN given to the stage after the boundary but not the one before: stage 1 wants F3
     # before B0, stage 0 only sends F0..F2 before waiting for B0.
     warm = [2, 1 + 2, 0]
-    msg = _raises(_hand_1f1b(3, 6, warm), "deadlock", "[")
+    msg = _raises(hand_1f1b(3, 6, warm), "deadlock", "[")
     assert "stage 0 at 0RECV_B0" in msg
     assert "stage 1 at 1RECV_F3" in msg
 
@@ -349,9 +329,9 @@ def test_deadlock_whenever_downstream_warms_more(p: int) -> None:
         warm = [p - j - 1 for j in range(p)]
         warm[k] = warm[k - 1] + 1
         with pytest.raises(ScheduleError, match="deadlock"):
-            validate(_hand_1f1b(p, m, warm))
+            validate(hand_1f1b(p, m, warm))
         warm[k] = warm[k - 1]
-        validate(_hand_1f1b(p, m, warm))
+        validate(hand_1f1b(p, m, warm))
 
 
 def test_deadlock_by_swapping_receives() -> None:

@@ -11,6 +11,7 @@ import random
 from pathlib import Path
 
 import pytest
+from _hand1f1b import hand_1f1b
 from _refsim import reference_time
 
 from geopipe.config import ClusterSpec, load_cluster
@@ -19,8 +20,6 @@ from geopipe.optimizer.genetic import genetic_search
 from geopipe.optimizer.ladder import delta_n_estimate
 from geopipe.optimizer.simulator import PipelineCosts, lower_bound, simulate
 from geopipe.pipeline.schedule import (
-    Action,
-    Kind,
     Schedule,
     ScheduleError,
     gpipe,
@@ -376,22 +375,7 @@ def test_recorded_events_consistent(sched: Schedule, step: float) -> None:
 def test_simulate_raises_on_deadlock() -> None:
     # Stage 1 wants F3 before its first backward; stage 0 sends only F0..F2 before waiting.
     p, m = 3, 6
-    warm = [2, 3, 0]
-    stages = []
-    for k in range(p):
-        order = [(Kind.F, i) for i in range(warm[k])]
-        for j in range(m - warm[k]):
-            order += [(Kind.F, warm[k] + j), (Kind.B, j)]
-        order += [(Kind.B, j) for j in range(m - warm[k], m)]
-        acts = []
-        for kind, mb in order:
-            if kind == Kind.F:
-                seq = ([Kind.RECV_F] if k else []) + [Kind.F] + ([Kind.SEND_F] if k < p - 1 else [])
-            else:
-                seq = ([Kind.RECV_B] if k < p - 1 else []) + [Kind.B] + ([Kind.SEND_B] if k else [])
-            acts += [Action(k, x, mb) for x in seq]
-        stages.append(acts)
-    sched = Schedule.from_actions("bad", p, m, stages, [m] * p)
+    sched = hand_1f1b(p, m, [2, 3, 0], name="bad")
     with pytest.raises(ScheduleError, match="deadlock"):
         simulate(sched, _uniform(p, 1.0, 2.0))
     with pytest.raises(ScheduleError, match="deadlock"):
