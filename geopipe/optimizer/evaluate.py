@@ -9,11 +9,10 @@ partitions and whole evaluations are cached, because the genetic search revisits
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import pairwise
-from typing import TypeVar
 
 import numpy as np
 
@@ -26,6 +25,7 @@ from geopipe.model.sizes import (
 )
 from geopipe.optimizer.costs import boundary_message_elems, split_backward
 from geopipe.optimizer.errors import PlanningError
+from geopipe.optimizer.lean import TIE_TOLERANCE, lean_tie
 from geopipe.optimizer.memory import (
     W_HELD_FRACTION,
     MemoryBreakdown,
@@ -69,20 +69,10 @@ __all__ = [
     "Evaluator",
     "SearchSpace",
     "choose",
-    "lean_descent",
-    "lean_tie",
     "plan_schedule",
-    "tie_limit",
 ]
 
 INFEASIBLE = 1e3  # fitness floor for infeasible candidates (feasible ones are s/token ≪ 1)
-# [Note: lean ties] Plans within this fraction of the fastest one's time are equally fast: the
-# cost model is not more accurate than that (nominal FLOP rates, link figures), while every
-# extra micro-batch in flight costs its activations in device memory for certain. Among such
-# plans the one holding the least activation memory in flight wins (choose()), everywhere a
-# plan is chosen: the GA, exhaustive search, the templates' ΔN ladder and ΔN refinement.
-TIE_TOLERANCE = 0.005
-_T = TypeVar("_T")
 # A link busier than this (mean of both directions) leaves no headroom for retransmissions.
 MAX_LINK_UTILIZATION = 0.95
 _ADAM_BYTES_PER_PARAM = 28.0  # read p, g, m, v; write p, m, v (fp32) per optimizer step
@@ -174,52 +164,6 @@ class Evaluation:
             "feasible": self.feasible,
             "reason": self.reason,
         }
-
-
-def tie_limit(fastest: float) -> float:
-    """The slowest time (or fitness) that still ties with ``fastest`` ([Note: lean ties])."""
-    return fastest * (1 + TIE_TOLERANCE)
-
-
-def lean_tie(
-    items: Iterable[_T],
-    time: Callable[[_T], float],
-    memory: Callable[[_T], float],
-    tiebreak: Callable[[_T], tuple] = lambda _: (),
-) -> _T:
-    """The rule of [Note: lean ties], the one home of it: among ``items`` within the tie
-    tolerance of the fastest, the least memory, then the faster, then ``tiebreak``."""
-    pool = list(items)
-    limit = tie_limit(min(time(x) for x in pool))
-    ties = [x for x in pool if time(x) <= limit]
-    return min(ties, key=lambda x: (memory(x), time(x), *tiebreak(x)))
-
-
-def lean_descent(
-    genes: Sequence[int],
-    slots: Iterable[int],
-    lower: Callable[[int, int], Iterable[int]],
-    accept: Callable[[list[int]], bool],
-) -> list[int]:
-    """The one ΔN descent of [Note: lean ties]: slot by slot, move a slot's value to the first
-    of ``lower(slot, value)`` that ``accept`` takes, for as long as one is taken; sweep the
-    slots again until a sweep changes nothing. ``accept`` says whether the plan with those
-    genes stays feasible and within the tie tolerance (and, where asked, holds less)."""
-    g = list(genes)
-    order = list(slots)
-    changed = True
-    while changed:
-        changed = False
-        for i in order:
-            moved = True
-            while moved:
-                moved = False
-                for v in lower(i, g[i]):
-                    trial = [*g[:i], v, *g[i + 1 :]]
-                    if accept(trial):
-                        g, changed, moved = trial, True, True
-                        break
-    return g
 
 
 def choose(evaluations: Iterable[Evaluation]) -> Evaluation | None:

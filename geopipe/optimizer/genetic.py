@@ -40,10 +40,9 @@ from geopipe.optimizer.evaluate import (
     Evaluation,
     Evaluator,
     choose,
-    lean_descent,
-    tie_limit,
 )
 from geopipe.optimizer.ladder import delta_n_cover
+from geopipe.optimizer.lean import lean_descent, tie_limit
 
 __all__ = ["SearchResult", "genetic_search"]
 

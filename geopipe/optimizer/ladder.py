@@ -28,7 +28,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from geopipe.config import ClusterSpec
-from geopipe.optimizer.evaluate import Candidate, Evaluation, Evaluator, lean_tie
+from geopipe.optimizer.evaluate import Candidate, Evaluation, Evaluator
+from geopipe.optimizer.lean import lean_tie
 from geopipe.optimizer.memory import stages_over
 from geopipe.optimizer.shapes import build_plan
 from geopipe.optimizer.simulator import PipelineCosts, lower_bound

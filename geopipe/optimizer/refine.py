@@ -15,11 +15,10 @@ from geopipe.optimizer.costs import split_backward
 from geopipe.optimizer.evaluate import (
     Evaluator,
     fits,
-    lean_descent,
     plan_peak_memory,
     plan_schedule,
-    tie_limit,
 )
+from geopipe.optimizer.lean import lean_descent, tie_limit
 from geopipe.optimizer.simulator import PipelineCosts, simulate
 from geopipe.pipeline.schedule import LOOKAHEAD_FAMILIES, SPLIT_FAMILIES
 from geopipe.plan import Plan

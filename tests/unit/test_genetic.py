@@ -395,7 +395,7 @@ def test_two_boundaries_stay_within_tolerance_and_locally_lean() -> None:
 def test_lean_descent_stops_where_no_slot_can_go_lower() -> None:
     """The one ΔN descent: from any start, every slot ends where lowering it further is
     refused, and only the listed slots move."""
-    from geopipe.optimizer.evaluate import lean_descent
+    from geopipe.optimizer.lean import lean_descent
 
     rng = random.Random(3)
     for _ in range(200):
