@@ -18,6 +18,10 @@ __all__ = ["BURST_MAX_BYTES", "BURST_MESSAGES", "burst_sizes", "echo", "probe"]
 
 PINGS = 5
 PING_BYTES = 1024
+# How long one side of the probe waits for a ping or its answer, and for the burst to be
+# sent or to arrive (a link's first bytes can take a slow start; a burst, a slow link).
+PING_WAIT_S = 60.0
+BURST_WAIT_S = 120.0
 BURST_MESSAGES = 9  # 8 inter-arrival rates; the median ignores slow start's few
 BURST_MAX_BYTES = 32 << 20  # the whole burst at most (each message a fraction of it)
 
@@ -41,12 +45,12 @@ def probe(inbox: Any, address: tuple[str, int], link: LinkParams | None, sizes: 
         for i in range(PINGS):
             t0 = time.monotonic()
             tx.send(("probe-ping", i), small, stream="probe")
-            inbox.get(("probe-pong", i), timeout=60)
+            inbox.get(("probe-pong", i), timeout=PING_WAIT_S)
             sent.append(t0)
             rtts.append(time.monotonic() - t0)
         for j, n in enumerate(sizes):
             tx.send(("probe-bulk", j), torch.zeros(n // 4), stream="probe")
-        tx.flush(timeout=120)
+        tx.flush(timeout=BURST_WAIT_S)
         back = [inbox.arrived_at[("probe-pong", i)] for i in range(PINGS)]
         return {"rtt_s": statistics.median(rtts), "ping_sent": sent, "pong_in": back}
     finally:
@@ -65,15 +69,15 @@ def echo(inbox: Any, address: tuple[str, int], link: LinkParams | None, sizes: l
         small = torch.zeros(PING_BYTES // 4)
         ping_in, answered = [], []
         for i in range(PINGS):
-            inbox.get(("probe-ping", i), timeout=60)
+            inbox.get(("probe-ping", i), timeout=PING_WAIT_S)
             answered.append(time.monotonic())
             # The first ping may be in before this call started watching: then it waited,
             # its round trip looks long, and clock_offset does not pick it.
             ping_in.append(inbox.arrived_at.get(("probe-ping", i), answered[-1]))
             tx.send(("probe-pong", i), small, stream="probe")
-        tx.flush(timeout=60)
+        tx.flush(timeout=PING_WAIT_S)
         for j in range(len(sizes)):
-            inbox.get(("probe-bulk", j), timeout=120)
+            inbox.get(("probe-bulk", j), timeout=BURST_WAIT_S)
         return {
             "arrivals": [inbox.arrived_at[("probe-bulk", j)] for j in range(len(sizes))],
             "ping_in": ping_in,

@@ -54,6 +54,11 @@ __all__ = ["CHUNK_BYTES", "ShardSource", "SiteStore"]
 
 CHUNK_BYTES = 4 << 20  # one pull request
 _IN_FLIGHT = 2  # chunks requested ahead, so a long round trip does not idle the link
+# How long a store waits on another store over Ray: for a 4 MiB chunk across a slow WAN,
+# for a manifest (a small document), and for the address of its chunk server.
+CHUNK_WAIT_S = 120.0
+MANIFEST_WAIT_S = 60.0
+ADDRESS_WAIT_S = 30.0
 _FILE_RE = re.compile(r"^(stage-\d+\.safetensors|manifest\.json)$")
 
 
@@ -241,7 +246,7 @@ class SiteStore:
                 off, n = todo.popleft()
                 inflight.append((n, src.actor.read_chunk.remote(step, file, off, n)))
             n, ref = inflight.popleft()
-            data = get(ref, timeout=120)
+            data = get(ref, timeout=CHUNK_WAIT_S)
             if len(data) != n:
                 raise CheckpointError(f"{file}: got {len(data)} bytes, asked {n}")
             via["ray"] = via.get("ray", 0) + n
@@ -295,9 +300,9 @@ class SiteStore:
         if any(c.step == step for c in self.holdings()):
             return str(have)
         get = self.get or _ray_get
-        doc = get(source.manifest.remote(step), timeout=60)
+        doc = get(source.manifest.remote(step), timeout=MANIFEST_WAIT_S)
         try:  # the copy crosses sites: over the data plane when the source's server answers
-            address = get(source.chunk_address.remote(), timeout=30)
+            address = get(source.chunk_address.remote(), timeout=ADDRESS_WAIT_S)
         except Exception:
             address = None
         save_id = f"copy-{step}-{time.time_ns()}"
