@@ -4,11 +4,14 @@ Three ways a step can fail, each found as early as it can be:
 
 * an actor error (process killed, node gone, an exception) surfaces as soon as that
   actor's result is known, not when the others finish;
-* a frozen process or an unreachable node answers no ping: while a step runs, each
-  unfinished actor is pinged every ``heartbeat_s`` and one that leaves a ping unanswered
-  for ``unresponsive_s`` is lost — control-plane numbers, like Ray's own health checks;
-* unless every unfinished actor of a site is silent at once: that is what a WAN outage or
-  a partition looks like from the driver (both sides alive, nothing passes), and real WAN
+* a frozen process or an unreachable node answers no ping: while a step runs, every
+  actor is pinged every ``heartbeat_s`` and an unfinished one that leaves a ping
+  unanswered for ``unresponsive_s`` is lost — control-plane numbers, like Ray's own health
+  checks;
+* unless every actor of a site, finished ones too, is silent at once while the step still
+  waits on one of them: that is what a WAN outage or a partition looks like from the driver
+  (both sides alive, nothing passes; a frozen process leaves its site's other actors
+  answering), and real WAN
   blips last seconds to a minute. Such a site is *suspected*, not lost: the step waits
   (no step is lost or half-applied; the data plane's TCP streams ride the outage out),
   the heartbeats go on, and only after ``wan_outage_s`` of silence is the site written
