@@ -81,27 +81,13 @@ def _events(run_dir: Path, kind: str) -> list[dict]:
     return [e for e in map(json.loads, lines) if e.get("event") == kind]
 
 
-def _run_emulated(doc: dict, run_dir: Path) -> dict:
-    """The reference: the same job on the suite's embedded Ray, links emulated."""
-    from geopipe.config import parse_cluster
-    from geopipe.runtime.control.controller import Controller, LaunchOptions
-
-    ctl = Controller(parse_cluster(doc, "t"), LaunchOptions(run_dir=str(run_dir), progress=False))
-    try:
-        ctl.launch()
-        res = ctl.train()
-        return {"losses": [m.loss for m in res.steps], "encrypt": ctl.creds.encrypt}
-    finally:
-        ctl.close()
-
-
 @pytest.mark.skipif(WHY is not None, reason=f"test bed: {WHY}")
-def test_training_across_namespaces_matches_the_emulated_run(tmp_path, ray_cluster):
+def test_training_across_namespaces_matches_the_emulated_run(tmp_path):
     doc = tiny_doc(1, 1, steps=40)  # the cut, after step 1, lands mid-run
     doc["name"] = "testbed"
     doc["links"][0].update(latency_ms=LATENCY_MS, bandwidth_gbps=0.2)
     doc["ray"]["dashboard"] = False
-    emulated = _run_emulated(doc, tmp_path / "emulated")
+    emulated = _run([], doc, tmp_path / "emulated")
 
     plan = BedPlan(("east", "west"), LATENCY_MS, 200.0, prefix="gpit", ray=True, cpus_per_site=1)
     with running(plan, root=tmp_path / "bed") as bed:
