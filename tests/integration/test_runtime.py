@@ -227,6 +227,36 @@ def test_missing_site_is_named(tmp_path):
         ctl.close()
 
 
+def test_a_run_name_taken_on_the_cluster_is_a_clear_error(tmp_path):
+    """Another launch of the same run still holds an actor name on this Ray cluster: the
+    launch says which name and what to do, and leaves no actor of its own behind."""
+    from _state import alive_actor_names
+
+    doc = tiny_doc(1, 1)
+    doc["name"] = "taken"
+    spec = parse_cluster(doc, "test")
+
+    @ray.remote(num_cpus=0)
+    class Squatter:
+        def ping(self) -> int:
+            return 1
+
+    squatter = Squatter.options(name="geopipe/taken/west/stage1/r0", namespace=spec.ray.namespace)
+    squatter = squatter.remote()
+    ray.get(squatter.ping.remote())
+    ctl = Controller(spec, LaunchOptions(run_dir=str(tmp_path), progress=False))
+    try:
+        with pytest.raises(LaunchError, match=r"geopipe/taken/west/stage1/r0 is taken .* 'taken'"):
+            ctl.launch()
+    finally:
+        ctl.close()
+        ray.kill(squatter)
+    deadline = time.time() + 15
+    while time.time() < deadline and "geopipe/taken/east/stage0/r0" in alive_actor_names():
+        time.sleep(0.2)
+    assert "geopipe/taken/east/stage0/r0" not in alive_actor_names()
+
+
 def demo_doc(schedule: str, delta_n: int = 0, steps: int = 3) -> dict:
     """The demo's GPT (clusters/local-2dc.yaml: 4 layers, n_embd 128) on one device per
     site, 8 micro-batches of 1 × 64 tokens per step, fp32, a fixed plan."""

@@ -75,8 +75,11 @@ class Placement:
         """Create every actor of ``plan`` (each in its stage's site). ``rows[k]`` holds stage
         ``k`` of every pipeline that has one (all of them unless the plan mixes templates)."""
         self.plan = plan
-        self.rows = [[self.create(k, r) for r in range(plan.replicas(k))]
-                     for k in range(plan.num_stages)]  # fmt: skip
+        self.rows = []  # filled as the actors are made: a failure midway leaves the made ones
+        for k in range(plan.num_stages):  # in rows, for kill_all
+            self.rows.append([])
+            for r in range(plan.replicas(k)):
+                self.rows[k].append(self.create(k, r))
 
     def actor_sites(self) -> list[tuple[Any, str]]:
         """Every actor of the layout with its site."""
@@ -93,14 +96,21 @@ class Placement:
             name = f"{name}-{len(self.names)}"
         self.names.append(name)
         cls = ray.remote(max_concurrency=8)(StageWorker)
-        actor = cls.options(
-            name=name,
-            namespace=spec.ray.namespace,
-            resources={site_resource(plan.site_of(k, r)): 1},
-            num_cpus=0,
-            num_gpus=1 if self.use_gpu else 0,
-            runtime_env={"env_vars": dict(ACTOR_ENV)},
-        ).remote(self.stage_spec(k, r))
+        try:
+            actor = cls.options(
+                name=name,
+                namespace=spec.ray.namespace,
+                resources={site_resource(plan.site_of(k, r)): 1},
+                num_cpus=0,
+                num_gpus=1 if self.use_gpu else 0,
+                runtime_env={"env_vars": dict(ACTOR_ENV)},
+            ).remote(self.stage_spec(k, r))
+        except ray.exceptions.ActorAlreadyExistsError:
+            raise LaunchError(
+                f"actor name {name} is taken in Ray namespace {spec.ray.namespace!r}: another "
+                f"launch of run {spec.name!r} is still running on this Ray cluster (or its "
+                "actors are still being torn down); stop it, or give this run another name"
+            ) from None
         self._name_of[id(actor)] = name
         return actor
 
