@@ -269,10 +269,17 @@ def plan_peak_memory(spec: ClusterSpec, plan: Plan) -> list[MemoryBreakdown]:
     return plan_memory(spec, plan, in_flight)
 
 
+def peak_if_fits(spec: ClusterSpec, plan: Plan) -> list[MemoryBreakdown] | None:
+    """Every stage's peak under ``plan`` if it fits its devices' memory, else None: the one
+    feasibility rule for a plan (:func:`~geopipe.optimizer.memory.stages_over` on
+    :func:`plan_peak_memory`), the peaks computed once for callers that need both."""
+    mem = plan_peak_memory(spec, plan)
+    return None if stages_over(mem, device_limits(spec, plan.stage_sites)) else mem
+
+
 def fits(spec: ClusterSpec, plan: Plan) -> bool:
-    """Whether ``plan`` fits its devices' memory: the one feasibility rule for a plan
-    (:func:`~geopipe.optimizer.memory.stages_over` on :func:`plan_peak_memory`)."""
-    return not stages_over(plan_peak_memory(spec, plan), device_limits(spec, plan.stage_sites))
+    """Whether ``plan`` fits its devices' memory (:func:`peak_if_fits`)."""
+    return peak_if_fits(spec, plan) is not None
 
 
 class Evaluator:

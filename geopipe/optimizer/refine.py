@@ -14,8 +14,7 @@ from geopipe.optimizer import steady
 from geopipe.optimizer.costs import split_backward
 from geopipe.optimizer.evaluate import (
     Evaluator,
-    fits,
-    plan_peak_memory,
+    peak_if_fits,
     plan_schedule,
 )
 from geopipe.optimizer.lean import lean_descent, tie_limit
@@ -77,9 +76,8 @@ def predict(plan: Plan, costs: PipelineCosts) -> float:
 def _memory(spec: ClusterSpec, plan: Plan) -> float | None:
     """Total peak bytes over the stages (ΔN changes only the activations), None if it does
     not fit."""
-    if not fits(spec, plan):
-        return None
-    return sum(mb.total for mb in plan_peak_memory(spec, plan))
+    mem = peak_if_fits(spec, plan)
+    return None if mem is None else sum(mb.total for mb in mem)
 
 
 def refine_delta_n(
