@@ -15,3 +15,16 @@ def alive_actor_names() -> set[str]:
 
     actors = list_actors(address=DASHBOARD.get("url"), filters=[("state", "=", "ALIVE")])
     return {a.name for a in actors}
+
+
+def still_alive(names: set[str], timeout: float, poll: float = 0.2) -> set[str]:
+    """Those of ``names`` still ALIVE after waiting up to ``timeout`` for them to leave the
+    list (a killed actor leaves it a moment after ``ray.kill`` returns)."""
+    import time
+
+    deadline = time.time() + timeout
+    alive = names & alive_actor_names()
+    while alive and time.time() < deadline:
+        time.sleep(poll)
+        alive = names & alive_actor_names()
+    return alive

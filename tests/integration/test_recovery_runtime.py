@@ -14,7 +14,7 @@ import pytest
 import ray
 import torch
 from _procs import process_alive
-from _state import alive_actor_names
+from _state import still_alive
 from test_runtime import reference, tiny_doc
 
 from geopipe.checkpoint.store import latest_complete, load_checkpoint, load_state_for_layers
@@ -66,14 +66,7 @@ def run(doc: dict, run_dir: Path, steps: int, chaos: int | None = None, kill=Non
         return ctl, ctl.gather_state()
     finally:
         ctl.close()
-        names = set(ctl.names)
-        deadline = time.time() + 15
-        while time.time() < deadline:
-            alive = alive_actor_names()
-            if not names & alive:
-                break
-            time.sleep(0.3)
-        assert not names & alive, "actors left behind"
+        assert not still_alive(set(ctl.names), timeout=15, poll=0.3), "actors left behind"
 
 
 def test_replica_killed_mid_iteration_recovers_in_place(tmp_path, capsys):

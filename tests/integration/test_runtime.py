@@ -13,7 +13,6 @@ import copy
 import gc
 import math
 import os
-import time
 from functools import partial
 from pathlib import Path
 
@@ -151,7 +150,7 @@ def _wan_bytes(run_dir: Path) -> int:
 def test_actors_named_in_state_api_and_metrics_written(tmp_path):
     import json
 
-    from _state import alive_actor_names
+    from _state import alive_actor_names, still_alive
 
     doc = tiny_doc(2, 2, steps=2)
     spec = parse_cluster(doc, "test")
@@ -205,13 +204,7 @@ def test_actors_named_in_state_api_and_metrics_written(tmp_path):
         assert x["bubble_ratio"] == pytest.approx(1 - busy / (2 * x["iteration_time_s"]), abs=1e-3)
     status = json.loads((tmp_path / "status.json").read_text())
     assert status["step"] == 2 and len(status["stages"]) == 2
-    deadline = time.time() + 10
-    while time.time() < deadline:  # killed actors leave the ALIVE list
-        alive = alive_actor_names()
-        if not expected & alive:
-            break
-        time.sleep(0.2)
-    assert not expected & alive
+    assert not still_alive(expected, timeout=10)  # killed actors leave the ALIVE list
 
 
 def test_missing_site_is_named(tmp_path):
@@ -230,7 +223,7 @@ def test_missing_site_is_named(tmp_path):
 def test_a_run_name_taken_on_the_cluster_is_a_clear_error(tmp_path):
     """Another launch of the same run still holds an actor name on this Ray cluster: the
     launch says which name and what to do, and leaves no actor of its own behind."""
-    from _state import alive_actor_names
+    from _state import still_alive
 
     doc = tiny_doc(1, 1)
     doc["name"] = "taken"
@@ -251,10 +244,7 @@ def test_a_run_name_taken_on_the_cluster_is_a_clear_error(tmp_path):
     finally:
         ctl.close()
         ray.kill(squatter)
-    deadline = time.time() + 15
-    while time.time() < deadline and "geopipe/taken/east/stage0/r0" in alive_actor_names():
-        time.sleep(0.2)
-    assert "geopipe/taken/east/stage0/r0" not in alive_actor_names()
+    assert not still_alive({"geopipe/taken/east/stage0/r0"}, timeout=15)
 
 
 def demo_doc(schedule: str, delta_n: int = 0, steps: int = 3) -> dict:
