@@ -17,14 +17,15 @@ def alive_actor_names() -> set[str]:
     return {a.name for a in actors}
 
 
-def still_alive(names: set[str], timeout: float, poll: float = 0.2) -> set[str]:
-    """Those of ``names`` still ALIVE after waiting up to ``timeout`` for them to leave the
-    list (a killed actor leaves it a moment after ``ray.kill`` returns)."""
-    import time
+def taken_names(names: set[str], namespace: str = "geopipe") -> set[str]:
+    """Those of ``names`` Ray still holds: a relaunch of their run would find them taken."""
+    import ray
 
-    deadline = time.time() + timeout
-    alive = names & alive_actor_names()
-    while alive and time.time() < deadline:
-        time.sleep(poll)
-        alive = names & alive_actor_names()
-    return alive
+    held = set()
+    for name in names:
+        try:
+            ray.get_actor(name, namespace=namespace)
+        except ValueError:
+            continue
+        held.add(name)
+    return held

@@ -23,11 +23,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def ray_cluster():
-    """One embedded Ray per test module, with both sites of the local clusters and the
-    dashboard (the state API needs it). Module scope: tests/test_cli_launch.py needs a
-    machine with no Ray running, so no Ray outlives its module."""
+    """One embedded Ray for every test that asks for it, with both sites of the local
+    clusters and the dashboard (the state API needs it). Started once: a Ray start and stop
+    costs ~6 s of the suite per module. The tests that need a machine with no Ray of theirs
+    running (the CLI launches, the multi-node and test-bed clusters) run before it starts
+    (:func:`pytest_collection_modifyitems`)."""
     import ray
     from _state import DASHBOARD
 
@@ -44,3 +46,9 @@ def ray_cluster():
     yield
     DASHBOARD.clear()
     ray.shutdown()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests on the shared embedded Ray run last, each module's in its own order, so the
+    ones that start their own Ray (or need none running) never meet it."""
+    items.sort(key=lambda item: "ray_cluster" in getattr(item, "fixturenames", ()))

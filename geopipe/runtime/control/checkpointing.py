@@ -211,9 +211,9 @@ class CheckpointCoordinator:
         if warning:
             self.reporter.say(warning, warning=True)
 
-    def close(self) -> None:
-        if self.copies is not None:
-            self.copies.close()
+    def close(self) -> list[str]:
+        """Stop the site stores; returns their names Ray still holds (see ``SiteCopies``)."""
+        return self.copies.close() if self.copies is not None else []
 
     def _flat(self) -> list[Any]:
         return [a for row in self._actors() for a in row]

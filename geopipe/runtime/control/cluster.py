@@ -8,16 +8,26 @@ started with ``ray start --resources='{"site:<name>": <devices>}'``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
+import time
 from dataclasses import dataclass
+from typing import Any
 
 from geopipe.config import ClusterSpec
 from geopipe.plan import Plan
 from geopipe.runtime.control.reaper import start_reaper
 
-__all__ = ["ClusterInfo", "LaunchError", "check_sites", "connect", "site_resource"]
+__all__ = [
+    "ClusterInfo", "LaunchError", "check_sites", "connect", "kill_and_release", "site_resource",
+]  # fmt: skip
+
+# How long a stopped run waits for Ray to free its actors' names. ray.kill only asks: the
+# name stays taken until the process has exited (seconds for a frozen one, which Ray must
+# SIGKILL), and a relaunch of the run on the same cluster needs the names.
+NAME_RELEASE_S = 30.0
 
 
 class LaunchError(RuntimeError):
@@ -145,3 +155,33 @@ def shutdown(info: ClusterInfo | None) -> None:
 
     if ray.is_initialized():
         ray.shutdown()
+
+
+def kill_and_release(actors: dict[str, Any], namespace: str,
+                     timeout: float = NAME_RELEASE_S) -> list[str]:  # fmt: skip
+    """Kill ``{name: handle}`` and wait until Ray has freed every name, so that the next
+    launch of the run on this cluster finds them free. Returns the names still taken when
+    ``timeout`` ran out (empty when all were freed)."""
+    import ray
+
+    for handle in actors.values():
+        with contextlib.suppress(Exception):
+            ray.kill(handle, no_restart=True)
+    held, deadline = list(actors), time.monotonic() + timeout
+    while True:
+        held = [n for n in held if _name_taken(n, namespace)]
+        if not held or time.monotonic() >= deadline:
+            return held
+        time.sleep(0.05)
+
+
+def _name_taken(name: str, namespace: str) -> bool:
+    import ray
+
+    try:
+        ray.get_actor(name, namespace=namespace)
+    except ValueError:  # Ray's answer for "no live actor of that name"
+        return False
+    except Exception:  # the cluster is gone: nothing can hold the name any more
+        return False
+    return True

@@ -568,9 +568,15 @@ class Controller:
                     self._status(self.start_step)
                 self.reporter.final_status(self.state.name)
         if ray.is_initialized():
-            self.checkpoints.close()
+            held = self.checkpoints.close()
             if self.placement is not None:
-                self.placement.kill_all()
+                held += self.placement.kill_all()
+            if held:
+                self.reporter.say(
+                    f"Ray still holds {len(held)} actor name(s) of this run ({held[0]}, …): a "
+                    "relaunch on this cluster may find them taken until their processes exit",
+                    warning=True,
+                )
             if self.cluster is not None and self.cluster.started_here:
                 with contextlib.suppress(Exception):
                     ray.shutdown()

@@ -17,7 +17,7 @@ from geopipe.runtime.actor.engine_config import EngineConfig
 from geopipe.runtime.actor.links import WanPeer
 from geopipe.runtime.actor.sitegroups import grad_scale, site_worlds
 from geopipe.runtime.actor.stage import StageSpec, StageWorker
-from geopipe.runtime.control.cluster import LaunchError, site_resource
+from geopipe.runtime.control.cluster import LaunchError, kill_and_release, site_resource
 from geopipe.runtime.control.models import model_desc
 from geopipe.transport.link import LinkParams
 
@@ -51,6 +51,7 @@ class Placement:
         self.rows: list[list[Any]] = []
         self.names: list[str] = []  # every actor ever created, in order
         self._name_of: dict[int, str] = {}  # id(actor handle) -> its Ray actor name
+        self._made: dict[str, Any] = {}  # every actor ever created, by name (kill_all)
         self.site_rank: dict[int, int] = {}  # id(actor handle) -> rank in its site's world
         self.wan_addresses: dict[ActorKey, tuple[str, int]] = {}  # WAN receivers
         self.model: ModelDesc = model_desc(spec.model)
@@ -112,6 +113,7 @@ class Placement:
                 "actors are still being torn down); stop it, or give this run another name"
             ) from None
         self._name_of[id(actor)] = name
+        self._made[name] = actor
         return actor
 
     def kill(self, actor: Any) -> None:
@@ -119,15 +121,12 @@ class Placement:
 
         ray.kill(actor, no_restart=True)
 
-    def kill_all(self) -> None:
-        import contextlib
-
-        import ray
-
-        for a in self.flat():
-            with contextlib.suppress(Exception):
-                ray.kill(a)
-        self.rows = []
+    def kill_all(self) -> list[str]:
+        """Stop every actor the run made, and wait until Ray has freed their names (a
+        relaunch of the run on this cluster needs them). Returns the names still taken."""
+        held = kill_and_release(self._made, self.spec.ray.namespace)
+        self.rows, self._made = [], {}
+        return held
 
     def check_data(self, want: str | None) -> str:
         """Every actor must read the same bytes (the batches are a function of them), and a

@@ -37,6 +37,7 @@ from typing import Any
 from geopipe.checkpoint.restore import Restorable, SiteCopy, copy_sites, newest_restorable
 from geopipe.checkpoint.store import CheckpointError, latest_complete
 from geopipe.config import ClusterSpec
+from geopipe.runtime.control.cluster import kill_and_release
 from geopipe.runtime.control.health import quiet_get, ref_failed
 from geopipe.runtime.control.reporting import Reporter
 from geopipe.runtime.storage.sitestore import ShardSource, SiteStore
@@ -103,6 +104,7 @@ class SiteCopies:
         self._stores: dict[str, Any] = {}
         self._addresses: dict[int, tuple[str, int] | None] = {}  # id(actor) -> chunk server
         self._made = 0
+        self._handles: dict[str, Any] = {}  # every store ever made, by Ray name (close)
         self._pending: _Save | None = None
 
     # -- where ---------------------------------------------------------------------------------
@@ -173,7 +175,7 @@ class SiteCopies:
         self._made += 1
         if self._made > len(self.spec.sites):  # a replacement: Ray may still hold the name
             name += f"-{self._made}"
-        return (
+        handle = (
             ray.remote(max_concurrency=4)(SiteStore)
             .options(
                 name=name, namespace=self.spec.ray.namespace, num_cpus=0,
@@ -183,6 +185,8 @@ class SiteCopies:
             .remote(site, str(self.root(site)), self.spec.training.checkpoint.keep, self.creds,
                     self.spec.security.listen == "all", self._run_for(site))
         )  # fmt: skip
+        self._handles[name] = handle
+        return handle
 
     def _run_for(self, site: str) -> dict | None:
         """The run's identity for a new store of ``site``: fresh (move another run's
@@ -210,15 +214,12 @@ class SiteCopies:
                 live[s] = self._stores[s]
         return live
 
-    def close(self) -> None:
-        import contextlib
-
-        import ray
-
-        for h in self._stores.values():
-            with contextlib.suppress(Exception):
-                ray.kill(h)
-        self._stores = {}
+    def close(self) -> list[str]:
+        """Stop the stores and wait until Ray has freed their names (a relaunch of the run
+        makes stores of the same names). Returns the names still taken."""
+        held = kill_and_release(self._handles, self.spec.ray.namespace)
+        self._stores, self._handles = {}, {}
+        return held
 
     # -- saving --------------------------------------------------------------------------------
     def save(self, step: int) -> None:
