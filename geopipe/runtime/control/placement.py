@@ -8,6 +8,7 @@ group inside it, so no process group spans two sites.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from geopipe.config import ClusterSpec
@@ -35,6 +36,16 @@ __all__ = ["Placement"]
 # forward time independent of ΔN. The few threads of an actor barely contend for it
 # (they take turns at the GIL anyway).
 ACTOR_ENV = {"OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "1"}
+
+
+@functools.cache
+def _remote_worker() -> Any:
+    """:class:`StageWorker` as a Ray actor class, made once per process: ``ray.remote``
+    makes a new class that Ray exports again on first use, fingerprinting it by
+    disassembling every method (~0.1 s per actor, CPU the actors starting beside it need)."""
+    import ray
+
+    return ray.remote(max_concurrency=8)(StageWorker)
 
 
 class Placement:
@@ -96,16 +107,19 @@ class Placement:
         if name in self.names:  # a replacement after a failure gets a fresh name
             name = f"{name}-{len(self.names)}"
         self.names.append(name)
-        cls = ray.remote(max_concurrency=8)(StageWorker)
         try:
-            actor = cls.options(
-                name=name,
-                namespace=spec.ray.namespace,
-                resources={site_resource(plan.site_of(k, r)): 1},
-                num_cpus=0,
-                num_gpus=1 if self.use_gpu else 0,
-                runtime_env={"env_vars": dict(ACTOR_ENV)},
-            ).remote(self.stage_spec(k, r))
+            actor = (
+                _remote_worker()
+                .options(
+                    name=name,
+                    namespace=spec.ray.namespace,
+                    resources={site_resource(plan.site_of(k, r)): 1},
+                    num_cpus=0,
+                    num_gpus=1 if self.use_gpu else 0,
+                    runtime_env={"env_vars": dict(ACTOR_ENV)},
+                )
+                .remote(self.stage_spec(k, r))
+            )
         except ray.exceptions.ActorAlreadyExistsError:
             raise LaunchError(
                 f"actor name {name} is taken in Ray namespace {spec.ray.namespace!r}: another "

@@ -27,6 +27,7 @@ site's copy.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 import uuid
 from collections.abc import Callable
@@ -74,6 +75,15 @@ class StoreUnusable(CheckpointError):
     def __init__(self, site: str, root: Path | str, cause: str) -> None:
         super().__init__(f"site {site} cannot use {root}: {cause}")
         self.site = site
+
+
+@functools.cache
+def _remote_store() -> Any:
+    """:class:`SiteStore` as a Ray actor class, made once per process (see
+    ``placement._remote_worker``: Ray re-exports every new class)."""
+    import ray
+
+    return ray.remote(max_concurrency=4)(SiteStore)
 
 
 class SiteCopies:
@@ -165,7 +175,6 @@ class SiteCopies:
         return {s: self._stores[s] for s in sites}
 
     def _create(self, site: str) -> Any:
-        import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         node = self._node_of(site)
@@ -176,7 +185,7 @@ class SiteCopies:
         if self._made > len(self.spec.sites):  # a replacement: Ray may still hold the name
             name += f"-{self._made}"
         handle = (
-            ray.remote(max_concurrency=4)(SiteStore)
+            _remote_store()
             .options(
                 name=name, namespace=self.spec.ray.namespace, num_cpus=0,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
