@@ -178,6 +178,17 @@ def best_mix(
     divide it); None when no split has one (:func:`best_uniform` covers the rest)."""
     total = check_batch(ts, global_batch, micro_batch)
     alive = ts.vector(devices_alive)
+    now = layer_split(running.stage_sites, running.partition) if running is not None else None
+    key = (alive, total, now)
+    if key not in ts.mix_choices:
+        ts.mix_choices[key] = _best_mix(ts, alive, total, now)
+    return ts.mix_choices[key]  # type: ignore[return-value]
+
+
+def _best_mix(
+    ts: TemplateSet, alive: tuple[int, ...], total: int, running: LayerSplit | None
+) -> MixChoice | None:
+    devices_alive = dict(zip(ts.sites, alive, strict=True))
     used = {s for s, n in zip(ts.sites, alive, strict=True) if n}
     ranked: dict[LayerSplit, float] = {}
     for v in ts.candidate_vectors(alive):
@@ -186,10 +197,8 @@ def best_mix(
             split = layer_split(t.stage_sites, t.partition)
             ranked[split] = min(ranked.get(split, math.inf), t.iteration_time_s)
     splits = sorted(ranked, key=ranked.__getitem__)[:MAX_SPLITS]
-    if running is not None:
-        split = layer_split(running.stage_sites, running.partition)
-        if {s for s, _ in split} == used and split not in splits:
-            splits.append(split)
+    if running is not None and {s for s, _ in running} == used and running not in splits:
+        splits.append(running)
     gb = total * ts.micro_batch_size
     tried: dict[LayerSplit, MixChoice | None] = {}
 

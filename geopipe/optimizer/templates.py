@@ -158,6 +158,9 @@ class TemplateSet:
         self._orders: dict[frozenset[str], tuple[str, ...] | None] = {}
         self._predictions: dict[tuple[Vector, int, int], Prediction | None] = {}
         self.uniform_choices: dict[tuple[Vector, int], tuple[Template, int] | None] = {}
+        # mixes.best_mix's answers (a MixChoice or None) by (alive, micro-batches, running
+        # layer split): a recovery weighs many failures over few device counts
+        self.mix_choices: dict[tuple, object] = {}
 
     # -- layouts ---------------------------------------------------------------------------
     def _order(self, used: frozenset[str]) -> tuple[str, ...] | None:
