@@ -70,6 +70,25 @@ def run_pipeline(doc: dict, tmp: Path) -> tuple[Controller, list[float], dict]:
         ctl.close()
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory):
+    """``runs(doc)``: (controller, losses, final state, run directory) of one finished run
+    of ``doc``, launched once for every test of the module that trains the same document
+    (a launch costs seconds of actor start-up). Callers must not modify what they get."""
+    import json
+
+    done: dict[str, tuple[Controller, list[float], dict, Path]] = {}
+
+    def get(doc: dict) -> tuple[Controller, list[float], dict, Path]:
+        key = json.dumps(doc, sort_keys=True)
+        if key not in done:
+            run_dir = tmp_path_factory.mktemp(doc["name"])
+            done[key] = (*run_pipeline(doc, run_dir), run_dir)
+        return done[key]
+
+    return get
+
+
 def reference(doc: dict, until: int | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Single process: same model, data order, Adam and LR schedule (``until``: stop after
     that many steps, the schedule unchanged)."""
@@ -101,14 +120,14 @@ def reference(doc: dict, until: int | None = None) -> tuple[list[float], dict[st
 
 
 @pytest.mark.parametrize("devices,pipelines", [(1, 1), (2, 2)], ids=["no-replicas", "zero1-x2"])
-def test_pipelined_training_matches_single_process(tmp_path, devices, pipelines):
+def test_pipelined_training_matches_single_process(runs, devices, pipelines):
     """2 stages (one per site), with and without a ZeRO-1 group of 2 per stage, codec none.
 
     Measured: losses equal to ~1e-7 and parameters to ~1e-6 (float32 reduction order);
     tolerances 1e-5 / 2e-5.
     """
     doc = tiny_doc(devices, pipelines)
-    ctl, losses, state = run_pipeline(doc, tmp_path)
+    ctl, losses, state, _ = runs(doc)
     assert ctl.plan.num_stages == 2 and ctl.plan.stage_sites == ("east", "west")
     ref_losses, ref_params = reference(doc)
     assert losses == pytest.approx(ref_losses, abs=1e-5)
@@ -118,13 +137,13 @@ def test_pipelined_training_matches_single_process(tmp_path, devices, pipelines)
     assert state["step"] == doc["training"]["steps"]
 
 
-def test_int8_codec_stays_close_and_sends_fewer_bytes(tmp_path):
+def test_int8_codec_stays_close_and_sends_fewer_bytes(tmp_path, runs):
     """int8 on the WAN: bounded loss difference vs codec none (measured ≤ 3e-3 over 3 steps;
     bound 2e-2) and ~3.9x fewer WAN bytes (1 byte + one fp32 scale per 32-wide row)."""
-    _, ref_losses, _ = run_pipeline(tiny_doc(1, 1, "none"), tmp_path / "none")
-    none_bytes = _wan_bytes(tmp_path / "none")
-    _, losses, _ = run_pipeline(tiny_doc(1, 1, "int8"), tmp_path / "int8")
-    int8_bytes = _wan_bytes(tmp_path / "int8")
+    _, ref_losses, _, none_dir = runs(tiny_doc(1, 1, "none"))
+    none_bytes = _wan_bytes(none_dir)
+    _, losses, _, int8_dir = runs(tiny_doc(1, 1, "int8"))
+    int8_bytes = _wan_bytes(int8_dir)
     assert losses != ref_losses  # the codec really is in the path
     assert max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)) < 2e-2
     assert none_bytes / int8_bytes == pytest.approx(4 / (1 + 4 / 32), rel=1e-6)
@@ -281,7 +300,7 @@ def test_split_backward_schedules_match_1f1b_losses(tmp_path):
         assert runs[name] == pytest.approx(base, abs=1e-6), name
 
 
-def test_a_codec_erring_beyond_the_bound_falls_back_to_the_next_finer(tmp_path):
+def test_a_codec_erring_beyond_the_bound_falls_back_to_the_next_finer(tmp_path, runs):
     """plan.max_codec_error: int2h's sampled error (~0.4) exceeds 0.05 on the first step, so
     both directions switch to int8 (the next finer codec searched) from the second step:
     the event names the link, the plan and the actors' senders change, and the WAN bytes
@@ -316,8 +335,8 @@ def test_a_codec_erring_beyond_the_bound_falls_back_to_the_next_finer(tmp_path):
     assert all(e["step"] == 0 and e["error"] > 0.05 and e["link"] == "east→west" for e in events)
     assert ctl.plan.codecs == ("int8",)
     steps = [x for x in lines if "step" in x and "event" not in x]
-    _, int8_losses, _ = run_pipeline(tiny_doc(1, 1, "int8", steps=3), tmp_path / "int8")
+    _, int8_losses, _, int8_dir = runs(tiny_doc(1, 1, "int8", steps=3))
     assert steps[0]["wan_bytes"] < steps[1]["wan_bytes"] == steps[2]["wan_bytes"]
-    assert steps[2]["wan_bytes"] == _wan_bytes(tmp_path / "int8") / 3
+    assert steps[2]["wan_bytes"] == _wan_bytes(int8_dir) / 3
     assert all(max(v for v in s["codec_error"].values()) < 0.05 for s in steps[1:])
     assert losses[0] != int8_losses[0]
