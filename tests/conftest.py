@@ -33,6 +33,8 @@ def ray_cluster():
     import ray
     from _state import DASHBOARD
 
+    from geopipe.runtime.control.cluster import RAY_SYSTEM_CONFIG
+
     ctx = ray.init(
         address="local",
         namespace="geopipe",
@@ -41,6 +43,7 @@ def ray_cluster():
         dashboard_host="127.0.0.1",
         dashboard_port=_free_port(),
         logging_level="WARNING",
+        _system_config=RAY_SYSTEM_CONFIG,  # as geopipe's own embedded Ray
     )
     DASHBOARD["url"] = f"http://{ctx.dashboard_url}"
     yield

@@ -134,6 +134,12 @@ class Range(_Spec):
 Choice = KnobInt | list[KnobInt] | Range
 
 
+# Ray's grace between asking an actor's worker to exit and SIGKILLing it, for the clusters
+# geopipe starts (the embedded one, the test bed's): [Note: killing a frozen actor] in
+# geopipe.runtime.control.cluster.
+RAY_KILL_WORKER_TIMEOUT_MS = 1000
+
+
 class RaySpec(_Spec):
     address: str = Field("local", description="'local' (embedded), 'auto' or host:port")
     dashboard: bool = True

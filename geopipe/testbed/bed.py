@@ -28,6 +28,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 
+from geopipe.config import RAY_KILL_WORKER_TIMEOUT_MS
 from geopipe.testbed import netns
 from geopipe.testbed.plan import DEVICE, RAY_PORT, BedError, BedPlan
 
@@ -93,6 +94,9 @@ class Bed:
         # Ray's own node health check must wait out a WAN outage as long as geopipe does
         # (health.wan_outage_s, 60 s by default): 40 missed checks of 3 s, not Ray's 5.
         env.setdefault("RAY_health_check_failure_threshold", "40")
+        # A frozen actor is SIGKILLed 1 s after ray.kill, not 5 ([Note: killing a frozen
+        # actor] in geopipe.runtime.control.cluster).
+        env.setdefault("RAY_kill_worker_timeout_milliseconds", str(RAY_KILL_WORKER_TIMEOUT_MS))
         env["RAY_AUTH_MODE"] = self.plan.auth_mode
         if self.plan.auth_mode == "token":
             env["RAY_AUTH_TOKEN_PATH"] = str(self.token_path)

@@ -22,6 +22,7 @@ from test_runtime import tiny_doc
 
 from geopipe.checkpoint.store import list_checkpoints
 from geopipe.config import parse_cluster
+from geopipe.runtime.control.cluster import RAY_SYSTEM_CONFIG
 from geopipe.runtime.control.controller import Controller, LaunchOptions
 
 pytestmark = pytest.mark.ray
@@ -31,7 +32,12 @@ pytestmark = pytest.mark.ray
 def two_nodes():
     cluster = Cluster(
         initialize_head=True,
-        head_node_args={"num_cpus": 2, "resources": {"site:east": 2}, "include_dashboard": False},
+        head_node_args={
+            "num_cpus": 2,
+            "resources": {"site:east": 2},
+            "include_dashboard": False,
+            "_system_config": RAY_SYSTEM_CONFIG,  # as geopipe's own embedded Ray
+        },
     )
     west = cluster.add_node(num_cpus=2, resources={"site:west": 2})
     try:
