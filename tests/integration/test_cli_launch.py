@@ -125,6 +125,32 @@ def test_ctrl_c_stops_actors_and_ray(tmp_path):
     assert saved is not None and saved.step == status["step"] >= 1
 
 
+def test_the_embedded_ray_kills_a_frozen_actor_after_one_second():
+    """connect() starts the embedded Ray with Ray's SIGKILL grace at 1 s instead of 5
+    ([Note: killing a frozen actor] in geopipe.runtime.control.cluster): a worker sees it."""
+    from geopipe.config import RAY_KILL_WORKER_TIMEOUT_MS
+
+    assert wait_no_ray() == []
+    code = (
+        "import ray, yaml\n"
+        "from geopipe.config import parse_cluster\n"
+        "from geopipe.runtime.control.cluster import connect\n"
+        "doc = yaml.safe_load(open('clusters/local-2dc.yaml'))\n"
+        "doc['ray']['dashboard'] = False\n"
+        "connect(parse_cluster(doc, 't'))\n"
+        "config = ray._raylet.Config\n"
+        "grace = ray.remote(num_cpus=0)(lambda: config.kill_worker_timeout_milliseconds())\n"
+        "print('GRACE', ray.get(grace.remote()))\n"
+        "ray.shutdown()\n"
+    )
+    env = {**os.environ, "RAY_AUTH_MODE": "token"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                         env=env, timeout=120)  # fmt: skip
+    assert f"GRACE {RAY_KILL_WORKER_TIMEOUT_MS}" in out.stdout, out.stderr[-3000:]
+    assert RAY_KILL_WORKER_TIMEOUT_MS == 1000
+    assert wait_no_ray() == []
+
+
 def test_kill_9_of_the_launcher_leaves_nothing_behind(tmp_path):
     """A launcher killed outright (a crashed login node, the OOM killer) runs no cleanup
     code; its embedded Ray still goes with it (geopipe.runtime.control.reaper): no Ray process
