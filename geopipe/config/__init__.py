@@ -9,6 +9,7 @@ cross-checks (links name real sites, the model fits, the batch divides) live in
 """
 
 from geopipe.config.checks import choice_values
+from geopipe.config.health import RAY_KILL_WORKER_TIMEOUT_MS, HealthSpec
 from geopipe.config.load import load_cluster, parse_cluster, parse_yaml
 from geopipe.config.specs import (
     MAX_DELTA_N,
@@ -17,7 +18,6 @@ from geopipe.config.specs import (
     MAX_LAYERS,
     MAX_SITE_DEVICES,
     MAX_STEPS,
-    RAY_KILL_WORKER_TIMEOUT_MS,
     RECOVERY_SNAPSHOTS_KEPT,
     SITE_PLACEHOLDER,
     CheckpointSpec,
@@ -26,7 +26,6 @@ from geopipe.config.specs import (
     ConfigError,
     GASpec,
     GiB,
-    HealthSpec,
     LinkSpec,
     ModelSpec,
     PlanSpec,

@@ -10,9 +10,15 @@ import math
 import re
 from typing import Annotated, Any
 
-from pydantic import AfterValidator
+from pydantic import AfterValidator, BaseModel, ConfigDict
 
-__all__ = ["bounded", "codec_setting", "int_in", "name_of"]
+__all__ = ["Spec", "bounded", "codec_setting", "int_in", "name_of"]
+
+
+class Spec(BaseModel):
+    """A section of the cluster YAML: unknown keys are errors, and a parsed spec is frozen."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
 
 def bounded(lo: float, hi: float, *, lo_open: bool = False, unit: str = "") -> Any:

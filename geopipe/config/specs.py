@@ -10,9 +10,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    BaseModel,
     BeforeValidator,
-    ConfigDict,
     Field,
     ValidationError,
     ValidationInfo,
@@ -21,7 +19,8 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from geopipe.config.fields import bounded, codec_setting, int_in, name_of
+from geopipe.config.fields import Spec, bounded, codec_setting, int_in, name_of
+from geopipe.config.health import HealthSpec
 from geopipe.config.hfdir import HFDirError, read_hf_dir
 
 __all__ = [
@@ -113,11 +112,7 @@ CLIP = bounded(0.0, 1e6)
 KnobInt = int_in(-MAX_KNOB, MAX_KNOB)
 
 
-class _Spec(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
-
-
-class Range(_Spec):
+class Range(Spec):
     """An inclusive integer range searched by the planner."""
 
     min: int = Field(ge=0, le=MAX_KNOB)
@@ -134,13 +129,7 @@ class Range(_Spec):
 Choice = KnobInt | list[KnobInt] | Range
 
 
-# Ray's grace between asking an actor's worker to exit and SIGKILLing it, for the clusters
-# geopipe starts (the embedded one, the test bed's): [Note: killing a frozen actor] in
-# geopipe.runtime.control.cluster.
-RAY_KILL_WORKER_TIMEOUT_MS = 1000
-
-
-class RaySpec(_Spec):
+class RaySpec(Spec):
     address: str = Field("local", description="'local' (embedded), 'auto' or host:port")
     dashboard: bool = True
     dashboard_port: int = Field(8265, ge=1, le=65535)
@@ -155,7 +144,7 @@ class RaySpec(_Spec):
         return self.address == "local" if self.emulate_links is None else self.emulate_links
 
 
-class SiteSpec(_Spec):
+class SiteSpec(Spec):
     name: SiteName
     nodes: int = Field(ge=1, le=MAX_SITE_DEVICES)
     devices_per_node: int = Field(ge=1, le=MAX_SITE_DEVICES)
@@ -185,7 +174,7 @@ class SiteSpec(_Spec):
         return self.device_tflops * 1e12 * self.device_efficiency
 
 
-class LinkSpec(_Spec):
+class LinkSpec(Spec):
     """One WAN link direction ``from -> to``; mirrored unless the reverse is also given."""
 
     src: str = Field(alias="from")
@@ -222,7 +211,7 @@ def _model_error(field: str, message: str, value: Any) -> InitErrorDetails:
     )
 
 
-class ModelSpec(_Spec):
+class ModelSpec(Spec):
     """The model to train: the built-in GPT (its shape given here, ``family == "gpt"``) or a
     `transformers` decoder-only model, ``hf: PATH`` to a ``save_pretrained`` directory (relative
     to the YAML file's directory; stored absolute) whose config.json gives every shape field.
@@ -329,7 +318,7 @@ class ModelSpec(_Spec):
 SITE_PLACEHOLDER = "{site}"
 
 
-class CheckpointSpec(_Spec):
+class CheckpointSpec(Spec):
     """Where checkpoints go. One directory every node shares, or — with ``{site}`` in the
     path — one directory per site (a node-local disk on a real cluster; distinct directories
     when one machine emulates the sites), each holding a complete copy of every checkpoint
@@ -388,7 +377,7 @@ class CheckpointSpec(_Spec):
         return (self.dir or default).replace(SITE_PLACEHOLDER, site)
 
 
-class TrainingSpec(_Spec):
+class TrainingSpec(Spec):
     global_batch_size: int = Field(
         ge=1, le=MAX_GLOBAL_BATCH, description="sequences per optimizer step"
     )
@@ -422,7 +411,7 @@ class TrainingSpec(_Spec):
         return RECOVERY_SNAPSHOTS_KEPT if self.recovery_snapshots else 0
 
 
-class GASpec(_Spec):
+class GASpec(Spec):
     population: int = Field(48, ge=4, le=MAX_GA_POPULATION)
     generations: int = Field(30, ge=1, le=MAX_GA_GENERATIONS)
     seed: int = Field(0, ge=0, le=MAX_SEED)
@@ -442,7 +431,7 @@ class GASpec(_Spec):
         return self
 
 
-class GainsSpec(_Spec):
+class GainsSpec(Spec):
     """How much faster (predicted) a choice must be before the run takes it: the model errs
     by a few per cent, and keeping the simpler or the running choice costs nothing."""
 
@@ -455,7 +444,7 @@ class GainsSpec(_Spec):
     grow_back: PROB = Field(0.05, description="a layout over returned devices over the running one")
 
 
-class PlanSpec(_Spec):
+class PlanSpec(Spec):
     schedule: Literal["gpipe", "1f1b", "lookahead", "zb-h1", "lookahead-zb", "auto"] = Field(
         "lookahead",
         description="auto: plan look-ahead and look-ahead with split backward, keep the faster",
@@ -482,7 +471,7 @@ class PlanSpec(_Spec):
     min_gain: GainsSpec = GainsSpec()
 
 
-class SecuritySpec(_Spec):
+class SecuritySpec(Spec):
     """How the data plane (activations, gradients, checkpoint copies) protects itself. Every
     connection is authenticated with the run's secret whatever these say
     (:mod:`geopipe.transport.security`)."""
@@ -500,56 +489,7 @@ class SecuritySpec(_Spec):
     )
 
 
-class HealthSpec(_Spec):
-    """The control plane's clocks: how a step is watched, how long silence, a hang, a stuck
-    survivor or a checkpoint copy is waited for. Control-plane numbers, like Ray's own
-    health checks: none changes what training computes (outside the config digest)."""
-
-    heartbeat_s: float = Field(
-        1.0, gt=0.0, le=60.0,
-        description="each actor is pinged this often while a step runs",
-    )  # fmt: skip
-    unresponsive_s: float = Field(
-        10.0, gt=0.0, le=3_600.0,
-        description="an actor leaving a ping unanswered this long is lost (a frozen process, "
-        "a dead node); its site's other actors answering tells it from a WAN outage",
-    )  # fmt: skip
-    hang_factor: float = Field(
-        20.0, ge=1.0, le=1_000.0,
-        description="a step may take this many predicted step times before it is a hang …",
-    )  # fmt: skip
-    hang_floor_s: float = Field(
-        30.0, gt=0.0, le=86_400.0, description="… but at least this long once calibrated …"
-    )  # fmt: skip
-    hang_floor_uncalibrated_s: float = Field(
-        120.0, gt=0.0, le=86_400.0,
-        description="… and this long before (warm-up steps, the first compilations)",
-    )  # fmt: skip
-    wan_outage_s: float = Field(
-        60.0, ge=1.0, le=86_400.0,
-        description="a site whose every actor stops answering mid-step (a WAN outage or "
-        "partition) is waited for this long, the step paused, before the site-loss path "
-        "re-forms the job without it; WAN blips last seconds to a minute",
-    )  # fmt: skip
-    stuck_release_s: float = Field(
-        60.0, gt=0.0, le=3_600.0,
-        description="in a recovery, how long a survivor blocked in a collective with a dead "
-        "replica is waited for when it holds state no one else does (Ray needs seconds to "
-        "SIGKILL a frozen process, whose exit releases it)",
-    )  # fmt: skip
-    copy_wait_s: float = Field(
-        120.0, gt=0.0, le=86_400.0,
-        description="how long re-sent per-site checkpoint copies are waited for before the "
-        "copy is abandoned (the previous complete checkpoint stays)",
-    )  # fmt: skip
-    settle_s: float = Field(
-        10.0, gt=0.0, le=3_600.0,
-        description="at the end of a run or before a recovery, how long a checkpoint still "
-        "being written is waited for before it is left incomplete (never marked good)",
-    )  # fmt: skip
-
-
-class ClusterSpec(_Spec):
+class ClusterSpec(Spec):
     name: RunName
     ray: RaySpec = RaySpec()
     sites: list[SiteSpec] = Field(min_length=1)
