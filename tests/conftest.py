@@ -27,9 +27,11 @@ def _free_port() -> int:
 def ray_cluster():
     """One embedded Ray for every test that asks for it, with both sites of the local
     clusters and the dashboard (the state API needs it). Started once: a Ray start and stop
-    costs ~6 s of the suite per module. The tests that need a machine with no Ray of theirs
-    running (the CLI launches, the multi-node and test-bed clusters) run before it starts
-    (:func:`pytest_collection_modifyitems`)."""
+    costs ~6 s of the suite per module, and a run frees its actor names before it returns,
+    so the next test's launch of the same run finds them free. The tests that need a
+    machine with no Ray of theirs running (the CLI launches, the multi-node cluster) run
+    before it starts (:func:`pytest_collection_modifyitems`); the test bed's Ray lives in
+    network namespaces of its own."""
     import ray
     from _state import DASHBOARD
 
