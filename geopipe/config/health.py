@@ -49,8 +49,9 @@ class HealthSpec(Spec):
     stuck_release_s: float = Field(
         60.0, gt=0.0, le=3_600.0,
         description="in a recovery, how long a survivor blocked in a collective with a dead "
-        "replica is waited for when it holds state no one else does (Ray needs seconds to "
-        "SIGKILL a frozen process, whose exit releases it)",
+        "replica is waited for when it holds state no one else does (the dead replica's "
+        "exit releases it; Ray SIGKILLs a frozen process after its kill grace, 1 s on the "
+        "clusters geopipe starts and 5 s by Ray's default)",
     )  # fmt: skip
     copy_wait_s: float = Field(
         120.0, gt=0.0, le=86_400.0,

@@ -28,7 +28,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from geopipe.config import RAY_KILL_WORKER_TIMEOUT_MS
 from geopipe.testbed import netns
 from geopipe.testbed.plan import DEVICE, RAY_PORT, BedError, BedPlan
 
@@ -96,6 +95,8 @@ class Bed:
         env.setdefault("RAY_health_check_failure_threshold", "40")
         # A frozen actor is SIGKILLed 1 s after ray.kill, not 5 ([Note: killing a frozen
         # actor] in geopipe.runtime.control.cluster).
+        from geopipe.config import RAY_KILL_WORKER_TIMEOUT_MS  # here: the forwarder never needs it
+
         env.setdefault("RAY_kill_worker_timeout_milliseconds", str(RAY_KILL_WORKER_TIMEOUT_MS))
         env["RAY_AUTH_MODE"] = self.plan.auth_mode
         if self.plan.auth_mode == "token":

@@ -125,7 +125,7 @@ def test_ctrl_c_stops_actors_and_ray(tmp_path):
     assert saved is not None and saved.step == status["step"] >= 1
 
 
-def test_the_embedded_ray_kills_a_frozen_actor_after_one_second():
+def test_connect_starts_ray_with_a_one_second_kill_grace():
     """connect() starts the embedded Ray with Ray's SIGKILL grace at 1 s instead of 5
     ([Note: killing a frozen actor] in geopipe.runtime.control.cluster): a worker sees it."""
     from geopipe.config import RAY_KILL_WORKER_TIMEOUT_MS
@@ -146,8 +146,7 @@ def test_the_embedded_ray_kills_a_frozen_actor_after_one_second():
     env = {**os.environ, "RAY_AUTH_MODE": "token"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                          env=env, timeout=120)  # fmt: skip
-    assert f"GRACE {RAY_KILL_WORKER_TIMEOUT_MS}" in out.stdout, out.stderr[-3000:]
-    assert RAY_KILL_WORKER_TIMEOUT_MS == 1000
+    assert f"GRACE {RAY_KILL_WORKER_TIMEOUT_MS}" in out.stdout, out.stderr[-3000:]  # Ray: 5000
     assert wait_no_ray() == []
 
 

@@ -1,7 +1,7 @@
 """Tier 2: real Ray, real DeepSpeed, real training on one machine with two emulated sites.
 
-One embedded Ray (with both site resources and the dashboard, so the state API works)
-serves every test in this module; each test launches a Controller against it.
+The suite's one embedded Ray (with both site resources and the dashboard, so the state API
+works; tests/conftest.py) serves every test here; each test launches a Controller on it.
 
 Parity reference: a single-process torch run of the same GPT, data, seed, Adam and LR
 schedule, with the gradient of the mean loss over the global batch.

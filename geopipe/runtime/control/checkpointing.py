@@ -212,7 +212,7 @@ class CheckpointCoordinator:
             self.reporter.say(warning, warning=True)
 
     def close(self) -> list[str]:
-        """Stop the site stores; returns their names Ray still holds (see ``SiteCopies``)."""
+        """Stop the site stores; returns their names (see ``SiteCopies.close``)."""
         return self.copies.close() if self.copies is not None else []
 
     def _flat(self) -> list[Any]:

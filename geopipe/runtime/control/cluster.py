@@ -21,7 +21,8 @@ from geopipe.plan import Plan
 from geopipe.runtime.control.reaper import start_reaper
 
 __all__ = [
-    "ClusterInfo", "LaunchError", "check_sites", "connect", "kill_and_release", "site_resource",
+    "ClusterInfo", "LaunchError", "check_sites", "connect", "kill_actors", "site_resource",
+    "wait_released",
 ]  # fmt: skip
 
 # [Note: killing a frozen actor]
@@ -168,22 +169,30 @@ def shutdown(info: ClusterInfo | None) -> None:
         ray.shutdown()
 
 
-def kill_and_release(actors: dict[str, Any], namespace: str,
-                     timeout: float = NAME_RELEASE_S) -> list[str]:  # fmt: skip
-    """Kill ``{name: handle}`` and wait until Ray has freed every name, so that the next
-    launch of the run on this cluster finds them free. Returns the names still taken when
-    ``timeout`` ran out (empty when all were freed)."""
+def kill_actors(actors: dict[str, Any]) -> list[str]:
+    """Ask Ray to kill ``{name: handle}`` (each for good); returns the names, to be waited
+    for with :func:`wait_released`."""
     import ray
 
     for handle in actors.values():
         with contextlib.suppress(Exception):
             ray.kill(handle, no_restart=True)
-    held, deadline = list(actors), time.monotonic() + timeout
-    while True:
-        held = [n for n in held if _name_taken(n, namespace)]
-        if not held or time.monotonic() >= deadline:
-            return held
-        time.sleep(0.05)
+    return list(actors)
+
+
+def wait_released(names: list[str], namespace: str, timeout: float = NAME_RELEASE_S) -> list[str]:
+    """Wait until Ray has freed every name of ``names``, so that the next launch of the run
+    on this cluster finds them free; returns those still taken when ``timeout`` ran out or
+    Ctrl-C ended the wait (empty when all were freed)."""
+    held, deadline = list(names), time.monotonic() + timeout
+    try:
+        while True:
+            held = [n for n in held if _name_taken(n, namespace)]
+            if not held or time.monotonic() >= deadline:
+                return held
+            time.sleep(0.05)
+    except KeyboardInterrupt:  # the user stops waiting: shutting down goes on
+        return held
 
 
 def _name_taken(name: str, namespace: str) -> bool:
@@ -193,6 +202,6 @@ def _name_taken(name: str, namespace: str) -> bool:
         ray.get_actor(name, namespace=namespace)
     except ValueError:  # Ray's answer for "no live actor of that name"
         return False
-    except Exception:  # the cluster is gone: nothing can hold the name any more
+    except Exception:  # no answer (the cluster going away): nothing to wait for
         return False
     return True

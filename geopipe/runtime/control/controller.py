@@ -49,6 +49,7 @@ from geopipe.runtime.control.cluster import (
     check_precision,
     check_sites,
     connect,
+    wait_released,
 )
 from geopipe.runtime.control.health import (
     ActorsUnresponsive,
@@ -568,16 +569,16 @@ class Controller:
                     self._status(self.start_step)
                 self.reporter.final_status(self.state.name)
         if ray.is_initialized():
-            held = self.checkpoints.close()
+            names = self.checkpoints.close()
             if self.placement is not None:
-                held += self.placement.kill_all()
-            if held:
+                names += self.placement.kill_all()
+            if self.cluster is not None and self.cluster.started_here:
+                with contextlib.suppress(Exception):
+                    ray.shutdown()  # the names go with the cluster
+            elif names and (held := wait_released(names, self.spec.ray.namespace)):
                 self.reporter.say(
                     f"Ray still holds {len(held)} actor name(s) of this run ({held[0]}, …): a "
                     "relaunch on this cluster may find them taken until their processes exit",
                     warning=True,
                 )
-            if self.cluster is not None and self.cluster.started_here:
-                with contextlib.suppress(Exception):
-                    ray.shutdown()
         self.reporter.close()

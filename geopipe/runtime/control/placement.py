@@ -18,7 +18,7 @@ from geopipe.runtime.actor.engine_config import EngineConfig
 from geopipe.runtime.actor.links import WanPeer
 from geopipe.runtime.actor.sitegroups import grad_scale, site_worlds
 from geopipe.runtime.actor.stage import StageSpec, StageWorker
-from geopipe.runtime.control.cluster import LaunchError, kill_and_release, site_resource
+from geopipe.runtime.control.cluster import LaunchError, kill_actors, site_resource
 from geopipe.runtime.control.models import model_desc
 from geopipe.transport.link import LinkParams
 
@@ -136,11 +136,11 @@ class Placement:
         ray.kill(actor, no_restart=True)
 
     def kill_all(self) -> list[str]:
-        """Stop every actor the run made, and wait until Ray has freed their names (a
-        relaunch of the run on this cluster needs them). Returns the names still taken."""
-        held = kill_and_release(self._made, self.spec.ray.namespace)
+        """Stop every actor the run made; returns their names (Ray frees a name only once
+        the process has exited: see :func:`~geopipe.runtime.control.cluster.wait_released`)."""
+        names = kill_actors(self._made)
         self.rows, self._made = [], {}
-        return held
+        return names
 
     def check_data(self, want: str | None) -> str:
         """Every actor must read the same bytes (the batches are a function of them), and a

@@ -192,8 +192,9 @@ class Recovery:
         ``shutdown()`` and ``destroy_process_group()`` on the other side do not close gloo's
         connections). Its device is healthy, so it is replaced by a fresh actor at once —
         unless it is its stage's last holder: then its partner must be one of the dead,
-        whose process is still going (Ray takes seconds to SIGKILL a frozen one), and that
-        exit releases it.
+        whose process is still going (Ray SIGKILLs a frozen one after its kill grace: [Note:
+        killing a frozen actor] in geopipe.runtime.control.cluster), and that exit releases
+        it.
         """
         import ray
 

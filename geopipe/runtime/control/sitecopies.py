@@ -38,7 +38,7 @@ from typing import Any
 from geopipe.checkpoint.restore import Restorable, SiteCopy, copy_sites, newest_restorable
 from geopipe.checkpoint.store import CheckpointError, latest_complete
 from geopipe.config import ClusterSpec
-from geopipe.runtime.control.cluster import kill_and_release
+from geopipe.runtime.control.cluster import kill_actors
 from geopipe.runtime.control.health import quiet_get, ref_failed
 from geopipe.runtime.control.reporting import Reporter
 from geopipe.runtime.storage.sitestore import ShardSource, SiteStore
@@ -224,11 +224,11 @@ class SiteCopies:
         return live
 
     def close(self) -> list[str]:
-        """Stop the stores and wait until Ray has freed their names (a relaunch of the run
-        makes stores of the same names). Returns the names still taken."""
-        held = kill_and_release(self._handles, self.spec.ray.namespace)
+        """Stop the stores; returns their names (a relaunch of the run makes stores of the
+        same names: see :func:`~geopipe.runtime.control.cluster.wait_released`)."""
+        names = kill_actors(self._handles)
         self._stores, self._handles = {}, {}
-        return held
+        return names
 
     # -- saving --------------------------------------------------------------------------------
     def save(self, step: int) -> None:
