@@ -249,6 +249,7 @@ class StageEngine:
         )
         self.device = self.engine.device
         self.optimizer_s = 0.0  # seconds in DeepSpeed's step (reduction + Adam), cumulative
+        self.reducing = False  # inside the deferred step's ZeRO-1 collectives (read by recovery)
         self._step_base = 0
         self._inputs: dict[int, Tensor] = {}
         self._outputs: dict[int, Tensor] = {}
@@ -405,7 +406,11 @@ class StageEngine:
             self._tied.grad.add_(other.to(self._tied.grad.dtype))
         if self.cfg.defer_step:
             t0 = time.perf_counter()
-            self.engine.step()
+            self.reducing = True
+            try:
+                self.engine.step()
+            finally:
+                self.reducing = False
             self.optimizer_s += time.perf_counter() - t0
 
     @property

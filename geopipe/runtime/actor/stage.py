@@ -392,6 +392,11 @@ class StageWorker:
     def ping(self) -> int:
         return os.getpid()
 
+    def reducing(self) -> bool:
+        """Whether this replica is inside its step's ZeRO-1 collectives now (answered on
+        another thread while the step blocks there: see ``Recovery._wait_aborted``)."""
+        return self.engine is not None and self.engine.reducing
+
     def data_digest(self) -> str | None:
         """The corpus digest; None on a middle stage (it reads no data)."""
         return self.stream.corpus.digest if self.stream is not None else None

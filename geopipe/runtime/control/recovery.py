@@ -72,6 +72,7 @@ class Recovery:
         self.health = health
         self.templates: Any = None  # built at launch (build_templates), before anything fails
         self.layout_s: float | None = None  # the running layout's predicted step time
+        self.seen_reducing: list[Key] = []  # last recovery: survivors seen stuck reducing
 
     @property
     def plan(self) -> Plan:
@@ -131,6 +132,7 @@ class Recovery:
             restored_from=restored,
             seconds=seconds,
             replaced_stuck=[names[k] for k in released],
+            stuck_seen_reducing=[names[k] for k in self.seen_reducing],
             moved=moved,
             plan=new_plan.to_dict(),
         )
@@ -200,9 +202,7 @@ class Recovery:
 
         for a in survivors.values():
             a.abort.remote()
-        refs = [ref_of[k] for k in survivors]
-        _, stuck = ray.wait(refs, num_returns=len(refs), timeout=grace_s)
-        released = [k for k in survivors if ref_of[k] in stuck]
+        released = self._wait_aborted(survivors, ref_of, grace_s)
         cov = self._covers(list(survivors))
         kept = set().union(*(cov[j] for j in survivors if j not in released))
         needed = [k for k in released if not cov[k] <= kept]  # holds state no one else does
@@ -214,6 +214,37 @@ class Recovery:
             self.placement.kill(survivors.pop(k))
         quiet_get([a.leave.remote() for a in survivors.values()], 30)
         return released
+
+    def _wait_aborted(
+        self, survivors: dict[Key, Any], ref_of: dict[Key, Any], grace_s: float
+    ) -> list[Key]:
+        """The survivors whose aborted step has not returned after ``grace_s`` — except that
+        one seen twice in a row inside its step's ZeRO-1 collectives while a partner of its
+        group has returned from the step is stuck for sure (that partner will never join)
+        and not waited for: recovery goes on without waiting out the grace. Those are
+        remembered in :attr:`seen_reducing`."""
+        import ray
+
+        pending = {k: ref_of[k] for k in survivors}
+        group_of = {k: set(g) for groups in self.plan.shared_groups().values()
+                    for g in groups for k in g}  # fmt: skip
+        seen: dict[Key, int] = {}
+        self.seen_reducing = []
+        deadline = time.monotonic() + grace_s
+        while pending and time.monotonic() < deadline:
+            poll = min(0.2, max(0.0, deadline - time.monotonic()))
+            ready, _ = ray.wait(list(pending.values()), num_returns=len(pending), timeout=poll)
+            pending = {k: r for k, r in pending.items() if r not in ready}
+            returned = set(survivors) - set(pending)
+            asked = [k for k in pending if group_of.get(k, set()) & returned]
+            answers = quiet_get([survivors[k].reducing.remote() for k in asked], 1.0)
+            found = {k for k, reducing in zip(asked, answers, strict=True) if reducing is True}
+            for k in list(pending):
+                seen[k] = seen.get(k, 0) + 1 if k in found else 0
+                if seen[k] >= 2:
+                    self.seen_reducing.append(k)
+                    del pending[k]
+        return [*self.seen_reducing, *pending]
 
     def _decide(
         self, lost: list[Key], used: list[Key], boundary: int | None, holders: dict
