@@ -27,12 +27,14 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
 from safetensors import safe_open
 
 from geopipe.checkpoint.format import ADAM_STATE_GROUPS, EXP_AVG, EXP_AVG_SQ, PARAMS
+
+if TYPE_CHECKING:  # tensors are read through safetensors, which imports torch then: a
+    import torch  # site store lists, verifies and prunes without it (package docstring)
 
 __all__ = [
     "EXP_AVG",

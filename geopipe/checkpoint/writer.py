@@ -15,10 +15,7 @@ import time
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
-
-import torch
-from safetensors.torch import save, save_file
+from typing import TYPE_CHECKING, Any
 
 from geopipe.checkpoint.store import (
     _ACTIVE,
@@ -43,9 +40,14 @@ from geopipe.checkpoint.store import (
 
 __all__ = ["CheckpointWriter", "shard_bytes", "shard_name", "write_shard_file"]
 
+if TYPE_CHECKING:  # imported where shards are encoded: a site store commits its copies
+    import torch  # with the writer, and starts without torch (see the package docstring)
+
 
 def _prepare(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """CPU, contiguous tensors that own their storage, as safetensors requires."""
+    import torch
+
     out: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     for key, value in tensors.items():
@@ -72,6 +74,8 @@ def _encode(
     rng: Mapping[str, Any] | None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The tensors and safetensors header of stage ``stage``'s shard."""
+    import torch
+
     if not isinstance(stage, int) or stage < 0:
         raise CheckpointError(f"stage must be an int >= 0, got {stage!r}")
     data = _prepare(tensors)
@@ -106,6 +110,8 @@ def write_shard_file(
     A free function so a stage in another process can write into a writer's `tmp_dir` on a
     shared filesystem and hand the `ShardInfo` back to the controller (`add_shard`).
     """
+    from safetensors.torch import save_file
+
     t0 = time.perf_counter()
     data, header = _encode(stage, tensors, meta, rng)
     name = shard_name(stage)
@@ -131,6 +137,8 @@ def shard_bytes(
     """The exact bytes `write_shard_file` would write, in memory, with their `ShardInfo`:
     for a stage whose checkpoint directory is on another machine (per-site copies), which
     the sites' stores pull (:mod:`geopipe.runtime.storage.sitestore`)."""
+    from safetensors.torch import save
+
     t0 = time.perf_counter()
     data, header = _encode(stage, tensors, meta, rng)
     blob = save(data, metadata=header)

@@ -21,19 +21,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from geopipe.checkpoint import (
+from geopipe.checkpoint.rng import capture_rng, restore_rng
+from geopipe.checkpoint.store import (
     CheckpointError,
-    CheckpointWriter,
-    capture_rng,
     check_compatible,
     latest_complete,
     list_checkpoints,
     load_checkpoint,
     load_state_for_layers,
     prune,
-    restore_rng,
     step_dirname,
 )
+from geopipe.checkpoint.writer import CheckpointWriter
 
 SHAPE = {"n_layer": 2, "n_embd": 8, "n_head": 2, "vocab_size": 16, "max_seq_len": 8}
 LAYER_PARAMS = {
@@ -214,7 +213,7 @@ def test_uncommitted_save_is_partial_ignored_and_pruned_once_stale(tmp_path: Pat
 
 _KILLED_WRITER = """
 import sys, torch
-from geopipe.checkpoint import CheckpointWriter
+from geopipe.checkpoint.writer import CheckpointWriter
 w = CheckpointWriter(sys.argv[1], 20)
 big = {f"params/w{i}": torch.full((2048, 8192), float(i)) for i in range(6)}  # 6 x 64 MiB
 print("writing", flush=True)

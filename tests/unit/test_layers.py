@@ -24,3 +24,20 @@ def test_planner_and_cli_import_without_ray_deepspeed_or_torch() -> None:
         [sys.executable, "-c", _CHILD], capture_output=True, text=True, cwd=ROOT, check=True
     )
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+_STORE_CHILD = """
+import json, sys
+import geopipe.runtime.storage.sitestore, geopipe.checkpoint.restore
+print(json.dumps(sorted(m for m in ("ray", "deepspeed", "torch") if m in sys.modules)))
+"""
+
+
+def test_site_store_and_restore_policy_import_without_torch() -> None:
+    """A site's checkpoint store lists, verifies, commits and serves copies as files: it
+    starts without importing torch, and the pure restore policy never needs it."""
+    out = subprocess.run(
+        [sys.executable, "-c", _STORE_CHILD], capture_output=True, text=True, cwd=ROOT,
+        check=True,
+    )  # fmt: skip
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
