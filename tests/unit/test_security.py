@@ -50,10 +50,17 @@ def frame_bytes(key=("F", 0, 0), seq: int = 0) -> bytes:
     return b"".join(bytes(b) for b in encode_frame(key, seal(enc), seq, 0.0))
 
 
-def stranger(address, payload: bytes) -> bytes:
-    """Connect, send ``payload``, return whatever comes back before the server closes."""
+def stranger(address, payload: bytes, hello: bytes = b"", reply_first: int = 0) -> bytes:
+    """Connect, send ``payload``, return whatever comes back before the server closes.
+    With ``hello``: send it first and read ``reply_first`` bytes of the answer before the
+    payload (a server closing with bytes unread resets the connection, which can drop a
+    reply not yet read)."""
     got = b""
     with socket.create_connection(address, timeout=5) as s:
+        if hello:
+            s.sendall(hello)
+            while len(got) < reply_first and (chunk := s.recv(reply_first - len(got))):
+                got += chunk
         try:
             s.sendall(payload)
             s.shutdown(socket.SHUT_WR)
@@ -76,22 +83,8 @@ def replayed_handshake(address, creds: RunCredentials) -> bytes:
         answer = security._mac(creds, b"client", link_id(address), cn, sn)
         s.sendall(answer)
         assert s.recv(32) == security._mac(creds, b"server", link_id(address), cn, sn)
-    # The replay: the same hello, then (after the server's fresh nonce, read first: the
-    # server's close with the replayed bytes unread resets the connection, which can drop
-    # a nonce not yet read) the same answer and a frame.
-    got = b""
-    with socket.create_connection(address, timeout=5) as s:
-        s.sendall(hello)
-        while len(got) < 32 and (chunk := s.recv(32 - len(got))):
-            got += chunk
-        try:
-            s.sendall(answer + frame_bytes())
-            s.shutdown(socket.SHUT_WR)
-            while chunk := s.recv(4096):
-                got += chunk
-        except OSError:
-            pass
-    return got
+    # The replay: the same hello, the server's fresh nonce, then the same answer and a frame.
+    return stranger(address, answer + frame_bytes(), hello=hello, reply_first=32)
 
 
 @pytest.mark.parametrize("creds", [PLAIN, TLS], ids=["plain", "tls"])
