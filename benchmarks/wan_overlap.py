@@ -59,7 +59,7 @@ def _allowed_busy(ctl, cal: dict) -> float:
     from geopipe.optimizer.simulator import simulate
 
     plan = ctl.plan
-    c = measured_costs(ctl.spec, plan, cal["forward_s"], cal["backward_s"], cal["step_s"])
+    c = measured_costs(ctl.ctx.priced, plan, cal["forward_s"], cal["backward_s"], cal["step_s"])
     zero = tuple(0.0 for _ in c.lat_f)
     c = replace(c, ser_f=zero, lat_f=zero, ser_b=zero, lat_b=zero)
     sched = plan_schedule(plan)

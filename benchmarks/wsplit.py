@@ -63,7 +63,7 @@ def measure(spec, schedule: str, steps: int, run_dir: Path) -> dict:
     measured = res.steps[CALIBRATION_STEPS:]
     plan = ctl.plan
     sched = plan_schedule(plan)
-    model = plan_peak_memory(ctl.spec, plan)  # the planner's own memory verdict's figures
+    model = plan_peak_memory(ctl.ctx.priced, plan)  # the planner's own memory verdict's figures
     cal = [e for e in events if e["event"] == "calibrated"][-1]
     stages = range(len(measured[0].breakdown))
     parts = sorted({k for m in measured for b in m.breakdown for k in b})
@@ -81,7 +81,7 @@ def measure(spec, schedule: str, steps: int, run_dir: Path) -> dict:
         "predicted_activation_bytes": model[0].activations,
         "losses": [m.loss for m in res.steps],
         "calibration": cal,
-        "spec": ctl.spec,
+        "spec": ctl.ctx.priced,
         "plan": plan,
     }
 

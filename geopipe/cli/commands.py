@@ -20,6 +20,7 @@ from geopipe.cli.render import (
     json_text,
     model_summary,
     print_plan,
+    print_strategy,
 )
 from geopipe.config import ClusterSpec, load_cluster
 
@@ -37,11 +38,16 @@ EXIT_USAGE = 2
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from geopipe.optimizer.planner import plan_cluster
+    from geopipe.optimizer.runplan import plan_run
+    from geopipe.optimizer.strategy import as_pipeline
 
     spec = load_cluster(args.cluster)
     record = bool(args.trace or args.plot)
-    report = plan_cluster(spec, exhaustive=args.exhaustive, record=record)
+    # The one planning function launch and --dry-run call: the pipeline across the sites,
+    # the launch-time mix, and (strategy outer or auto) the strategy table.
+    rp = plan_run(spec, exhaustive=args.exhaustive, record=record, strict=False,
+                  source=args.cluster)  # fmt: skip
+    report, strategy = rp.report, rp.strategy
     if args.trace:
         from geopipe.timeline import write_chrome_trace
 
@@ -56,18 +62,28 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.templates:
         from geopipe.optimizer.templates import build_templates
 
-        templates = build_templates(spec, plan=report.best.plan)
+        templates = build_templates(as_pipeline(spec), plan=report.best.plan)
     if args.json:
         doc = report.to_json()
         if spec.model.is_hf:  # the GPT's documents stay as they were
             doc["model"] = model_summary(spec)
         if templates is not None:
             doc["templates"] = format_templates(templates)
+        if strategy is not None:
+            doc["strategy"] = strategy.to_json()
+        if rp.mixed:  # what launch runs: a mix of templates over all devices
+            doc["plan"], doc["mixed"] = rp.plan.to_dict(), True
+            doc["best"] = {**doc["best"], "launch_mix": rp.predicted.summary()}
         print(json_text(doc))
     else:
         from rich.console import Console
 
-        print_plan(spec, report, Console())
+        console = Console()
+        print_plan(spec, report, console)
+        if rp.mixed:
+            print(format_mix(rp.plan, rp.predicted.iteration_time_s))
+        if strategy is not None:
+            print_strategy(strategy, console)
         if templates is not None:
             print("\npipeline templates (one pipeline's layout for each device count per site):")
             print(format_templates(templates))
@@ -163,33 +179,56 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 def _dry_run(spec: ClusterSpec, args: argparse.Namespace) -> int:
-    """``launch --dry-run``: validate and plan exactly as launch would, start nothing.
+    """``launch --dry-run``: plan with the one planning function launch calls
+    (:func:`~geopipe.optimizer.runplan.plan_run`: the search, ``auto`` pinned, the
+    launch-time mix) and run every launch-time check that needs no Ray; start nothing.
 
     Launch first times the model on this machine when ``plan.calibrate`` is on (the default
     for an embedded Ray); a dry run keeps the YAML's nominal device speeds and says so.
     """
     from rich.console import Console
 
-    from geopipe.optimizer.planner import plan_cluster
+    from geopipe.optimizer.runplan import Overrides, plan_run
+    from geopipe.runtime.control.cluster import LaunchError
+    from geopipe.runtime.control.controller import OUTER_NOT_LAUNCHED, run_dir_for
+    from geopipe.runtime.control.preflight import preflight
 
-    updates: dict = {}  # the command line's --steps and --schedule, as launch applies them
-    if args.steps is not None:
-        updates["training"] = spec.training.model_copy(update={"steps": args.steps})
-    if args.schedule is not None:
-        updates["plan"] = spec.plan.model_copy(update={"schedule": args.schedule})
-    spec = spec.model_copy(update=updates) if updates else spec
-    report = plan_cluster(spec)
-    print_plan(spec, report, Console())
+    overrides = Overrides(steps=args.steps, schedule=args.schedule)
+    try:
+        notes = preflight(spec, run_dir_for(spec, args.run_dir))
+    except LaunchError as exc:
+        print(f"geopipe launch: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    rp = plan_run(spec, overrides=overrides, source=args.cluster)  # PlanningError: exit 2
+    console = Console()
+    print_plan(spec, rp.report, console)
+    if rp.mixed:
+        print(format_mix(rp.plan, rp.predicted.iteration_time_s))
+    if rp.strategy is not None:
+        print_strategy(rp.strategy, console)
+    if rp.outer:
+        print(f"geopipe launch: {OUTER_NOT_LAUNCHED}", file=sys.stderr)
+        return EXIT_USAGE
+    for note in notes:
+        print(f"note: {note}")
     calibrate = spec.plan.calibrate
     if spec.ray.address == "local" if calibrate is None else calibrate:
         print("note: launch first times the model on this machine (plan.calibrate); this dry "
               "run used the YAML's nominal device speeds")  # fmt: skip
-    if not report.best.feasible:
-        print(f"geopipe launch: no feasible plan for {spec.name}: {report.best.reason}",
-              file=sys.stderr)  # fmt: skip
-        return EXIT_USAGE
     print(f"dry run: {spec.name} is valid and plannable; nothing was started")
     return 0
+
+
+def format_mix(plan: object, iteration_time_s: float) -> str:
+    """One line per pipeline of a launch-time mix of templates."""
+    lines = [f"launch runs a mix of pipeline templates over all devices (predicted "
+             f"{fmt_time(iteration_time_s)}/step):"]  # fmt: skip
+    for r, p in enumerate(plan.mix):
+        lines.append(
+            f"  pipeline {r}: {len(p.stage_sites)} stages over {' → '.join(p.stage_sites)}, "
+            f"layers {[list(x) for x in p.partition]}, {p.num_microbatches} micro-batches"
+        )
+    return "\n".join(lines)
 
 
 def cmd_checkpoints(args: argparse.Namespace) -> int:

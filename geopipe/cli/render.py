@@ -23,6 +23,7 @@ __all__ = [
     "json_text",
     "model_summary",
     "print_plan",
+    "print_strategy",
 ]
 
 
@@ -207,6 +208,53 @@ def _codec_table(report: Any) -> Any:
         c.add_row(r.setting, fmt_time(t), f"{ratio:.2f}×" if math.isfinite(ratio) else "-",
                   fmt_time(r.wan_busy_s), fmt_time(r.compute_s), r.bound)  # fmt: skip
     return c
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2%}"
+
+
+def print_strategy(report: Any, console: Any) -> None:
+    """The strategy table (``plan.strategy`` outer or auto): every candidate, the chosen one
+    marked, why it won and the loss penalty it assumes, and its groups' plans."""
+    from rich.table import Table
+
+    t = Table(title="strategies compared (score: time per token × (1 + loss penalty))")
+    for col in ("", "strategy", "H", "F", "τ", "codec", "tokens/s", "device util",
+                "loss penalty", "÷ (1 + penalty)"):  # fmt: skip
+        t.add_column(col, justify="left" if col in ("", "strategy", "codec") else "right")
+    t.add_column("bound by / not chosen because", overflow="fold")
+    for c in report.candidates:
+        s = c.setting
+        cells = [str(x) for x in (s.h, s.fragments, s.overlap)] if s else ["-"] * 3
+        t.add_row(
+            "→" if c is report.chosen else "", c.label, *cells, s.codec if s else "-",
+            f"{c.tokens_per_s:,.0f}" if c.feasible else "-",
+            f"{c.device_utilization:.0%}" if c.feasible else "-",
+            _pct(c.penalty.value), f"{c.effective_tokens_per_s:,.0f}" if c.score < math.inf
+            else "-", c.reason or c.bound,
+        )  # fmt: skip
+    console.print(t)
+    c = report.chosen
+    console.print(f"chosen: {report.why}", soft_wrap=True, highlight=False)
+    table = report.penalty.table
+    source = f"no table at {report.penalty.path}"
+    if table:
+        source = (f"{table.path}: measured on {table.model}, {table.steps} steps, "
+                  f"synchronous noise {table.sync_noise:.2%}")  # fmt: skip
+    value = _pct(c.penalty.value) if c.penalty.priced else "unknown"
+    console.print(f"assumed loss penalty: {value} ({c.penalty.basis}); {source}",
+                  soft_wrap=True, highlight=False)  # fmt: skip
+    if c.kind != "pipeline":
+        for g, (sites, e) in enumerate(zip(c.groups, c.evaluations, strict=True)):
+            p = e.plan
+            console.print(
+                f"  group {g}: {' → '.join(sites)}: {p.pipelines} pipeline(s) × "
+                f"{p.num_stages} stages, {c.shares[g]} sequences per step (micro-batch "
+                f"{p.micro_batch_size} × {p.num_microbatches}), {p.schedule}, inner step "
+                f"{fmt_time(e.iteration_time_s)}, bubble {e.bubble_ratio:.1%}",
+                highlight=False, soft_wrap=True,
+            )  # fmt: skip
 
 
 def format_simulation(name: str, s: dict) -> str:

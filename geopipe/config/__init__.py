@@ -8,7 +8,7 @@ cross-checks (links name real sites, the model fits, the batch divides) live in
 :mod:`.checks`.
 """
 
-from geopipe.config.checks import choice_values
+from geopipe.config.checks import OuterSetting, choice_values, outer_settings
 from geopipe.config.health import RAY_KILL_WORKER_TIMEOUT_MS, HealthSpec
 from geopipe.config.load import load_cluster, parse_cluster, parse_yaml
 from geopipe.config.specs import (
@@ -28,6 +28,7 @@ from geopipe.config.specs import (
     GiB,
     LinkSpec,
     ModelSpec,
+    OuterSpec,
     PlanSpec,
     Range,
     RaySpec,
@@ -55,6 +56,8 @@ __all__ = [
     "HealthSpec",
     "LinkSpec",
     "ModelSpec",
+    "OuterSetting",
+    "OuterSpec",
     "PlanSpec",
     "Range",
     "RaySpec",
@@ -63,6 +66,7 @@ __all__ = [
     "TrainingSpec",
     "choice_values",
     "load_cluster",
+    "outer_settings",
     "parse_cluster",
     "parse_yaml",
 ]

@@ -5,7 +5,9 @@ divides). Each check returns ``(field path, message)`` pairs."""
 from __future__ import annotations
 
 import difflib
+from typing import NamedTuple
 
+from geopipe.config.outer import MAX_OUTER_H, MAX_OUTER_VALUES
 from geopipe.config.specs import (
     MAX_DELTA_N,
     MAX_LAYERS,
@@ -19,7 +21,7 @@ from geopipe.model.sizes import num_layers, param_totals, train_bytes_per_param
 from geopipe.pipeline.partition import order_sites
 from geopipe.transport.wire import CODECS, check_codec
 
-__all__ = ["choice_values", "cross_check"]
+__all__ = ["OuterSetting", "choice_values", "cross_check", "outer_settings"]
 
 Problems = list[tuple[str, str]]
 
@@ -185,6 +187,7 @@ def _check_plan(spec: ClusterSpec) -> Problems:
         problems += _check_pipelines(spec, mb_ok if batch_divides else [])
     if "delta_n" not in empty:
         problems += _check_delta_n(spec)
+    problems += _check_outer(spec)
     return problems
 
 
@@ -291,3 +294,90 @@ def _known_codec(codec: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+class OuterSetting(NamedTuple):
+    """One outer-loop candidate's knobs: ``h`` inner steps per round, ``fragments`` synced
+    on staggered steps, each send overlapping ``overlap`` inner steps, in ``codec``."""
+
+    h: int
+    fragments: int
+    overlap: int
+    codec: str
+
+
+def outer_settings(spec: ClusterSpec) -> list[OuterSetting]:
+    """Every consistent combination of the ``plan.outer`` knobs, the planner's grid: ``h`` a
+    multiple of ``fragments``, ``overlap < h / fragments`` (so at most one fragment is in
+    flight: the runtime's streaming schedule, ``geopipe.outer.fragments``), and, unless
+    the strategy is ``pipeline``, ``h`` dividing ``training.checkpoint.every_steps`` (a
+    checkpoint falls on a round boundary, where no fragment is in flight). Combinations of
+    listed values that break a rule are left out; :func:`cross_check` reports a knob only
+    when nothing is left."""
+    o = spec.plan.outer
+    every = spec.training.checkpoint.every_steps if spec.plan.strategy != "pipeline" else 0
+    out = []
+    for h in choice_values(o.h, default=[]):
+        if every and every % h:
+            continue
+        for f in choice_values(o.fragments, default=[]):
+            if f < 1 or h % f:
+                continue
+            out += [OuterSetting(h, f, tau, c) for tau in choice_values(o.overlap, default=[])
+                    if 0 <= tau < h // f for c in o.codecs]  # fmt: skip
+    return out
+
+
+def _check_outer(spec: ClusterSpec) -> Problems:
+    """``plan.outer``: each knob usable on its own, then together (:func:`outer_settings`)."""
+    o = spec.plan.outer
+    problems: Problems = []
+    lows = {"h": 1, "fragments": 1, "overlap": 0}
+    for name, low in lows.items():
+        choice, path = getattr(o, name), f"plan.outer.{name}"
+        if isinstance(choice, list) and not choice:
+            problems.append((path, "the list is empty: give at least one value (or omit the key)"))
+            continue
+        lo, hi = _choice_bounds(choice)
+        count = hi - lo + 1 if isinstance(choice, Range) else len(choice_values(choice, default=[]))
+        if lo < low or hi > MAX_OUTER_H:
+            problems.append(
+                (path, f"must be in [{low}, {MAX_OUTER_H}] (got {_show_choice(choice)})")
+            )
+        elif count > MAX_OUTER_VALUES:
+            problems.append((path, f"{count} values: the planner prices each for every grouping "
+                             f"of the sites; give at most {MAX_OUTER_VALUES}"))  # fmt: skip
+    if not o.codec:
+        problems.append(("plan.outer.codec", "the list is empty: give at least one codec"))
+    for i, c in enumerate(o.codec):
+        if c not in CODECS:
+            problems.append((f"plan.outer.codec[{i}]" if len(o.codec) > 1 else "plan.outer.codec",
+                             f"unknown codec '{c}' (one of {CODECS}; the pseudo-gradient "
+                             "travels one way, so one name)"))  # fmt: skip
+    if problems or outer_settings(spec):
+        return problems
+    return [_why_no_outer_setting(spec)]
+
+
+def _why_no_outer_setting(spec: ClusterSpec) -> tuple[str, str]:
+    """The knob to blame when no combination of ``plan.outer`` is consistent."""
+    o = spec.plan.outer
+    hs = choice_values(o.h, default=[])
+    fs = choice_values(o.fragments, default=[])
+    pairs = [(h, f) for h in hs for f in fs if h % f == 0]
+    if not pairs:
+        return ("plan.outer.fragments",
+                f"h ({_show_choice(o.h)}) must be a multiple of the fragments "
+                f"({_show_choice(o.fragments)}): each fragment is synced every h inner steps, "
+                "staggered by h / fragments")  # fmt: skip
+    taus = choice_values(o.overlap, default=[])
+    if not any(tau < h // f for h, f in pairs for tau in taus):
+        return ("plan.outer.overlap",
+                f"overlap ({_show_choice(o.overlap)}) must be below h / fragments "
+                f"({_short(sorted({h // f for h, f in pairs}))}): a fragment's send starts "
+                "after the previous fragment's apply")  # fmt: skip
+    every = spec.training.checkpoint.every_steps
+    return ("training.checkpoint.every_steps",
+            f"{every} is not a multiple of plan.outer.h ({_show_choice(o.h)}) with strategy "
+            f"{spec.plan.strategy}: a checkpoint must fall on an outer round's boundary, "
+            "where no fragment is in flight")  # fmt: skip

@@ -10,9 +10,11 @@ import math
 import re
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["Spec", "bounded", "codec_setting", "int_in", "name_of"]
+__all__ = ["MAX_KNOB", "Choice", "Range", "Spec", "bounded", "codec_setting", "int_in", "name_of"]
+
+MAX_KNOB = 1 << 31  # any planner knob value (ranges and list items)
 
 
 class Spec(BaseModel):
@@ -74,3 +76,24 @@ def codec_setting(v: Any) -> Any:
         raise ValueError("give a codec name, or {forward: <codec>, backward: <codec>}")
     f, b = v["forward"], v["backward"]
     return f if f == b else f"{f}/{b}"
+
+
+KnobInt = int_in(-MAX_KNOB, MAX_KNOB)
+
+
+class Range(Spec):
+    """An inclusive integer range searched by the planner."""
+
+    min: int = Field(ge=0, le=MAX_KNOB)
+    max: int = Field(ge=0, le=MAX_KNOB)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Range:
+        if self.min > self.max:
+            raise ValueError(f"min ({self.min}) is larger than max ({self.max})")
+        return self
+
+
+# A planner knob is fixed (an int), a list of candidates, or an inclusive range. (Here, not
+# in .specs, so that the sections in their own modules (.outer) use the same knob type.)
+Choice = KnobInt | list[KnobInt] | Range

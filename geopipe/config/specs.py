@@ -19,9 +19,17 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from geopipe.config.fields import Spec, bounded, codec_setting, int_in, name_of
+from geopipe.config.fields import (
+    Choice,
+    Range,
+    Spec,
+    bounded,
+    codec_setting,
+    name_of,
+)
 from geopipe.config.health import HealthSpec
 from geopipe.config.hfdir import HFDirError, read_hf_dir
+from geopipe.config.outer import OuterSpec, Strategy
 
 __all__ = [
     "HF_ONLY_FIELDS",
@@ -41,6 +49,7 @@ __all__ = [
     "HealthSpec",
     "LinkSpec",
     "ModelSpec",
+    "OuterSpec",
     "PlanSpec",
     "Range",
     "RaySpec",
@@ -68,7 +77,6 @@ MAX_VOCAB = 1 << 24
 MAX_SEQ_LEN = 1 << 24  # tokens per sequence
 MAX_STEPS = 10**12  # optimizer steps (and every other step count)
 MAX_SEED = (1 << 63) - 1  # torch and numpy take seeds below 2**64; numpy needs them >= 0
-MAX_KNOB = 1 << 31  # any planner knob value (ranges and list items)
 
 # Step boundaries each replica keeps in host RAM while `training.recovery_snapshots` is on: the
 # newest complete one, and the one before it in case a failure strikes while the newest is
@@ -109,24 +117,6 @@ PROB = bounded(0.0, 1.0)
 LR = bounded(0.0, 10.0, lo_open=True)
 DECAY = bounded(0.0, 10.0)
 CLIP = bounded(0.0, 1e6)
-KnobInt = int_in(-MAX_KNOB, MAX_KNOB)
-
-
-class Range(Spec):
-    """An inclusive integer range searched by the planner."""
-
-    min: int = Field(ge=0, le=MAX_KNOB)
-    max: int = Field(ge=0, le=MAX_KNOB)
-
-    @model_validator(mode="after")
-    def _ordered(self) -> Range:
-        if self.min > self.max:
-            raise ValueError(f"min ({self.min}) is larger than max ({self.max})")
-        return self
-
-
-# A planner knob is fixed (an int), a list of candidates, or an inclusive range.
-Choice = KnobInt | list[KnobInt] | Range
 
 
 class RaySpec(Spec):
@@ -442,6 +432,10 @@ class GainsSpec(Spec):
         0.02, description="pipelines of different shapes over the best identical ones"
     )
     grow_back: PROB = Field(0.05, description="a layout over returned devices over the running one")
+    outer: PROB = Field(
+        0.02, description="strategy auto: the outer loop over the exact synchronous pipeline "
+        "(after its loss penalty)",
+    )  # fmt: skip
 
 
 class PlanSpec(Spec):
@@ -469,6 +463,17 @@ class PlanSpec(Spec):
     topk_ratio: FRACTION = 0.01
     ga: GASpec = GASpec()
     min_gain: GainsSpec = GainsSpec()
+    strategy: Strategy = Field(
+        "pipeline",
+        description="pipeline: one pipeline across the sites; outer: replica groups joined by "
+        "an outer loop (plan.outer); auto: the planner chooses",
+    )
+    outer: OuterSpec = OuterSpec()
+    max_loss_penalty: PROB | None = Field(
+        None,
+        description="an outer-loop candidate whose predicted loss penalty (relative gap to "
+        "synchronous training) exceeds this is never chosen",
+    )
 
 
 class SecuritySpec(Spec):
@@ -533,8 +538,12 @@ class ClusterSpec(Spec):
         # How the data plane is protected changes no number a checkpoint holds.
         # Neither a machine's measured codec speeds nor the codec error policy change what
         # a checkpoint holds.
-        exclude: dict = {"security": True, "health": True,
-                         "plan": {"max_codec_error", "min_gain"},
+        # Nor does the loss-penalty bound; and a pipeline run's plan.outer is unused, so its
+        # hash is what it was before the outer loop existed.
+        plan = {"max_codec_error", "min_gain", "max_loss_penalty"}
+        if self.plan.strategy == "pipeline":
+            plan |= {"strategy", "outer"}
+        exclude: dict = {"security": True, "health": True, "plan": plan,
                          "sites": {"__all__": {"codec_gb_per_s"}}}  # fmt: skip
         if not self.model.is_hf:
             exclude["model"] = {"hf", *HF_ONLY_FIELDS}

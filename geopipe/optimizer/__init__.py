@@ -13,7 +13,10 @@ fastest within memory, by predicting each candidate with one cost model:
 * :mod:`.refine` — ΔN re-chosen from measured stage times;
 * :mod:`.ladder`, :mod:`.templates`, :mod:`.instantiate` — pipeline templates for recovery
   (layout predictions and the ΔN ladder, best uniform layout, heterogeneous instantiation);
-* :mod:`.policies` — the recovery and grow-back decisions the runtime executes.
+* :mod:`.policies` — the recovery and grow-back decisions the runtime executes;
+* :mod:`.strategy`, :mod:`.outer_cost`, :mod:`.penalty` — the pipeline across the sites or
+  replica groups joined by an outer loop (and hybrids): groupings, the price of a round,
+  the measured loss penalty, the choice.
 
 Pure: no Ray, no DeepSpeed, no torch (enforced by ``lint-imports``, see pyproject.toml).
 """

@@ -116,6 +116,12 @@ class Evaluation:
         return self.tokens_per_iteration / t if t > 0 and math.isfinite(t) else 0.0
 
     @property
+    def device_utilization(self) -> float:
+        """Share of the plan's device time spent computing: ``1 - bubble`` (every stage has
+        ``D`` devices, so the bubble is already weighted by devices); 0 without a plan."""
+        return 1.0 - self.bubble_ratio if self.plan is not None else 0.0
+
+    @property
     def peak_memory_bytes(self) -> list[float]:
         return [mb.total for mb in self.memory]
 
@@ -155,6 +161,7 @@ class Evaluation:
             "iteration_time_s": self.iteration_time_s,
             "tokens_per_s": self.tokens_per_s,
             "bubble_ratio": self.bubble_ratio,
+            "device_utilization": self.device_utilization,
             "peak_memory_bytes": self.peak_memory_bytes,
             "memory_limit_bytes": self.memory_limit_bytes,
             "host_memory_bytes_per_node": self.host_memory_bytes,

@@ -16,6 +16,17 @@
 
 A plan fits when no stage's peak exceeds its device (:func:`stages_over`, the one rule the
 evaluator, ΔN refinement and the templates apply).
+
+[Note: a replica group's spec] Under ``plan.strategy: outer`` a spec describes ONE replica
+group of an outer loop (the strategy planner, :mod:`geopipe.optimizer.strategy`, hands each
+group's sites to the search as such a spec), and every device also holds its share of the
+outer state (:func:`outer_state_bytes_per_param`): theta_global and the outer Nesterov
+momentum in fp32, partitioned over the stage's ZeRO-1 group like the fp32 masters (the
+pseudo-gradient is taken partition by partition); a top-k error-feedback buffer (fp32) when
+the pseudo-gradient codec is ``topk``; and the fragment in flight, an fp32 accumulator of the
+groups' decoded pseudo-gradients plus its own pseudo-gradient kept for the send (``8 / F``
+bytes per parameter). With a grid of ``fragments`` or codecs the largest share is counted:
+one search per group serves every setting. Other strategies hold none of it.
 """
 
 from __future__ import annotations
@@ -23,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from geopipe.config import ClusterSpec, GiB
+from geopipe.config import ClusterSpec, GiB, choice_values
 from geopipe.model.sizes import adam_bytes_per_param, elem_bytes, stage_param_count
 from geopipe.optimizer.costs import activation_bytes
 from geopipe.plan import Plan
@@ -33,6 +44,7 @@ __all__ = [
     "MemoryBreakdown",
     "device_limits",
     "inflight_caps",
+    "outer_state_bytes_per_param",
     "plan_memory",
     "snapshot_bytes",
     "stage_memory",
@@ -47,6 +59,11 @@ __all__ = [
 # and norm inputs, ~0.55 of a block's; Qi et al. count ~0.94 with the gradients W needs.
 W_HELD_FRACTION = 1.0
 
+# The outer loop's state per parameter, fp32 ([Note: a replica group's spec]).
+OUTER_STATE_BYTES = 8.0  # theta_global + the outer momentum
+OUTER_TOPK_FEEDBACK_BYTES = 4.0  # top-k's error feedback of the pseudo-gradient
+OUTER_IN_FLIGHT_BYTES = 8.0  # the fragment in flight: accumulator + own pseudo-gradient, / F
+
 
 @dataclass(frozen=True)
 class MemoryBreakdown:
@@ -54,10 +71,11 @@ class MemoryBreakdown:
     gradients: float
     adam_state: float  # this replica's ZeRO-1 shard of the Adam state
     activations: float
+    outer_state: float = 0.0  # this replica's share of the outer loop's state (or 0)
 
     @property
     def total(self) -> float:
-        return self.weights + self.gradients + self.adam_state + self.activations
+        return self.weights + self.gradients + self.adam_state + self.activations + self.outer_state
 
 
 def stage_memory(
@@ -68,9 +86,11 @@ def stage_memory(
     micro_batch: int,
     seq_len: int,
     in_flight: float,
+    outer_per_param: float = 0.0,
 ) -> MemoryBreakdown:
     """Peak bytes on one device holding layers ``[a, b)`` as one of ``replicas`` replicas
-    with ``in_flight`` micro-batches' worth of activations held."""
+    with ``in_flight`` micro-batches' worth of activations held, and ``outer_per_param``
+    bytes of outer-loop state per parameter partitioned over the replicas."""
     params = stage_param_count(model, layers)
     e = elem_bytes(precision)
     per_mb = _activations_per_micro_batch(model, precision, layers, micro_batch, seq_len)
@@ -79,7 +99,19 @@ def stage_memory(
         gradients=float(params * e),
         adam_state=float(params * adam_bytes_per_param(precision)) / replicas,
         activations=per_mb * in_flight,
+        outer_state=float(params * outer_per_param) / replicas,
     )
+
+
+def outer_state_bytes_per_param(spec: ClusterSpec) -> float:
+    """Bytes per parameter of outer-loop state a replica group's devices hold, before the
+    ZeRO-1 partitioning ([Note: a replica group's spec]); 0 unless the strategy is outer."""
+    pl = spec.plan
+    if pl.strategy != "outer":
+        return 0.0
+    fragments = min(choice_values(pl.outer.fragments, default=[1]))
+    topk = OUTER_TOPK_FEEDBACK_BYTES if "topk" in pl.outer.codecs else 0.0
+    return OUTER_STATE_BYTES + topk + OUTER_IN_FLIGHT_BYTES / max(fragments, 1)
 
 
 def _activations_per_micro_batch(
@@ -97,10 +129,11 @@ def inflight_caps(spec: ClusterSpec, plan: Plan) -> list[int]:
     gradients and Adam shard on its device (0 when not even one does): the bound a
     ``lookahead-zb`` stage defers its weight gradients within."""
     out = []
+    outer = outer_state_bytes_per_param(spec)
     for k, limit in enumerate(device_limits(spec, plan.stage_sites)):
         static = stage_memory(
             spec.model, spec.training.precision, plan.partition[k], plan.pipelines,
-            plan.micro_batch_size, plan.seq_len, 0,
+            plan.micro_batch_size, plan.seq_len, 0, outer,
         ).total  # fmt: skip
         per_mb = _activations_per_micro_batch(
             spec.model, spec.training.precision, plan.partition[k], plan.micro_batch_size,
@@ -111,11 +144,13 @@ def inflight_caps(spec: ClusterSpec, plan: Plan) -> list[int]:
 
 
 def plan_memory(spec: ClusterSpec, plan: Plan, in_flight: Sequence[float]) -> list[MemoryBreakdown]:
-    """Every stage's peak under ``plan`` with ``in_flight[k]`` micro-batches in flight."""
+    """Every stage's peak under ``plan`` with ``in_flight[k]`` micro-batches in flight (and
+    the outer state of a replica group's spec)."""
+    outer = outer_state_bytes_per_param(spec)
     return [
         stage_memory(
             spec.model, spec.training.precision, plan.partition[k], plan.pipelines,
-            plan.micro_batch_size, plan.seq_len, in_flight[k],
+            plan.micro_batch_size, plan.seq_len, in_flight[k], outer,
         )
         for k in range(plan.num_stages)
     ]  # fmt: skip

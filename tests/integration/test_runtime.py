@@ -171,6 +171,9 @@ def test_actors_named_in_state_api_and_metrics_written(tmp_path):
 
     from _state import alive_actor_names, taken_names
 
+    from geopipe.optimizer.measurements import Measurements
+    from geopipe.optimizer.runplan import plan_run
+
     doc = tiny_doc(2, 2, steps=2)
     spec = parse_cluster(doc, "test")
     out = tmp_path / "m.jsonl"
@@ -202,8 +205,14 @@ def test_actors_named_in_state_api_and_metrics_written(tmp_path):
         ctl.train()
     finally:
         ctl.close()
-    steps = [json.loads(x) for x in out.read_text().splitlines()]
-    steps = [x for x in steps if "event" not in x]
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    # The plan the launch ran is the one planning function's for what it measured first
+    # (geopipe plan and --dry-run call the same function), under the YAML's config hash.
+    (event,) = [x for x in lines if x.get("event") == "plan"]
+    replayed = plan_run(spec, Measurements.from_dict(event["planned_with"]))
+    assert event["plan"] == json.loads(json.dumps(replayed.plan.to_dict()))
+    assert event["config_hash"] == spec.digest
+    steps = [x for x in lines if "event" not in x]
     assert [x["step"] for x in steps] == [0, 1]
     for x in steps:
         assert {"loss", "iteration_time_s", "tokens", "bubble_ratio", "wan_bytes"} <= set(x)
@@ -307,7 +316,8 @@ def test_a_codec_erring_beyond_the_bound_falls_back_to_the_next_finer(tmp_path, 
     per step become exactly int8's."""
     import json
 
-    from geopipe.runtime.control.linkprobe import measure_codec_speeds, with_codec_speeds
+    from geopipe.optimizer.measurements import Measurements, costed
+    from geopipe.runtime.control.linkprobe import measure_codec_speeds
 
     doc = tiny_doc(1, 1, "int2h", steps=3)
     doc["links"][0]["bandwidth_gbps"] = 0.001  # thin: the planner picks the smallest codec
@@ -324,7 +334,10 @@ def test_a_codec_erring_beyond_the_bound_falls_back_to_the_next_finer(tmp_path, 
         ctl.close()
     assert set(speeds) == {"east", "west"}
     assert all(set(v) == {"int2h", "int8"} and min(v.values()) > 0 for v in speeds.values())
-    spec = with_codec_speeds(ctl.spec, speeds, {"west": {"int8": 99.0}})
+    yaml_spec = ctl.spec.model_copy(update={"sites": [
+        ctl.spec.sites[0], ctl.spec.sites[1].model_copy(update={"codec_gb_per_s": {"int8": 99.0}})
+    ]})  # fmt: skip
+    spec = costed(yaml_spec, Measurements(codecs=speeds))
     assert spec.sites[0].codec_gb_per_s == speeds["east"]
     assert spec.sites[1].codec_gb_per_s == {**speeds["west"], "int8": 99.0}  # the YAML's stands
     lines = [json.loads(x) for x in (tmp_path / "guard" / "metrics.jsonl").read_text().splitlines()]

@@ -11,7 +11,7 @@ import pytest
 from geopipe.config import ClusterSpec, load_cluster
 from geopipe.optimizer.evaluate import Evaluator
 from geopipe.optimizer.planner import plan_cluster
-from geopipe.runtime.control.planning import plan_run
+from geopipe.optimizer.runplan import plan_run
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCAL = load_cluster(ROOT / "clusters" / "local-2dc.yaml")
@@ -63,9 +63,9 @@ def test_auto_keeps_the_faster_schedule(spec: ClusterSpec, chosen: str) -> None:
 
 
 def test_a_run_planned_with_auto_carries_the_chosen_schedule() -> None:
-    spec, plan, predicted = plan_run(_with(TIGHT, schedule="auto", calibrate=False), None)
-    assert plan.schedule == spec.plan.schedule == "lookahead-zb"
-    assert predicted.plan.schedule == "lookahead-zb"
+    rp = plan_run(_with(TIGHT, schedule="auto", calibrate=False))
+    assert rp.plan.schedule == "lookahead-zb"
+    assert rp.predicted.plan.schedule == "lookahead-zb"
 
 
 def test_evaluations_outside_the_planner_score_plain_lookahead_for_auto() -> None:

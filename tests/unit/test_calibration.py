@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from geopipe.config import parse_cluster
+from geopipe.optimizer.measurements import costed
 from geopipe.optimizer.refine import measured_costs, predict
 from geopipe.optimizer.simulator import simulate
 from geopipe.pipeline.schedule import make_schedule
@@ -120,7 +121,9 @@ def test_launch_profile_measures_each_searched_codec_and_keeps_the_yaml_s():
     doc["sites"][1]["codec_gb_per_s"] = {"int8": 123.0}
     spec = parse_cluster(doc, "t")
     assert searched_codecs(spec) == ["int4h", "int8"]
-    got = profile_machine(spec, 1, 64)
+    measured = profile_machine(spec, 1, 64)
+    got = costed(spec, measured)
+    assert spec.sites[0].codec_gb_per_s == {}  # the spec as loaded is never patched
     east, west = (s.codec_gb_per_s for s in got.sites)
     assert set(east) == {"int4h", "int8"} and all(0 < v < 100 for v in east.values())
     assert west == {"int4h": east["int4h"], "int8": 123.0}

@@ -118,12 +118,12 @@ def test_simulate_bad_settings_exit_2(capsys, args: list[str]) -> None:
 
 
 def test_genuine_bug_is_an_internal_error_not_a_traceback(capsys, monkeypatch) -> None:
-    import geopipe.optimizer.planner as planner
+    import geopipe.optimizer.runplan as runplan
 
     def broken(*args, **kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(planner, "plan_cluster", broken)
+    monkeypatch.setattr(runplan, "plan_cluster", broken)
     code, _, err = run(capsys, "plan", str(LOCAL))
     assert code == 1
     assert "geopipe plan: internal error: RuntimeError: boom" in err

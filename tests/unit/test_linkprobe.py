@@ -8,12 +8,12 @@ import threading
 import pytest
 
 from geopipe.config import parse_cluster
+from geopipe.optimizer.measurements import LinkRate, Measurements, costed
 from geopipe.runtime.actor.probe import echo, probe
 from geopipe.runtime.control.linkprobe import (
     LinkMeasurement,
     burst_rate,
     clock_offset,
-    with_measured_links,
 )
 from geopipe.transport.channel import Inbox
 from geopipe.transport.direct import DirectReceiver
@@ -84,7 +84,7 @@ def test_measured_links_replace_the_yaml_and_say_what_is_off():
     m = LinkMeasurement(src, dst, 4 * yl.latency_s, bw, yl.latency_s, bw)
     off = m.off()
     assert len(off) == 1 and off[0].startswith("one-way latency")
-    new = with_measured_links(spec, [m])
+    new = costed(spec, Measurements(links=(LinkRate(src, dst, m.latency_s, m.bandwidth_bps),)))
     assert new.link(src, dst).latency_s == pytest.approx(2 * yl.latency_s)
     assert new.link(dst, src).latency_s == pytest.approx(2 * yl.latency_s)  # mirrored entry
     assert new.link(src, dst).bandwidth_bps == pytest.approx(yl.bandwidth_bps)

@@ -182,7 +182,7 @@ def test_uneven_devices_at_launch_run_a_mix() -> None:
     """local-2dc with 3 west devices: the planner's 2 identical pipelines leave one idle;
     a pipeline with two west stages beside one with one is predicted faster and launched.
     With even counts nothing is idle and the planner's plan stands."""
-    from geopipe.runtime.control.planning import mixed_at_launch
+    from geopipe.optimizer.runplan import mixed_at_launch
 
     doc = yaml.safe_load((ROOT / "clusters" / "local-2dc.yaml").read_text())
     spec = parse_cluster(doc, "even")

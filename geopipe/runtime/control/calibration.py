@@ -22,6 +22,7 @@ from typing import Any
 from geopipe.config import ClusterSpec, choice_values
 from geopipe.model.sizes import layer_forward_flops
 from geopipe.optimizer.costs import split_backward
+from geopipe.optimizer.measurements import DeviceSpeed, Measurements
 from geopipe.optimizer.refine import measured_costs, pessimistic, predict, refine_delta_n
 from geopipe.optimizer.simulator import PipelineCosts
 from geopipe.pipeline.schedule import LOOKAHEAD_FAMILIES, SPLIT_FAMILIES
@@ -92,28 +93,21 @@ def searched_codecs(spec: ClusterSpec) -> list[str]:
     return sorted({c for setting in settings for c in codec_pair(setting)} - {"none"})
 
 
-def profile_machine(spec: ClusterSpec, micro_batch: int, seq_len: int) -> ClusterSpec:
-    """A copy of ``spec`` whose sites compute, encode and decode at the measured speed of
-    this machine (a codec speed the YAML gives for a site stands)."""
+def profile_machine(spec: ClusterSpec, micro_batch: int, seq_len: int) -> Measurements:
+    """Every site's compute speed and the codec speeds, as measured on this machine (the
+    embedded cluster's sites all run here); :func:`~geopipe.optimizer.measurements.costed`
+    puts them in the cost model's place of the YAML's nominal figures."""
     f, b = _measure(spec, micro_batch, seq_len)
     speeds = measure_speeds(searched_codecs(spec), (micro_batch, seq_len, spec.model.n_embd))
     flops = sum(layer_forward_flops(spec.model, seq_len)) * micro_batch * seq_len
-    sites = []
+    devices = {}
     for s in spec.sites:
         eff = flops / f / (s.device_tflops * 1e12)
         if not 0 < eff <= 1:  # the nominal peak was wrong: keep the measured speed anyway
-            sites.append(
-                s.model_copy(
-                    update={"device_tflops": flops / f / 1e12, "device_efficiency": 1.0,
-                            "backward_forward_ratio": b / f}
-                )
-            )  # fmt: skip
+            devices[s.name] = DeviceSpeed(1.0, b / f, tflops=flops / f / 1e12)
         else:
-            sites.append(
-                s.model_copy(update={"device_efficiency": eff, "backward_forward_ratio": b / f})
-            )
-        sites[-1] = sites[-1].model_copy(update={"codec_gb_per_s": {**speeds, **s.codec_gb_per_s}})
-    return spec.model_copy(update={"sites": sites})
+            devices[s.name] = DeviceSpeed(eff, b / f)
+    return Measurements(devices=devices, codecs={s.name: dict(speeds) for s in spec.sites})
 
 
 # -- while training: the measured steps ---------------------------------------------------------

@@ -108,7 +108,9 @@ class CheckpointCoordinator:
         stage_sites: Callable[[], list[str]] = list,
         actor_sites: Callable[[], list[tuple[Any, str]]] | None = None,
         creds: Any = None,
+        link: Callable[[str, str], Any] | None = None,
     ) -> None:
+        self.spec = spec  # the run's settings: directories, keep, replication, clocks
         self.root = Path(spec.training.checkpoint.dir or run_dir / "checkpoints")
         self.reporter = reporter
         self._actors = actors
@@ -119,8 +121,7 @@ class CheckpointCoordinator:
         self.copies: SiteCopies | None = None
         if spec.training.checkpoint.per_site:
             self.copies = SiteCopies(spec, reporter, actors, stage_sites, manifest, actor_sites,
-                                     creds)  # fmt: skip
-        self.spec = spec
+                                     creds, link)  # fmt: skip
         # Which checkpoints are this run's (set by the controller at launch): its id, and
         # its lineage (checkpoint.store.accepts); fresh: a launch without --resume, which
         # moves another run's checkpoints aside before saving any of its own.
@@ -132,16 +133,6 @@ class CheckpointCoordinator:
         self.run_id, self.lineage, self.fresh = run_id, lineage, fresh
         if self.copies is not None:
             self.copies.run = {"id": run_id, "lineage": lineage, "fresh": fresh}
-
-    @property
-    def spec(self) -> ClusterSpec:
-        return self._spec
-
-    @spec.setter
-    def spec(self, spec: ClusterSpec) -> None:  # the planner may fill in measured links
-        self._spec = spec
-        if self.copies is not None:
-            self.copies.spec = spec
 
     def where(self) -> str:
         """Where the checkpoints are, for messages."""

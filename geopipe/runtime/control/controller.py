@@ -27,42 +27,47 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-import signal
-import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from geopipe.config import ClusterSpec, HealthSpec
 from geopipe.optimizer.codec_guard import apply_fallbacks, codec_fallbacks
+from geopipe.optimizer.errors import PlanningError
 from geopipe.optimizer.evaluate import Evaluation
+from geopipe.optimizer.measurements import Measurements
 from geopipe.optimizer.policies import GrowBack
+from geopipe.optimizer.runplan import Overrides, plan_run
 from geopipe.plan import Plan
 from geopipe.runtime.control.calibration import Calibrator, searched_codecs
 from geopipe.runtime.control.chaos import ChaosMonkey
 from geopipe.runtime.control.checkpointing import CheckpointCoordinator
 from geopipe.runtime.control.cluster import (
     ClusterInfo,
+    LaunchError,
     auth_env,
     check_precision,
     check_sites,
     connect,
     wait_released,
 )
+from geopipe.runtime.control.context import RunContext
 from geopipe.runtime.control.health import (
     ActorsUnresponsive,
     StepHung,
     await_step,
     hang_timeout_s,
 )
+from geopipe.runtime.control.history import RunHistory
 from geopipe.runtime.control.linkprobe import probe_links
 from geopipe.runtime.control.metrics import StepMetrics, aggregate, measured_events
 from geopipe.runtime.control.models import check_data_source, model_manifest
 from geopipe.runtime.control.placement import Placement
+from geopipe.runtime.control.planning import measure_before_planning
 from geopipe.runtime.control.recovery import Recovery
 from geopipe.runtime.control.reporting import Reporter
+from geopipe.runtime.control.signals import graceful_sigint
 from geopipe.runtime.control.states import (
     TERMINAL,
     Checkpointing,
@@ -79,7 +84,16 @@ from geopipe.runtime.control.states import (
 )
 from geopipe.transport.security import make_credentials
 
-__all__ = ["Controller", "LaunchOptions", "RunResult", "State"]
+__all__ = ["OUTER_NOT_LAUNCHED", "Controller", "LaunchOptions", "RunResult", "State"]
+
+# What launch says when the plan's strategy is an outer loop between replica groups: the
+# planner prices it and the stage actors hold its numerics, but the controller does not
+# drive rounds yet (a pipeline across sites is what launch runs).
+OUTER_NOT_LAUNCHED = (
+    "plan.strategy chose an outer loop between replica groups, which `geopipe plan` prices "
+    "but launch does not run yet: set plan.strategy: pipeline to launch the pipeline across "
+    "sites"
+)
 
 # A recovery interrupted by another death is retried from what is left, this many times.
 MAX_NESTED_RECOVERIES = 3
@@ -139,29 +153,30 @@ class Controller:
         # Stopping at N and resuming to 2N must follow the same LR schedule as running 2N in
         # one go, so the horizon is the YAML's, never --steps.
         self.lr_horizon = spec.training.lr_decay_steps or spec.training.steps
-        from geopipe.runtime.control.planning import with_overrides
-
-        self.spec = with_overrides(spec, opts.steps, opts.schedule)
+        # This launch's identity: in status.json, the metrics and every checkpoint it
+        # writes; recovery restores only checkpoints of its lineage (see _plan()).
+        run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+        self.overrides = Overrides(opts.steps, opts.schedule, opts.plan)
+        self.ctx = RunContext(spec, self.overrides, opts.health, run_id=run_id,
+                              lineage={run_id: None})  # fmt: skip
         auth_env(self.spec)  # before anything imports ray: it reads RAY_AUTH_MODE at import
-        if opts.health is not None:  # the caller's clocks replace the YAML's
-            self.spec = self.spec.model_copy(update={"health": opts.health})
         self.opts = opts
         self.state = Planning()
         self.run_dir = run_dir_for(self.spec, opts.run_dir)
-        self.reporter = Reporter(self.spec.name, self.run_dir, self.spec.training.steps)
-        # This launch's identity: in status.json, the metrics and every checkpoint it
-        # writes; recovery restores only checkpoints of its lineage (see launch()).
-        self.run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
-        self.lineage: dict[str, int | None] = {self.run_id: None}
+        self.history = RunHistory()  # failures, recoveries, grow-backs: the run's own record
+        self.reporter = Reporter(self.spec.name, self.run_dir, self.spec.training.steps,
+                                 self.history)  # fmt: skip
         # The data plane's secret (and TLS CA): made here, handed to the actors over Ray.
-        self.creds = make_credentials(self.run_id, self.spec.encrypted)
-        self.reporter.run_id = self.run_id
+        self.creds = make_credentials(run_id, self.spec.encrypted)
+        self.reporter.run_id = run_id
+        # The checkpoint coordinator reads the settings (directories, keep, clocks); site
+        # copies are paced by the link rates of the context current when they run.
         self.checkpoints = CheckpointCoordinator(
             self.spec, self.run_dir, self.reporter, self._rows, self._manifest,
             synchronous=opts.checkpoint_sync,
             stage_sites=lambda: list(self.plan.stage_sites) if self.plan else [],
             actor_sites=lambda: self.placement.actor_sites() if self.placement else [],
-            creds=self.creds,
+            creds=self.creds, link=lambda a, b: self.ctx.priced.link(a, b),
         )  # fmt: skip
         self.placement = self.recovery = self.calibrator = None
         self.cluster = self.plan = self.predicted = None
@@ -169,8 +184,22 @@ class Controller:
         self.chaos = ChaosMonkey(opts.chaos_kill_every, self.spec.training.seed, 0, self.reporter)
         self._resume: Any = None
         self.links_measured: list = []  # the WAN links as probed at launch
+        self.planned_with = Measurements()  # what the plan was made with (the plan event)
         self._stop_requested = False  # set by the first Ctrl-C while training
         self._nested_failures = 0  # recoveries in a row that a further death interrupted
+
+    @property
+    def spec(self) -> ClusterSpec:
+        """The settings the run executes (the YAML with the command line's overrides)."""
+        return self.ctx.settings
+
+    @property
+    def run_id(self) -> str:
+        return self.ctx.run_id
+
+    @property
+    def lineage(self) -> dict[str, int | None]:
+        return self.ctx.lineage
 
     # -- public surface ------------------------------------------------------------------------
     @property
@@ -206,20 +235,40 @@ class Controller:
 
     # -- PLANNING and LAUNCHING ----------------------------------------------------------------
     def launch(self) -> None:
-        import ray
+        """Plan, then start and wire the actors: the states Planning and Launching."""
+        self.state = Planning()
+        while isinstance(self.state, (Planning, Launching)):
+            self._status_early()
+            self.state = self._step(self.state)
 
-        from geopipe.runtime.control.planning import plan_run
-
+    def _plan(self) -> State:
+        """PLANNING: find the checkpoint to resume, measure this machine (when the run
+        profiles it) and plan with :func:`~geopipe.optimizer.runplan.plan_run`, the function
+        ``geopipe plan`` and ``--dry-run`` call."""
         self._resume = self.checkpoints.find_resume(self.opts.resume)
         self.start_step = self._resume.step if self._resume else 0
         if self._resume is not None:  # the resumed run's checkpoints up to here are ours too
-            self.lineage = self._resume.lineage_for(self.run_id)
+            self.ctx = self.ctx.resumed(self._resume.lineage_for(self.run_id))
         self.checkpoints.identify(self.run_id, self.lineage, fresh=self._resume is None)
         self.chaos.first_step = self.start_step
-        given = {s.name: dict(s.codec_gb_per_s) for s in self.spec.sites}  # the YAML's
-        self.spec, self.plan, self.predicted = plan_run(self.spec, self.opts.plan)
-        self.checkpoints.spec = self.spec
-        self.state = Launching()
+        measured = measure_before_planning(self.spec, self.overrides)
+        try:
+            rp = plan_run(self.ctx.spec, self.ctx.measurements.merged(measured), self.overrides)
+        except PlanningError as exc:
+            raise LaunchError(str(exc)) from None
+        if rp.outer:
+            raise LaunchError(OUTER_NOT_LAUNCHED)
+        self.ctx = self.ctx.measured(measured).planned(rp.plan, rp.predicted)
+        self.planned_with = self.ctx.measurements
+        self.plan, self.predicted = rp.plan, rp.predicted
+        return Launching()
+
+    def _launch(self) -> State:
+        """LAUNCHING: check what the plan needs, connect to Ray, place and wire the actors,
+        probe the real links, and build the components that run the training from the
+        context as measured."""
+        import ray
+
         check_data_source(self.spec)
         self.cluster = connect(self.spec)
         self.reporter.dashboard_url = self.cluster.dashboard_url
@@ -228,25 +277,22 @@ class Controller:
         use_gpu = ray.cluster_resources().get("GPU", 0) >= len(self.plan.actors())
         check_precision(self.spec.training.precision, use_gpu)
         self._say_security()
+        # Placement reads settings only (names, data, the emulated links' YAML figures).
         self.placement = Placement(self.spec, self.lr_horizon, use_gpu, self.creds)
         self.placement.place(self.plan)
         self.placement.wire()
         self.data_digest = self.placement.check_data(self._resume and self._resume.data_digest)
         if not self.spec.ray.links_emulated:  # emulated links are the YAML's by construction
-            spec, predicted, self.links_measured = probe_links(
-                self.spec, self.plan, self.placement, self.reporter.say, given
+            probed, self.links_measured = probe_links(
+                self.spec, self.plan, self.placement, self.reporter.say
             )
-            self.spec, self.predicted = spec, predicted or self.predicted  # a mix keeps its own
-        metrics = Path(self.opts.metrics_out) if self.opts.metrics_out else None
-        self.reporter.open(metrics or self.run_dir / "metrics.jsonl")
-        self.reporter.event("security", encrypt=self.creds.encrypt, authenticated=True,
-                            listen=self.spec.security.listen)  # fmt: skip
-        self.reporter.event(
-            "plan", run_id=self.run_id, lineage=self.lineage,
-            plan=self.plan.to_dict(), predicted=self.predicted.summary(),
-            links_measured=[m.to_dict() for m in self.links_measured],
-            codec_gb_per_s={s.name: s.codec_gb_per_s for s in self.spec.sites},
-        )  # fmt: skip
+            self.ctx = self.ctx.measured(probed)
+            if not self.plan.heterogeneous:  # a mix keeps its own prediction
+                self.predicted = plan_run(
+                    self.ctx.spec, self.ctx.measurements, replace(self.overrides, plan=self.plan)
+                ).predicted
+                self.ctx = self.ctx.planned(self.plan, self.predicted)
+        self._opened_events()
         sites = self.plan.stage_sites
         first_actor: dict[str, Any] = {}
         for k, row in enumerate(self.actors):
@@ -259,13 +305,39 @@ class Controller:
             assert set(steps) == {self.start_step}
         from geopipe.optimizer.templates import build_templates
 
-        self.recovery = Recovery(self.spec, self.placement, self.checkpoints, self.reporter,
-                                 self.spec.health)  # fmt: skip
+        priced = self.ctx.priced
         # Pipeline templates for every device count are ready before anything fails.
-        self.recovery.templates = build_templates(self.spec, plan=self.plan)
+        self.recovery = Recovery(priced, self.placement, self.checkpoints, self.reporter,
+                                 priced.health, self.history,
+                                 build_templates(priced, plan=self.plan))  # fmt: skip
+        self.calibrator = Calibrator(priced, self.opts.plan is not None,
+                                     self.predicted.iteration_time_s,
+                                     self.links_measured)  # fmt: skip
         if self._resume is not None:
             self.reporter.event("resumed", path=self._resume.path, step=self.start_step)
         self._status(self.start_step)  # `geopipe status` works from the first step on
+        return Running(self.start_step)
+
+    def _opened_events(self) -> None:
+        """Open the metrics and write the launch's security and plan events."""
+        metrics = Path(self.opts.metrics_out) if self.opts.metrics_out else None
+        self.reporter.open(metrics or self.run_dir / "metrics.jsonl")
+        self.reporter.event("security", encrypt=self.creds.encrypt, authenticated=True,
+                            listen=self.spec.security.listen)  # fmt: skip
+        self.reporter.event(
+            "plan", run_id=self.run_id, lineage=self.lineage, config_hash=self.ctx.config_hash,
+            overrides=self.overrides.to_dict(),
+            plan=self.plan.to_dict(), predicted=self.predicted.summary(),
+            links_measured=[m.to_dict() for m in self.links_measured],
+            planned_with=self.planned_with.to_dict(), measurements=self.ctx.measurements.to_dict(),
+            codec_gb_per_s={s.name: s.codec_gb_per_s for s in self.ctx.priced.sites},
+        )  # fmt: skip
+
+    def _status_early(self) -> None:
+        """status.json during Planning and Launching (once there is a plan to show)."""
+        if self.plan is not None:
+            with contextlib.suppress(OSError):
+                self._status(self.start_step)
 
     # -- RUNNING: the state machine ------------------------------------------------------------
     def train(self) -> RunResult:
@@ -274,9 +346,6 @@ class Controller:
         Ctrl-C finishes the step in flight, saves a checkpoint and then raises
         KeyboardInterrupt; a second Ctrl-C abandons the step.
         """
-        self.calibrator = Calibrator(self.spec, self.opts.plan is not None,
-                                     self.predicted.iteration_time_s,
-                                     self.links_measured)  # fmt: skip
         self.calibrator.restart(self.start_step)
         self._result = RunResult(
             self.plan, self.predicted, run_dir=self.run_dir,
@@ -285,8 +354,8 @@ class Controller:
         )  # fmt: skip
         self._last_results: list = []
         self.reporter.start_progress(self.opts.progress, self.start_step)
-        self.state = Running(self.start_step)
-        with self._graceful_sigint():
+        self._stop_requested = False
+        with graceful_sigint(self._request_stop):
             try:
                 while not isinstance(self.state, TERMINAL):
                     self.state = self._step(self.state)
@@ -305,6 +374,10 @@ class Controller:
         """Advance the run by one state."""
         if isinstance(state, Running):
             return self._run(state.step)
+        if isinstance(state, Planning):
+            return self._plan()
+        if isinstance(state, Launching):
+            return self._launch()
         if isinstance(state, Recovering):
             from ray.exceptions import RayActorError
 
@@ -362,7 +435,7 @@ class Controller:
             return Checkpointing(nxt, final=True)
         every = self.spec.training.checkpoint.every_steps
         if every and nxt % every == 0:
-            if self.reporter.recoveries:
+            if self.history.lost_devices:
                 decision = self.recovery.grow_decision()
                 if isinstance(decision, GrowBack):
                     return Growing(nxt, decision)
@@ -451,59 +524,28 @@ class Controller:
         self.plan = self.placement.plan = plan
 
     def _silence(self, step: int, sites: list[str], event: str, site: str, secs: float) -> None:
-        """A site went silent mid-step (a WAN outage or partition, as the driver sees it),
-        stays so, or answers again: say which link and for how long, on the console, in the
-        metrics and in status.json (``geopipe status``: waiting for link …)."""
-        others = sorted({s for s in sites if s != site}) or ["driver"]
-        link = f"{','.join(others)}→{site}"
+        """A site went silent mid-step, stays so, or answers again (``Reporter.silence``
+        says so); status.json shows Waiting while it is silent."""
         limit = self.spec.health.wan_outage_s
-        if event == "silent":
-            self.reporter.say(f"step {step}: link {link} silent for {secs:.0f} s: waiting up "
-                              f"to {limit:.0f} s (health.wan_outage_s) before writing site "
-                              f"{site} off")  # fmt: skip
-            self.reporter.event("link_silent", step=step, link=link, site=site, silent_s=secs,
-                                at=time.time())  # fmt: skip
-        if event == "healed":
-            self.reporter.say(f"step {step}: link {link} answers again after {secs:.0f} s")
-            self.reporter.event("link_healed", step=step, link=link, site=site, silent_s=secs,
-                                at=time.time())  # fmt: skip
-            self.reporter.waiting = None
+        if self.reporter.silence(step, sites, event, site, secs, limit):
+            self._status(step, Waiting(step))
+        else:
             self._status(step)
-            return
-        self.reporter.waiting = {"link": link, "silent_s": round(secs, 1), "limit_s": limit}
-        self._status(step, Waiting(step))
 
     def _status(self, step: int, state: State | None = None) -> None:
         names = self.placement.current_names() if self.placement else []
         self.reporter.status((state or self.state).name, step, self.plan, names)
 
-    @contextlib.contextmanager
-    def _graceful_sigint(self) -> Iterator[None]:
-        """First Ctrl-C: finish the step in flight, save a checkpoint, stop. Second: abandon.
-
-        A handler that only sets a flag, rather than Python's default KeyboardInterrupt, so
-        the interrupt can never land between writing a step's metrics and its status, or in
-        the middle of a checkpoint's bookkeeping.
-        """
-        self._stop_requested = False
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-
-        def handler(signum: int, frame: Any) -> None:
-            if self._stop_requested:
-                raise KeyboardInterrupt
-            self._stop_requested = True
-            self.reporter.say(
-                "\nfinishing the step in flight, then saving a checkpoint "
-                "(Ctrl-C again to abandon it)"
-            )
-
-        previous = signal.signal(signal.SIGINT, handler)
-        try:
-            yield
-        finally:
-            signal.signal(signal.SIGINT, previous)
+    def _request_stop(self) -> bool:
+        """The first Ctrl-C: finish the step in flight, save, stop (True); the second: False,
+        abandon it (:func:`~geopipe.runtime.control.signals.graceful_sigint`)."""
+        if self._stop_requested:
+            return False
+        self._stop_requested = True
+        self.reporter.say(
+            "\nfinishing the step in flight, then saving a checkpoint (Ctrl-C again to abandon it)"
+        )
+        return True
 
     # -- state of the whole model ---------------------------------------------------------------
     def _say_security(self) -> None:
@@ -518,7 +560,7 @@ class Controller:
     def _manifest(self, step: int) -> dict:
         m, t = self.spec.model, self.spec.training
         return {
-            "config_hash": self.spec.digest,
+            "config_hash": self.ctx.config_hash,
             "run_id": self.run_id,
             "lineage": self.lineage,
             "plan": self.plan.to_dict(),
@@ -532,27 +574,8 @@ class Controller:
         }
 
     def gather_state(self) -> dict:
-        """The whole model's unsharded parameters and Adam state, keyed by parameter name.
-
-        ``full_state`` is collective inside each ZeRO-1 group, so every replica is asked;
-        replica (pipeline) 0's copy of each stage is kept.
-        """
-        import ray
-
-        from geopipe.checkpoint.format import ADAM_STATE_GROUPS
-
-        rows = self._rows()
-        states = ray.get([a.full_state.remote() for row in rows for a in row])
-        out: dict = {**{g: {} for g in ADAM_STATE_GROUPS}, "step": None}
-        first = 0
-        for row in rows:
-            st = states[first]
-            first += len(row)
-            for g in ADAM_STATE_GROUPS:
-                out[g].update(st[g])
-            out["step"] = st["step"]
-            out.setdefault("lr_step", st["lr_step"])
-        return out
+        """The whole model's unsharded parameters and Adam state, keyed by parameter name."""
+        return self.placement.gather_state()
 
     # -- shutdown -------------------------------------------------------------------------------
     def close(self, interrupted: bool = False) -> None:

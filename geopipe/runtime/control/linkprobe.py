@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from geopipe.config import ClusterSpec
+from geopipe.optimizer.measurements import LinkRate, Measurements
 from geopipe.runtime.actor.probe import burst_sizes
 
 __all__ = [
@@ -40,8 +41,6 @@ __all__ = [
     "measure_codec_speeds",
     "measure_links",
     "probe_links",
-    "with_codec_speeds",
-    "with_measured_links",
 ]
 
 WARN_OFF = 0.20  # warn when a measurement is this far from the YAML
@@ -137,23 +136,6 @@ def measure_links(
     return out
 
 
-def with_measured_links(spec: ClusterSpec, measured: list[LinkMeasurement]) -> ClusterSpec:
-    """``spec`` with each measured link direction's latency and bandwidth replaced (both
-    directions when the YAML mirrors one entry: only one direction is streamed)."""
-    if not measured:
-        return spec
-    got = {(m.src, m.dst): m for m in measured}
-    links = []
-    for lk in spec.links:
-        m = got.get((lk.src, lk.dst)) or got.get((lk.dst, lk.src))
-        if m is not None:
-            lk = lk.model_copy(
-                update={"latency_ms": m.latency_s * 1e3, "bandwidth_gbps": m.bandwidth_bps / 1e9}
-            )
-        links.append(lk)
-    return spec.model_copy(update={"links": links})
-
-
 def measure_codec_speeds(
     rows: list[list[Any]], sites: tuple[str, ...], codecs: list[str]
 ) -> dict[str, dict[str, float]]:
@@ -169,43 +151,20 @@ def measure_codec_speeds(
     return {site: ray.get(ref) for site, ref in refs.items()}
 
 
-def with_codec_speeds(
-    spec: ClusterSpec, measured: dict[str, dict[str, float]], given: dict[str, dict[str, float]]
-) -> ClusterSpec:
-    """``spec`` with each site's measured codec speeds; a speed the YAML gives stands."""
-    sites = [
-        s.model_copy(update={"codec_gb_per_s": {**s.codec_gb_per_s, **measured.get(s.name, {}),
-                                                **given.get(s.name, {})}})
-        for s in spec.sites
-    ]  # fmt: skip
-    return spec.model_copy(update={"sites": sites})
-
-
 def probe_links(
-    spec: ClusterSpec,
-    plan: Any,
-    placement: Any,
-    say: Callable[[str], None],
-    given: dict[str, dict[str, float]] | None = None,
-) -> tuple[ClusterSpec, Any, list]:
-    """Measure the layout's WAN links and each boundary site's codec speeds, warn where the
-    YAML is off, and return the spec with the measurements, the plan's prediction under
-    them, and the link measurements. ``given``: codec speeds the YAML sets (they stand)."""
-    from geopipe.optimizer.evaluate import Evaluator
+    spec: ClusterSpec, plan: Any, placement: Any, say: Callable[[str], None]
+) -> tuple[Measurements, list[LinkMeasurement]]:
+    """Measure the layout's WAN links and each boundary site's codec speeds, and warn where
+    the YAML is off: the measurements (for the cost model) and the links' full readings
+    (round trips, clock offsets: for calibration and the metrics)."""
     from geopipe.runtime.control.calibration import searched_codecs
-    from geopipe.runtime.control.planning import candidate_of
 
     measured = measure_links(spec, placement.rows, plan.stage_sites, placement.wan_addresses)
     warn_if_off(measured, say)
-    spec = with_measured_links(spec, measured)
+    links = tuple(LinkRate(m.src, m.dst, m.latency_s, m.bandwidth_bps) for m in measured)
     codecs = searched_codecs(spec)
-    if codecs:
-        speeds = measure_codec_speeds(placement.rows, plan.stage_sites, codecs)
-        spec = with_codec_speeds(spec, speeds, given or {})
-    if plan.heterogeneous:  # the evaluator replays identical pipelines only
-        return spec, None, measured
-    predicted = Evaluator(spec, schedule=plan.schedule).evaluate(candidate_of(plan))
-    return spec, predicted, measured
+    speeds = measure_codec_speeds(placement.rows, plan.stage_sites, codecs) if codecs else {}
+    return Measurements(links=links, codecs=speeds), measured
 
 
 def warn_if_off(measured: list[LinkMeasurement], say: Callable[[str], None]) -> None:

@@ -287,3 +287,26 @@ class Placement:
                     )
                 )  # fmt: skip
         ray.get(calls)
+
+    def gather_state(self) -> dict:
+        """The whole model's unsharded parameters and Adam state, keyed by parameter name.
+
+        ``full_state`` is collective inside each ZeRO-1 group, so every replica is asked;
+        replica (pipeline) 0's copy of each stage is kept.
+        """
+        import ray
+
+        from geopipe.checkpoint.format import ADAM_STATE_GROUPS
+
+        rows = self.rows
+        states = ray.get([a.full_state.remote() for row in rows for a in row])
+        out: dict = {**{g: {} for g in ADAM_STATE_GROUPS}, "step": None}
+        first = 0
+        for row in rows:
+            st = states[first]
+            first += len(row)
+            for g in ADAM_STATE_GROUPS:
+                out[g].update(st[g])
+            out["step"] = st["step"]
+            out.setdefault("lr_step", st["lr_step"])
+        return out

@@ -38,6 +38,7 @@ from geopipe.plan import ActorKey, Plan
 from geopipe.runtime.control.checkpointing import CheckpointCoordinator
 from geopipe.runtime.control.cluster import LaunchError, site_resource
 from geopipe.runtime.control.health import ActorsUnresponsive, alive, quiet_get
+from geopipe.runtime.control.history import RunHistory
 from geopipe.runtime.control.placement import Placement
 from geopipe.runtime.control.reporting import Reporter
 
@@ -64,13 +65,17 @@ class Recovery:
         checkpoints: CheckpointCoordinator,
         reporter: Reporter,
         health: HealthSpec,
+        history: RunHistory,
+        templates: Any,
     ) -> None:
         self.spec = spec
         self.placement = placement
         self.checkpoints = checkpoints
         self.reporter = reporter
         self.health = health
-        self.templates: Any = None  # built at launch (build_templates), before anything fails
+        self.history = history  # the controller's record of the run (recoveries, grow-backs)
+        # Pipeline templates for every device count, built at launch before anything fails.
+        self.templates = templates
         self.layout_s: float | None = None  # the running layout's predicted step time
         self.seen_reducing: list[Key] = []  # last recovery: survivors seen stuck reducing
 
@@ -143,9 +148,7 @@ class Recovery:
             f"recovered in {seconds:.1f} s from {how}: {new_plan.describe()}, "
             f"continuing at step {resume_at}"
         )
-        self.reporter.recoveries.append(
-            {"seconds": seconds, "step": resume_at, "failed_step": step}
-        )
+        self.history.recovered(seconds, resume_at, step)
         return Recovered(resume_at, seconds)
 
     def _find_dead(
@@ -315,6 +318,7 @@ class Recovery:
         moved = self.relayout(decision.plan, pool, step, pool)
         self.layout_s = decision.predicted_new_s
         seconds = time.perf_counter() - t0
+        self.history.grown(seconds, step, decision.plan.pipelines)
         self.reporter.event("grown", step=step, seconds=seconds, moved=moved,
                             plan=decision.plan.to_dict())  # fmt: skip
         self.reporter.say(

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from geopipe.plan import Plan
+from geopipe.runtime.control.history import RunHistory
 from geopipe.runtime.control.metrics import MetricsSink, StepMetrics, say
 
 __all__ = ["Progress", "Reporter"]
@@ -56,7 +57,9 @@ class Progress:
 class Reporter:
     """Status file, metrics sink and progress bar of one run."""
 
-    def __init__(self, run: str, run_dir: Path, total_steps: int) -> None:
+    def __init__(
+        self, run: str, run_dir: Path, total_steps: int, history: RunHistory | None = None
+    ) -> None:
         self.run = run
         self.run_dir = run_dir
         self.total_steps = total_steps
@@ -64,7 +67,7 @@ class Reporter:
         self.progress: Progress | None = None
         self.dashboard_url: str | None = None
         self.ray_address: str | None = None
-        self.recoveries: list[dict] = []
+        self.history = history or RunHistory()  # the controller's record, shown in status
         self.checkpoint: dict | None = None  # the latest checkpoint: step, copies per site
         self.checkpoint_dirs: dict[str, str] = {}  # site -> its checkpoint directory
         self.run_id: str | None = None  # this launch's identity (checkpoints carry it)
@@ -77,6 +80,30 @@ class Reporter:
     def open(self, metrics_path: Path) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.sink = MetricsSink(metrics_path, self.run, tensorboard=self.run_dir / "tensorboard")
+
+    def silence(
+        self, step: int, sites: list[str], event: str, site: str, secs: float, limit: float
+    ) -> bool:
+        """A site went silent mid-step (a WAN outage or partition, as the driver sees it),
+        stays so, or answers again: say which link and for how long, on the console, in the
+        metrics and (``waiting``) in status.json. True while the step waits on the link."""
+        others = sorted({s for s in sites if s != site}) or ["driver"]
+        link = f"{','.join(others)}→{site}"
+        if event == "silent":
+            self.say(
+                f"step {step}: link {link} silent for {secs:.0f} s: waiting up to "
+                f"{limit:.0f} s (health.wan_outage_s) before writing site {site} off"
+            )
+            self.event("link_silent", step=step, link=link, site=site, silent_s=secs,
+                       at=time.time())  # fmt: skip
+        if event == "healed":
+            self.say(f"step {step}: link {link} answers again after {secs:.0f} s")
+            self.event("link_healed", step=step, link=link, site=site, silent_s=secs,
+                       at=time.time())  # fmt: skip
+            self.waiting = None
+            return False
+        self.waiting = {"link": link, "silent_s": round(secs, 1), "limit_s": limit}
+        return True
 
     def event(self, kind: str, **fields: Any) -> None:
         if self.sink is not None:
@@ -138,7 +165,8 @@ class Reporter:
                 }
                 for r in range(plan.pipelines)
             ],
-            "recoveries": list(self.recoveries),
+            "recoveries": list(self.history.recoveries),
+            "growbacks": list(self.history.growbacks),
             "checkpoint": self.checkpoint,
             "checkpoint_dirs": self.checkpoint_dirs,
             "waiting": self.waiting,

@@ -98,8 +98,12 @@ class SiteCopies:
         manifest: Callable[[int], dict],
         actor_sites: Callable[[], list[tuple[Any, str]]] | None = None,
         creds: Any = None,
+        link: Callable[[str, str], Any] | None = None,
     ) -> None:
         self.spec = spec
+        # The link between two sites as the run prices it now (measured at launch where
+        # links are real): copies are paced by it. Default: the YAML's.
+        self._link = link or spec.link
         self.creds = creds  # the run's data-plane credentials, for the stores' chunk servers
         # The run's identity for the stores ({"id", "lineage", "fresh"}, see
         # CheckpointCoordinator.identify), and what fresh stores moved aside.
@@ -281,7 +285,7 @@ class SiteCopies:
         return self._addresses[key]
 
     def _rate(self, src: str, dst: str) -> float | None:
-        lk = self.spec.link(src, dst)
+        lk = self._link(src, dst)
         return None if lk is None else LINK_SHARE * lk.bandwidth_bps / 8
 
     def poll(self, wait: bool = False, strict: bool = False) -> None:

@@ -1,0 +1,258 @@
+"""The price of one outer round between ``M`` replica groups, from the groups' own plans and
+the cluster's links.
+
+Each group is a plan the search made (its inner step simulated by the pipeline simulator
+with the YAML's, or the measured, links); this module adds what the outer loop costs on top.
+One round of ``H`` inner steps, ``F`` fragments, each fragment's send overlapping ``tau``
+(``overlap``) inner steps, codec ``c``::
+
+    round = H · t_step + F · max(0, T_x − tau · t_step) + F · t_codec + t_outer
+
+* ``t_step``: the slowest group's inner step (every group waits for it at each exchange);
+* ``T_x``: one fragment's exchange, an all-gather of every group's *encoded* pseudo-gradient
+  over a ring of the groups (each group encodes once and every group decodes the same bytes,
+  so theta_global stays identical everywhere: ``geopipe.outer.exchange``). The ring visits
+  the groups in the planner's site order; a hop is the fastest direct link between a site
+  of one group and a site of the next, or, where none exists (the ring's closing hop may
+  lack one), the path back along the site order (its latencies summed, its slowest link's
+  bandwidth; it runs the reverse directions of the chain's links, which the ring's other
+  hops leave free). In ring step ``s`` group ``g`` forwards the block of group ``g − s``;
+  a step lasts as long as its slowest hop (latency + block bytes / bandwidth / (1 − loss)),
+  and ``M − 1`` steps complete the all-gather. A block is the sum over the group's devices
+  of their fragment slice's encoded size (:func:`geopipe.transport.wire.wire_bytes`, as
+  rows of :data:`DELTA_ROW_LEN` like the runtime's encoder): every device of a group sends
+  through the one hop, and that hop's bandwidth is all the group gets (conservative for a
+  group spanning sites, whose own links could carry part of it; the hop to its sites'
+  stages is not priced).
+* ``t_codec``: the codec on the devices, not hidden (it runs on the compute stream): each
+  group encodes its slice once and decodes ``M − 1`` blocks; a site's codec speed is quoted
+  for encode + decode together (``codec_gb_per_s``, or the nominal speed), each taken as
+  half of it.
+* ``t_outer``: the outer step, elementwise over every device's fp32 partition, priced with
+  the device memory bandwidth: the pseudo-gradient (read theta_global and the master, write
+  Δ: 12 B), the average of the ``M`` decoded blocks (read 4 B each, write 4 B), Nesterov (read
+  Δ, momentum, theta_global; write momentum, theta_global, the master: 24 B); then the
+  ZeRO-1 group all-gathers the updated weights inside its site, as after an inner step.
+
+Tokens per round: ``H`` × the groups' tokens per inner step. Device utilisation: the
+devices' compute time (``1 - bubble`` of each group's step, for its devices, ``H`` times)
+over their time in the round. What binds is the largest loss of device time: bubbles
+inside the groups, waiting for the slowest group, the exposed exchange, the codec or the
+outer step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import pairwise
+
+from geopipe.config import ClusterSpec, OuterSetting
+from geopipe.model.sizes import elem_bytes, stage_param_count
+from geopipe.optimizer.evaluate import Evaluation, codec_speed
+from geopipe.plan import Plan
+from geopipe.transport.wire import transfer_time, wire_bytes
+
+__all__ = ["DELTA_ROW_LEN", "Hop", "RoundCost", "block_bytes", "price_round", "ring_hops"]
+
+# Elements per int8 scale of an encoded pseudo-gradient: geopipe.outer.exchange.ROW_LEN (that
+# module imports torch, so the planner keeps its own copy; a unit test holds them equal).
+DELTA_ROW_LEN = 256
+OUTER_STEP_BYTES = 40.0  # per parameter, besides 4 B per group averaged (module docstring)
+# A loss of device time below this share of the round is not named as what binds.
+_BINDS_FROM = 0.05
+
+
+@dataclass(frozen=True)
+class Hop:
+    """One hop of the ring of groups: ``src -> dst`` over a link (or a routed path)."""
+
+    src: str
+    dst: str
+    latency_s: float
+    bandwidth_bps: float
+    loss: float = 0.0
+    routed: bool = False  # no direct link: back along the site order
+
+    def seconds(self, nbytes: float) -> float:
+        return transfer_time(math.ceil(nbytes), self.bandwidth_bps, self.latency_s, self.loss)
+
+    @property
+    def name(self) -> str:
+        return f"{self.src}→{self.dst}" + (" (routed)" if self.routed else "")
+
+
+def _direct_hop(spec: ClusterSpec, a: Sequence[str], b: Sequence[str]) -> Hop | None:
+    """The fastest direct link from a site of ``a`` to a site of ``b`` (for 64 MiB)."""
+    best = None
+    for x in a:
+        for y in b:
+            lk = spec.link(x, y)
+            if lk is None:
+                continue
+            hop = Hop(x, y, lk.latency_s, lk.bandwidth_bps, lk.loss)
+            if best is None or hop.seconds(1 << 26) < best.seconds(1 << 26):
+                best = hop
+    return best
+
+
+def ring_hops(spec: ClusterSpec, groups: Sequence[Sequence[str]]) -> list[Hop]:
+    """Hop ``g`` carries group ``g``'s forwarding to group ``g + 1`` (mod ``M``); ``groups``
+    are contiguous runs of the site order (module docstring)."""
+    order = [s for g in groups for s in g]
+    hops = []
+    for g, a in enumerate(groups):
+        b = groups[(g + 1) % len(groups)]
+        hop = _direct_hop(spec, a, b)
+        if hop is None:  # back along the chain, from a's first site to b's last
+            path = order[order.index(b[-1]) : order.index(a[0]) + 1][::-1]
+            links = [spec.link(x, y) for x, y in pairwise(path)]
+            hop = Hop(
+                a[0],
+                b[-1],
+                sum(lk.latency_s for lk in links),
+                min(lk.bandwidth_bps for lk in links),
+                1 - math.prod(1 - lk.loss for lk in links),
+                routed=True,
+            )
+        hops.append(hop)
+    return hops
+
+
+def _stage_slices(spec: ClusterSpec, plan: Plan, fragments: int) -> list[tuple[str, int]]:
+    """``(site, elements)`` of one device's slice of one fragment, per stage."""
+    return [
+        (site, -(-stage_param_count(spec.model, layers) // (plan.pipelines * fragments)))
+        for site, layers in zip(plan.stage_sites, plan.partition, strict=True)
+    ]
+
+
+def block_bytes(spec: ClusterSpec, plan: Plan, setting: OuterSetting) -> float:
+    """One group's encoded pseudo-gradient of one fragment: every device's slice."""
+    total = 0.0
+    for _, n in _stage_slices(spec, plan, setting.fragments):
+        rows = -(-n // DELTA_ROW_LEN)
+        total += plan.pipelines * wire_bytes(
+            setting.codec, rows * DELTA_ROW_LEN, DELTA_ROW_LEN, 4, "backward", spec.plan.topk_ratio
+        )
+    return total
+
+
+def _codec_s(spec: ClusterSpec, plan: Plan, setting: OuterSetting, m: int) -> float:
+    """Seconds the slowest device of the group spends on the codec per fragment."""
+    return max(
+        4.0 * n * (m / 2) / codec_speed(spec.site(site), setting.codec)
+        for site, n in _stage_slices(spec, plan, setting.fragments)
+    )
+
+
+def _outer_step_s(spec: ClusterSpec, plan: Plan, m: int, fragments: int) -> float:
+    """Seconds of the outer step per round on the group's slowest device (module docstring)."""
+    d, e = plan.pipelines, elem_bytes(spec.training.precision)
+    worst = 0.0
+    for site_name, layers in zip(plan.stage_sites, plan.partition, strict=True):
+        site, params = spec.site(site_name), stage_param_count(spec.model, layers)
+        t = params / d * (OUTER_STEP_BYTES + 4.0 * m) / (site.device_mem_bw_gb_per_s * 1e9)
+        if d > 1:  # the ZeRO-1 group all-gathers the new weights, once per fragment
+            t += (d - 1) / d * params * e * 8 / (site.intra_bandwidth_gbps * 1e9)
+            t += fragments * (d - 1) * site.intra_latency_ms / 1e3
+        worst = max(worst, t)
+    return worst
+
+
+@dataclass(frozen=True)
+class RoundCost:
+    """One outer round's time and where it goes (module docstring)."""
+
+    setting: OuterSetting
+    step_s: float  # the slowest group's inner step
+    exchange_s: float  # one fragment's all-gather over the ring (transfer only)
+    exposed_s: float  # per round: the exchange compute did not hide
+    codec_s: float  # per round
+    outer_step_s: float  # per round
+    tokens: int  # per round, all groups
+    wan_bytes: float  # per round, every ring hop
+    device_utilization: float
+    bound: str
+
+    @property
+    def round_s(self) -> float:
+        return self.setting.h * self.step_s + self.exposed_s + self.codec_s + self.outer_step_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.round_s
+
+    def to_json(self) -> dict:
+        return {
+            "round_s": self.round_s,
+            "inner_step_s": self.step_s,
+            "inner_s": self.setting.h * self.step_s,
+            "exchange_s": self.exchange_s,
+            "exposed_s": self.exposed_s,
+            "codec_s": self.codec_s,
+            "outer_step_s": self.outer_step_s,
+            "wan_bytes": self.wan_bytes,
+        }
+
+
+def _all_gather_s(hops: Sequence[Hop], blocks: Sequence[float]) -> tuple[float, str]:
+    """Seconds of a ring all-gather of ``blocks`` (one per group), and its slowest hop."""
+    m, total, worst = len(blocks), 0.0, (0.0, "")
+    for s in range(1, m):
+        times = [(hop.seconds(blocks[(g - s) % m]), hop.name) for g, hop in enumerate(hops)]
+        step = max(times)
+        total += step[0]
+        worst = max(worst, step)
+    return total, worst[1]
+
+
+def price_round(
+    spec: ClusterSpec,
+    groups: Sequence[Sequence[str]],
+    evaluations: Sequence[Evaluation],
+    setting: OuterSetting,
+) -> RoundCost:
+    """The round of ``setting`` between ``groups`` (site names, contiguous runs of the site
+    order), each running the plan of its feasible evaluation (same order)."""
+    m, f = len(groups), setting.fragments
+    plans = [e.plan for e in evaluations]
+    step = max(e.iteration_time_s for e in evaluations)
+    blocks = [block_bytes(spec, p, setting) for p in plans]
+    exchange, slowest_hop = _all_gather_s(ring_hops(spec, groups), blocks)
+    exposed = f * max(0.0, exchange - setting.overlap * step)
+    codec = f * max(_codec_s(spec, p, setting, m) for p in plans)
+    outer = max(_outer_step_s(spec, p, m, f) for p in plans)
+    devices = [p.pipelines * p.num_stages for p in plans]
+    round_s = setting.h * step + exposed + codec + outer
+    busy = sum(
+        n * setting.h * e.device_utilization * e.iteration_time_s
+        for n, e in zip(devices, evaluations, strict=True)
+    )
+    losses = {
+        "bubbles inside the groups": sum(
+            n * setting.h * (1 - e.device_utilization) * e.iteration_time_s
+            for n, e in zip(devices, evaluations, strict=True)
+        ),
+        "waiting for the slowest group": sum(
+            n * setting.h * (step - e.iteration_time_s)
+            for n, e in zip(devices, evaluations, strict=True)
+        ),
+        f"exchange over {slowest_hop}": sum(devices) * exposed,
+        "pseudo-gradient codec": sum(devices) * codec,
+        "outer step": sum(devices) * outer,
+    }
+    what, lost = max(losses.items(), key=lambda kv: kv[1])
+    return RoundCost(
+        setting=setting,
+        step_s=step,
+        exchange_s=exchange,
+        exposed_s=exposed,
+        codec_s=codec,
+        outer_step_s=outer,
+        tokens=setting.h * sum(e.tokens_per_iteration for e in evaluations),
+        wan_bytes=f * (m - 1) * sum(blocks),
+        device_utilization=busy / (sum(devices) * round_s),
+        bound=what if lost > _BINDS_FROM * sum(devices) * round_s else "compute",
+    )

@@ -1,0 +1,463 @@
+"""Two ways across the WAN, one planner: the pipeline across the sites, an outer loop between
+replica groups (the DiLoCo family), or a hybrid of the two — chosen by predicted time per
+token × (1 + predicted loss penalty).
+
+Candidates (``plan.strategy: outer`` or ``auto``):
+
+* **pipeline**: today's plan, one pipeline across every site (``M = 1``, exact and
+  synchronous: no loss penalty). Its report is the search's own (:func:`plan_cluster`).
+* **outer**: ``M`` replica groups, each a pipeline inside one site, meeting every ``H``
+  inner steps; **hybrid**: groups that span a contiguous run of sites. Groupings are the
+  site order the pipeline uses (:func:`~geopipe.optimizer.shapes.site_order`, Held–Karp)
+  cut into ``M`` contiguous runs of equal length (``n // M`` or one more; at most
+  :data:`MAX_ARRANGEMENTS` ways to place the longer runs), for every ``M`` that divides
+  the global batch — one group per site is ``M = n``. Each group is planned by today's
+  search on a spec of its own sites and links and its share of the global batch
+  (:func:`group_spec`, whose memory model holds the outer state: [Note: a replica group's
+  spec] in :mod:`geopipe.optimizer.memory`); every ``(H, F, tau, codec)`` of
+  ``plan.outer``'s grid (:func:`geopipe.config.outer_settings`) is priced by
+  :mod:`.outer_cost`, its loss penalty comes from the measured table (:mod:`.penalty`), and
+  each ``(H, F, codec)`` row keeps its best overlap ``tau`` (ties: the smaller).
+
+[Note: batch shares] A grouping is planned with equal shares (``global_batch / M``), then
+with shares in proportion to the groups' speeds (:func:`balanced_shares`), and each row
+keeps the faster. Every group waits for the slowest at each exchange, so with equal shares a
+region of 3× the FLOP/s computes a third of the time (worldwide-64: at most ~68 % of the
+devices' time, whatever H). Unequal shares ask two things of the runtime: group ``g`` takes
+its own contiguous slice of every global batch (sample indices stay a pure function of the
+step, so exact resume holds), and the pseudo-gradients should be averaged weighted by share,
+so that ``H = 1`` with outer lr 1 and momentum 0 is still synchronous training. The loss
+table is measured with equal shares; the planner assumes the same penalty for either.
+
+``auto`` takes an outer candidate only when it is ``plan.min_gain.outer`` better than the
+pipeline after its penalty (a tie goes to the exact synchronous pipeline). A candidate whose
+penalty cannot be priced (no table, an ``H`` beyond the measured ones, an ``M`` not measured)
+is listed with the reason and never chosen by ``auto``; ``outer`` takes the best priced one,
+or, where nothing is priced and ``plan.max_loss_penalty`` is unset, the fastest, saying the
+penalty is unknown. A strategy that leaves nothing to choose is a :class:`ConfigError` naming
+the field (the CLI's exit 2).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from itertools import combinations, islice
+
+from geopipe.config import ClusterSpec, ConfigError, OuterSetting, outer_settings
+from geopipe.optimizer.errors import PlanningError
+from geopipe.optimizer.evaluate import Evaluation
+from geopipe.optimizer.outer_cost import RoundCost, price_round
+from geopipe.optimizer.penalty import Penalty, PenaltyModel
+from geopipe.optimizer.planner import PlanReport, plan_cluster
+from geopipe.optimizer.shapes import site_order
+
+__all__ = [
+    "BALANCE_PASSES",
+    "MAX_ARRANGEMENTS",
+    "Candidate",
+    "StrategyReport",
+    "as_pipeline",
+    "balanced_shares",
+    "group_spec",
+    "plan_strategy",
+    "site_groupings",
+]
+
+MAX_ARRANGEMENTS = 8  # ways to place the longer runs when M does not divide the site count
+BALANCE_PASSES = 2  # re-balancings of the groups' batch shares (_group_plans)
+
+Grouping = tuple[tuple[str, ...], ...]
+_NO_GROUPING = "one site, or no number of groups M >= 2 divides the global batch"
+
+
+def as_pipeline(spec: ClusterSpec) -> ClusterSpec:
+    """``spec`` planned as one pipeline across its sites (what ``strategy: pipeline`` does)."""
+    if spec.plan.strategy == "pipeline":
+        return spec
+    return spec.model_copy(update={"plan": spec.plan.model_copy(update={"strategy": "pipeline"})})
+
+
+def group_spec(spec: ClusterSpec, sites: Sequence[str], batch: int) -> ClusterSpec:
+    """The spec one replica group is planned on: its sites and the links between them,
+    ``batch`` sequences per inner step (its share of the global batch), strategy ``outer``
+    (so its memory holds the outer state)."""
+    keep = set(sites)
+    training = spec.training.model_copy(update={"global_batch_size": batch})
+    return spec.model_copy(
+        update={
+            "sites": [s for s in spec.sites if s.name in keep],
+            "links": [lk for lk in spec.links if lk.src in keep and lk.dst in keep],
+            "training": training,
+            "plan": spec.plan.model_copy(update={"strategy": "outer"}),
+        }
+    )
+
+
+def site_groupings(order: Sequence[str], global_batch: int) -> list[Grouping]:
+    """``order`` cut into ``M >= 2`` contiguous runs of near-equal length, for every ``M``
+    dividing ``global_batch`` (module docstring)."""
+    n, out = len(order), []
+    for m in range(2, n + 1):
+        if global_batch % m:
+            continue
+        q, r = divmod(n, m)
+        for longer in islice(combinations(range(m), r), MAX_ARRANGEMENTS):
+            runs, at = [], 0
+            for g in range(m):
+                size = q + (g in longer)
+                runs.append(tuple(order[at : at + size]))
+                at += size
+            out.append(tuple(runs))
+    return out
+
+
+@dataclass
+class Candidate:
+    """One row of the strategy table."""
+
+    kind: str  # "pipeline" | "outer" | "hybrid"
+    groups: Grouping
+    setting: OuterSetting | None = None
+    tokens_per_s: float = 0.0
+    device_utilization: float = 0.0
+    penalty: Penalty = field(default_factory=lambda: Penalty(0.0, "exact, synchronous"))
+    feasible: bool = True
+    reason: str = ""  # why it cannot be chosen (empty if it can)
+    bound: str = ""
+    round: RoundCost | None = None
+    evaluations: tuple[Evaluation, ...] = ()  # each group's plan (the pipeline's: one)
+
+    @property
+    def replicas(self) -> int:
+        return len(self.groups)
+
+    @property
+    def shares(self) -> tuple[int, ...]:
+        """Sequences per inner step of each group (its share of the global batch)."""
+        return tuple(e.tokens_per_iteration // e.plan.seq_len for e in self.evaluations if e.plan)
+
+    @property
+    def score(self) -> float:
+        """Seconds per token × (1 + loss penalty); inf where it does not fit or has no price."""
+        if not self.feasible or not self.penalty.priced or not self.tokens_per_s:
+            return math.inf
+        return (1.0 + (self.penalty.value or 0.0)) / self.tokens_per_s
+
+    @property
+    def effective_tokens_per_s(self) -> float:
+        return 1.0 / self.score if math.isfinite(self.score) else 0.0
+
+    @property
+    def label(self) -> str:
+        if self.kind == "pipeline":
+            return "pipeline across sites"
+        sizes = sorted({len(g) for g in self.groups})
+        per = "one site" if sizes == [1] else "/".join(map(str, sizes)) + " sites"
+        return f"{self.kind}: {self.replicas} groups of {per}"
+
+    def to_json(self, plans: bool = False) -> dict:
+        s = self.setting
+        doc = {
+            "kind": self.kind,
+            "label": self.label,
+            "replicas": self.replicas,
+            "groups": [list(g) for g in self.groups],
+            "batch_shares": list(self.shares),
+            "h": s.h if s else None,
+            "fragments": s.fragments if s else None,
+            "overlap": s.overlap if s else None,
+            "codec": s.codec if s else None,
+            "tokens_per_s": self.tokens_per_s,
+            "effective_tokens_per_s": self.effective_tokens_per_s,
+            "device_utilization": self.device_utilization,
+            "loss_penalty": self.penalty.value,
+            "loss_penalty_basis": self.penalty.basis,
+            "priced": self.penalty.priced,
+            "feasible": self.feasible,
+            "reason": self.reason,
+            "bound": self.bound,
+            "round": self.round.to_json() if self.round else None,
+        }
+        if plans:
+            doc["group_plans"] = [
+                {
+                    "sites": list(g),
+                    "plan": e.plan.to_dict() if e.plan else None,
+                    "summary": e.summary(),
+                }
+                for g, e in zip(self.groups, self.evaluations, strict=True)
+            ]
+        return doc
+
+
+@dataclass
+class StrategyReport:
+    """Every candidate (the pipeline first), the chosen one and why, and the penalty model."""
+
+    setting: str  # plan.strategy
+    chosen: Candidate
+    why: str
+    candidates: list[Candidate]
+    penalty: PenaltyModel
+
+    def to_json(self) -> dict:
+        t = self.penalty.table
+        return {
+            "setting": self.setting,
+            "chosen": self.chosen.to_json(plans=True),
+            "why": self.why,
+            "loss_penalty_table": t.describe() if t else {"path": self.penalty.path},
+            "candidates": [c.to_json() for c in self.candidates],
+        }
+
+
+class _Groups:
+    """Each group's best plan for a share of the global batch, memoised by (sites, batch)."""
+
+    def __init__(self, spec: ClusterSpec) -> None:
+        self.spec = spec
+        self._plans: dict[tuple[tuple[str, ...], int], Evaluation | str] = {}
+
+    def plan(self, sites: tuple[str, ...], batch: int) -> Evaluation | str:
+        """The group's plan, or why it has none."""
+        key = (sites, batch)
+        if key not in self._plans:
+            try:
+                best = plan_cluster(group_spec(self.spec, sites, batch)).best
+                self._plans[key] = best if best.feasible else best.reason
+            except PlanningError as exc:
+                self._plans[key] = str(exc)
+        return self._plans[key]
+
+    def plans(self, grouping: Grouping, shares: Sequence[int]) -> tuple[list[Evaluation], str]:
+        """Every group's plan, or ``([], why)`` naming the first that has none."""
+        out = []
+        for sites, batch in zip(grouping, shares, strict=True):
+            e = self.plan(sites, batch)
+            if isinstance(e, str):
+                return [], f"group {'+'.join(sites)} ({batch} sequences per step): {e}"
+            out.append(e)
+        return out, ""
+
+
+def balanced_shares(
+    global_batch: int, speeds: Sequence[float], grains: Sequence[int]
+) -> tuple[int, ...] | None:
+    """Shares of ``global_batch`` in proportion to the groups' ``speeds`` (sequences per
+    second), each a positive multiple of its ``grain`` (the group's pipelines, so it keeps
+    a divisible batch), summing to ``global_batch``; None if the grains cannot make it.
+
+    Equal shares leave the fast groups waiting for the slowest at every exchange (a site of
+    3× the FLOP/s idles two thirds of the time); shares in proportion to speed make the
+    groups' inner steps equally long. Greedy: round every ideal share down to its grain, then
+    give a grain at a time to the group whose step stays shortest with it.
+    """
+    total = sum(speeds)
+    shares = [max(g, int(global_batch * v / total) // g * g)
+              for v, g in zip(speeds, grains, strict=True)]  # fmt: skip
+    for _ in range(len(shares) * global_batch):  # bounded: each pass moves one grain
+        rest = global_batch - sum(shares)
+        if rest == 0:
+            return tuple(shares)
+        if rest > 0:
+            options = [i for i, g in enumerate(grains) if g <= rest]
+            if not options:
+                return None
+            i = min(options, key=lambda i: (shares[i] + grains[i]) / speeds[i])
+            shares[i] += grains[i]
+        else:
+            options = [i for i, g in enumerate(grains) if shares[i] > g]
+            if not options:
+                return None
+            i = max(options, key=lambda i: shares[i] / speeds[i])
+            shares[i] -= grains[i]
+    return None
+
+
+def _group_plans(
+    spec: ClusterSpec, grouping: Grouping, groups: _Groups
+) -> list[tuple[list[Evaluation], str]]:
+    """The groups' plans with equal shares (``global_batch / M``), then with shares in
+    proportion to their speed (re-balanced from the plans they give, up to
+    :data:`BALANCE_PASSES` times: a group's speed moves with its share, its optimizer step
+    being paid once per step whatever the share): ``(evaluations, why not)`` each."""
+    gbs, m = spec.training.global_batch_size, len(grouping)
+    plans, why = groups.plans(grouping, [gbs // m] * m)
+    out, seen = [(plans, why)], {(gbs // m,) * m}
+    for _ in range(BALANCE_PASSES):
+        if why:
+            break
+        speeds = [e.tokens_per_iteration / e.plan.seq_len / e.iteration_time_s for e in plans]
+        shares = balanced_shares(gbs, speeds, [e.plan.pipelines for e in plans])
+        if shares is None or shares in seen:
+            break
+        seen.add(shares)
+        plans, why = groups.plans(grouping, shares)
+        out.append((plans, why))
+    return out
+
+
+def _price(
+    spec: ClusterSpec, grouping: Grouping, evals: list[Evaluation], penalty: PenaltyModel
+) -> list[Candidate]:
+    """Every setting of the ``plan.outer`` grid for these groups' plans, priced."""
+    kind = "outer" if all(len(g) == 1 for g in grouping) else "hybrid"
+    bound = spec.plan.max_loss_penalty
+    out = []
+    for setting in outer_settings(spec):
+        cost = price_round(spec, grouping, evals, setting)
+        p = penalty.predict(len(grouping), setting.h, setting.fragments, setting.codec,
+                            setting.overlap)  # fmt: skip
+        reason = "" if p.priced else f"loss penalty not priced: {p.basis}"
+        if p.priced and bound is not None and p.value > bound:
+            reason = f"loss penalty {p.value:.2%} above plan.max_loss_penalty ({bound:.2%})"
+        out.append(Candidate(kind, grouping, setting, cost.tokens_per_s, cost.device_utilization,
+                             p, True, reason, cost.bound, cost, tuple(evals)))  # fmt: skip
+    return out
+
+
+def _rank(c: Candidate) -> tuple:
+    """Within one ``(H, F, codec)`` row: choosable first, then the best score (the fastest
+    where none is choosable), then the smaller overlap."""
+    choosable = c.feasible and not c.reason
+    return (not choosable, c.score if choosable else -c.tokens_per_s, c.setting.overlap)
+
+
+def _pipeline_candidate(report: PlanReport) -> Candidate:
+    best = report.best
+    bound = report.codecs[-1].bound if report.codecs else "compute"
+    return Candidate(
+        "pipeline",
+        (tuple(dict.fromkeys(best.plan.stage_sites)),) if best.plan else ((),),
+        None,
+        best.tokens_per_s,
+        best.device_utilization,
+        feasible=best.feasible,
+        reason="" if best.feasible else best.reason,
+        bound=bound,
+        evaluations=(best,),
+    )
+
+
+def _candidates(spec: ClusterSpec, pipeline: PlanReport, penalty: PenaltyModel) -> list[Candidate]:
+    """The pipeline, then per grouping the best of its share policies for each setting."""
+    out = [_pipeline_candidate(pipeline)]
+    groups = _Groups(spec)
+    for grouping in site_groupings(site_order(spec), spec.training.global_batch_size):
+        kind = "outer" if all(len(g) == 1 for g in grouping) else "hybrid"
+        best: dict[tuple, Candidate] = {}
+        whys = []
+        for evals, why in _group_plans(spec, grouping, groups):
+            whys.append(why)
+            for c in [] if why else _price(spec, grouping, evals, penalty):
+                key = (c.setting.h, c.setting.fragments, c.setting.codec)
+                if key not in best or _rank(c) < _rank(best[key]):
+                    best[key] = c
+        if not best:
+            none = Penalty(None, "not priced: a group does not fit")
+            out.append(Candidate(kind, grouping, feasible=False, reason=whys[0], penalty=none))
+        out += best.values()
+    return out
+
+
+def _order(c: Candidate) -> tuple:
+    """Best first: the score, then fewer groups, a shorter round, fewer fragments."""
+    s = c.setting
+    return (c.score, c.replicas, s.h if s else 0, s.fragments if s else 0, s.codec if s else "")
+
+
+def _describe(c: Candidate) -> str:
+    s = c.setting
+    if s is None:
+        return c.label
+    return f"{c.label}, H={s.h}, F={s.fragments}, overlap {s.overlap}, codec {s.codec}"
+
+
+def _choose_auto(
+    spec: ClusterSpec, pipe: Candidate, best: Candidate | None, outer: list[Candidate]
+) -> tuple[Candidate, str]:
+    if best is None:
+        runnable = [c for c in outer if c.feasible]
+        if not runnable:
+            why = outer[-1].reason if outer else _NO_GROUPING
+            return pipe, f"pipeline across sites: no grouping into replica groups fits: {why}"
+        fastest = max(runnable, key=lambda c: c.tokens_per_s)
+        return pipe, (
+            f"pipeline across sites: no outer candidate can be chosen; the fastest, "
+            f"{_describe(fastest)}, has {fastest.reason}"
+        )
+    gain = pipe.score / best.score - 1.0 if pipe.feasible else math.inf
+    need = spec.plan.min_gain.outer
+    if gain <= need:
+        return pipe, (
+            f"pipeline across sites (exact, synchronous): the best outer candidate, "
+            f"{_describe(best)}, is {gain:+.1%} after its assumed loss penalty of "
+            f"{best.penalty.value:.2%}, not the {need:.0%} plan.min_gain.outer asks "
+            "(a tie goes to the synchronous pipeline)"
+        )
+    versus = (
+        f"{1 + gain:.2f}× the pipeline's tokens/s after its assumed loss penalty"
+        if pipe.feasible
+        else "the pipeline across sites does not fit; assumed loss penalty"
+    )
+    return best, _won(best, versus, pipe)
+
+
+def _won(c: Candidate, versus: str, pipe: Candidate) -> str:
+    return (
+        f"{_describe(c)}: {versus} of {c.penalty.value:.2%} ({c.penalty.basis}); device "
+        f"utilization {c.device_utilization:.0%} (pipeline across sites: "
+        f"{pipe.device_utilization:.0%})"
+    )
+
+
+def _choose_outer(
+    spec: ClusterSpec, source: str, pipe: Candidate, best: Candidate | None, outer: list[Candidate]
+) -> tuple[Candidate, str]:
+    if best is not None:
+        ratio = best.effective_tokens_per_s / pipe.effective_tokens_per_s if pipe.feasible else 0
+        versus = f"strategy outer; {ratio:.2f}× the pipeline's tokens/s after its loss penalty"
+        return best, _won(best, versus, pipe)
+    runnable = [c for c in outer if c.feasible]
+    if not runnable:
+        whys = sorted(outer, key=lambda c: -c.replicas)
+        why = whys[0].reason if whys else _NO_GROUPING
+        raise ConfigError(
+            source,
+            [("plan.strategy", f"outer: no grouping of the sites into replica groups fits: {why}")],
+        )
+    fastest = max(runnable, key=lambda c: c.tokens_per_s)
+    if spec.plan.max_loss_penalty is not None:
+        raise ConfigError(
+            source,
+            [
+                (
+                    "plan.max_loss_penalty",
+                    "no outer candidate's loss "
+                    f"penalty is priced within it: the fastest, "
+                    f"{_describe(fastest)}, has {fastest.reason}",
+                )
+            ],
+        )
+    return fastest, (
+        f"{_describe(fastest)}: strategy outer, chosen by time alone: its {fastest.reason}"
+    )
+
+
+def plan_strategy(
+    spec: ClusterSpec, pipeline: PlanReport, penalty: PenaltyModel, source: str = "<cluster>"
+) -> StrategyReport:
+    """Every strategy candidate for ``spec`` (``plan.strategy`` outer or auto), priced, and
+    the one chosen. ``pipeline`` is the search's report for :func:`as_pipeline` of
+    ``spec``; ``source`` names the file in a :class:`ConfigError`."""
+    cands = _candidates(spec, pipeline, penalty)
+    pipe, outer = cands[0], cands[1:]
+    ok = sorted((c for c in outer if c.feasible and not c.reason), key=_order)
+    best = ok[0] if ok else None
+    if spec.plan.strategy == "outer":
+        chosen, why = _choose_outer(spec, source, pipe, best, outer)
+    else:
+        chosen, why = _choose_auto(spec, pipe, best, outer)
+    return StrategyReport(spec.plan.strategy, chosen, why, cands, penalty)

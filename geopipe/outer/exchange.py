@@ -1,0 +1,75 @@
+"""Averaging the groups' pseudo-gradients through the WAN codecs, identically in every group.
+
+The design is an all-gather of *encoded* pseudo-gradients, not a ring reduce: each group
+encodes its own pseudo-gradient once (:func:`encode_delta`), sends the same bytes to every
+other group, and every group decodes all ``M`` payloads in the same order (by group id) and
+averages them (:func:`average_encoded`). Every group therefore computes the average from the
+same bytes with the same operations, so theta_global stays bit-identical in every group
+under every codec, lossy ones included. A ring reduce would re-encode partial sums at each
+hop, stacking the codec's error ``M - 1`` times and giving each group a different rounding.
+
+Codecs come from :mod:`geopipe.transport.codec`. Pseudo-gradients are encoded as gradients
+(direction ``"backward"``): top-k then keeps its error feedback, per group (the residual
+lives in the group's own codec object, keyed by fragment) and per fragment, so what one
+round's top-k leaves out is sent in a later round.
+
+Why rows: a fragment is a flat vector (slices of ZeRO-1 partitions), and int8's scales are
+per row of the last dimension, so a flat vector would get one scale for all its elements
+and one outlier would crush the rest. :func:`encode_delta` lays the vector out as rows of
+:data:`ROW_LEN` (zero-padded), so int8 keeps one scale per ``ROW_LEN`` elements (1.6 %
+overhead); the grouped low-bit codecs use their own groups of 64 either way. Chunking a
+payload into frames under the data plane's bound is the transport's job, not this module's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from geopipe.transport.codec import Codec, Encoded, decode
+
+__all__ = ["ROW_LEN", "average_encoded", "decode_delta", "encode_delta"]
+
+ROW_LEN = 256  # elements per int8 scale of a pseudo-gradient
+
+
+def _padded_rows(flat: Tensor) -> Tensor:
+    n = flat.numel()
+    rows = -(-n // ROW_LEN)
+    return torch.nn.functional.pad(flat, (0, rows * ROW_LEN - n)).reshape(rows, ROW_LEN)
+
+
+def encode_delta(delta: Tensor, codec: Codec, key: str = "outer") -> Encoded:
+    """Encode one group's flat fp32 pseudo-gradient of a fragment, as rows of ``ROW_LEN``.
+
+    ``key`` names the error-feedback stream of a stateful codec (top-k): use one key per
+    fragment, e.g. ``"outer/3"``, on the group's own codec object."""
+    flat = delta.detach().to(torch.float32).reshape(-1)
+    return codec.encode(_padded_rows(flat), key=key, direction="backward")
+
+
+def decode_delta(enc: Encoded, numel: int) -> Tensor:
+    """The flat fp32 pseudo-gradient of ``numel`` elements that ``enc`` carries."""
+    rows = -(-numel // ROW_LEN)
+    if tuple(enc.shape) != (rows, ROW_LEN):
+        raise ValueError(
+            f"a pseudo-gradient of {numel} elements travels as ({rows}, {ROW_LEN}) rows, "
+            f"got a payload of shape {enc.shape}"
+        )
+    return decode(enc).reshape(-1)[:numel]
+
+
+def average_encoded(payloads: Sequence[Encoded], numel: int) -> Tensor:
+    """The mean of the groups' decoded pseudo-gradients, summed in the order given.
+
+    Every group must pass the same payloads in the same order (by group id); the result is
+    then bit-identical in every group. The sum runs in fp32, one payload at a time, and is
+    divided by ``M`` once at the end (so with codec ``none`` and ``M = 1`` it is exact)."""
+    if not payloads:
+        raise ValueError("average_encoded needs at least one group's payload")
+    acc = decode_delta(payloads[0], numel).clone()
+    for enc in payloads[1:]:
+        acc.add_(decode_delta(enc, numel))
+    return acc.div_(len(payloads))

@@ -1,0 +1,209 @@
+"""The outer optimizer: theta_global and Nesterov momentum, stepped on averaged pseudo-gradients.
+
+Every ``H`` inner steps (per fragment, see :mod:`geopipe.outer.fragments`) each replica group
+computes its pseudo-gradient ``theta_global - theta_local``, the groups average them
+(:func:`geopipe.outer.exchange.average_encoded`), and every group applies the *same* outer
+step to its own copy of theta_global. The step is exactly
+``torch.optim.SGD(lr, momentum, nesterov=True)`` with the averaged pseudo-gradient as the
+gradient (DiLoCo's defaults: lr 0.7, momentum 0.9), written out elementwise here so that one
+fragment (a slice of every tensor) can be stepped on its own, and with the same operations in
+the same order as torch's single-tensor SGD, so the results are bit-identical to it.
+
+Why fp32 and a copy of its own: the pseudo-gradient must come from the fp32 master weights
+(under ZeRO-1, DeepSpeed's partitions), and theta_global must be identical in every group, so
+it is held here, in fp32, apart from the weights the inner optimizer moves.
+
+The inner optimizer's state (Adam's moments and step count) is *not* reset at a round: after
+an outer step the local weights are set to theta_global and the inner optimizer goes on from
+its state, as DiLoCo and torchft do. Resetting it would re-run Adam's bias-corrected early
+steps (a burst of large updates) after every round.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from geopipe.outer.fragments import fragment_bounds
+
+__all__ = ["OuterOptimizer", "pseudo_gradient"]
+
+
+def pseudo_gradient(theta_global: Tensor, theta_local: Tensor) -> Tensor:
+    """``theta_global - theta_local`` in fp32: the direction the inner steps moved, negated,
+    so that an SGD step along it (``theta - lr * delta``) moves toward the local weights.
+    torchft flipped this sign once (its PR #233); the unit tests pin it against SGD."""
+    return theta_global.detach().to(torch.float32) - theta_local.detach().to(torch.float32)
+
+
+def _as_list(tensors: Tensor | Sequence[Tensor]) -> list[Tensor]:
+    return [tensors] if isinstance(tensors, Tensor) else list(tensors)
+
+
+class OuterOptimizer:
+    """theta_global (fp32 tensors: one flat partition, or a list) and the outer momentum.
+
+    ``fragments`` splits every tensor into that many equal contiguous slices; fragment ``f``
+    is slice ``f`` of each tensor, flattened and concatenated in tensor order
+    (:meth:`gather`). Each fragment keeps its own momentum buffer and step count, as
+    torchft's per-fragment outer optimizers do. With ``momentum = 0`` the step is plain SGD
+    (torch refuses Nesterov without momentum; with none it would equal plain SGD anyway).
+    """
+
+    def __init__(
+        self,
+        theta: Tensor | Sequence[Tensor],
+        lr: float = 0.7,
+        momentum: float = 0.9,
+        fragments: int = 1,
+    ) -> None:
+        if not lr > 0:
+            raise ValueError(f"plan.outer.lr must be > 0, got {lr}")
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"plan.outer.momentum must be in [0, 1), got {momentum}")
+        tensors = _as_list(theta)
+        if not tensors:
+            raise ValueError("theta_global needs at least one tensor")
+        self.lr = float(lr)
+        self.momentum = float(momentum)
+        self.fragments = int(fragments)
+        self.theta: list[Tensor] = [
+            t.detach().to(torch.float32, copy=True).contiguous() for t in tensors
+        ]
+        self._bounds = [fragment_bounds(t.numel(), self.fragments) for t in self.theta]
+        self._buf: list[Tensor | None] = [None] * self.fragments
+        self._steps = [0] * self.fragments
+
+    # ------------------------------------------------------------------ fragments
+
+    def fragment_numel(self, fragment: int) -> int:
+        """Elements in ``fragment`` (the length of its flat pseudo-gradient)."""
+        self._check_fragment(fragment)
+        return sum(b[fragment][1] - b[fragment][0] for b in self._bounds)
+
+    def gather(self, tensors: Tensor | Sequence[Tensor], fragment: int) -> Tensor:
+        """Slice ``fragment`` of each tensor (shaped like theta), flattened and concatenated
+        into a new fp32 vector."""
+        parts = self._parts(tensors, fragment)
+        return torch.cat([p.to(torch.float32) for p in parts])
+
+    def scatter(self, flat: Tensor, tensors: Tensor | Sequence[Tensor], fragment: int) -> None:
+        """Write the flat vector ``flat`` into slice ``fragment`` of each tensor (in place)."""
+        parts = self._parts(tensors, fragment)
+        if flat.numel() != sum(p.numel() for p in parts):
+            raise ValueError(
+                f"fragment {fragment} holds {sum(p.numel() for p in parts)} elements, "
+                f"got {flat.numel()}"
+            )
+        offset = 0
+        with torch.no_grad():
+            for p in parts:
+                p.copy_(flat[offset : offset + p.numel()])
+                offset += p.numel()
+
+    def pseudo_gradient(self, local: Tensor | Sequence[Tensor], fragment: int = 0) -> Tensor:
+        """This group's flat pseudo-gradient of ``fragment``: theta_global - local weights."""
+        return pseudo_gradient(self.gather(self.theta, fragment), self.gather(local, fragment))
+
+    def copy_to(self, local: Tensor | Sequence[Tensor], fragment: int = 0) -> None:
+        """Set ``fragment`` of the local weights to theta_global (torchft's
+        ``fragment_update_alpha = 0``: the inner steps taken since the send are discarded)."""
+        self.scatter(self.gather(self.theta, fragment), local, fragment)
+
+    # ------------------------------------------------------------------ the step
+
+    @torch.no_grad()
+    def step(self, avg_pseudo_grad: Tensor, fragment: int = 0) -> None:
+        """One outer step of ``fragment`` with the groups' averaged pseudo-gradient (flat, as
+        :meth:`pseudo_gradient` returns it). The operations are torch's single-tensor SGD's:
+        ``buf = g`` on the first step, else ``buf = momentum * buf + g``;
+        ``g = g + momentum * buf`` (Nesterov); ``theta -= lr * g``."""
+        self._check_fragment(fragment)
+        g = avg_pseudo_grad.detach().to(torch.float32).reshape(-1)
+        if g.numel() != self.fragment_numel(fragment):
+            raise ValueError(
+                f"fragment {fragment} holds {self.fragment_numel(fragment)} elements, "
+                f"got a pseudo-gradient of {g.numel()}"
+            )
+        if not bool(torch.isfinite(g).all()):
+            raise ValueError(f"the averaged pseudo-gradient of fragment {fragment} is not finite")
+        p = self.gather(self.theta, fragment)
+        if self.momentum != 0.0:
+            buf = self._buf[fragment]
+            if buf is None:
+                buf = torch.clone(g).detach()
+                self._buf[fragment] = buf
+            else:
+                buf.mul_(self.momentum).add_(g, alpha=1.0)
+            g = g.add(buf, alpha=self.momentum)
+        p.add_(g, alpha=-self.lr)
+        self.scatter(p, self.theta, fragment)
+        self._steps[fragment] += 1
+
+    def steps(self, fragment: int = 0) -> int:
+        """Outer steps applied to ``fragment`` so far."""
+        self._check_fragment(fragment)
+        return self._steps[fragment]
+
+    # ------------------------------------------------------------------ state
+
+    def digest(self) -> str:
+        """sha256 over theta_global's shapes and bytes: equal in every group after each round."""
+        h = hashlib.sha256()
+        for t in self.theta:
+            h.update(repr(tuple(t.shape)).encode())
+            h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Settings, theta_global, per-fragment momentum and step counts (copies)."""
+        return {
+            "lr": self.lr,
+            "momentum": self.momentum,
+            "fragments": self.fragments,
+            "theta": [t.clone() for t in self.theta],
+            "momentum_buffer": [None if b is None else b.clone() for b in self._buf],
+            "steps": list(self._steps),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` bit-exactly; the shapes and fragments must match."""
+        if int(state["fragments"]) != self.fragments:
+            raise ValueError(
+                f"outer state has {state['fragments']} fragments, this optimizer {self.fragments}"
+            )
+        theta = list(state["theta"])
+        if [tuple(t.shape) for t in theta] != [tuple(t.shape) for t in self.theta]:
+            raise ValueError("outer state's theta_global shapes differ from this optimizer's")
+        bufs = list(state["momentum_buffer"])
+        for f, b in enumerate(bufs):
+            if b is not None and b.numel() != self.fragment_numel(f):
+                raise ValueError(f"outer momentum of fragment {f} has {b.numel()} elements")
+        self.lr = float(state["lr"])
+        self.momentum = float(state["momentum"])
+        self.theta = [t.detach().to(torch.float32, copy=True).contiguous() for t in theta]
+        self._buf = [None if b is None else b.detach().to(torch.float32, copy=True) for b in bufs]
+        self._steps = [int(s) for s in state["steps"]]
+
+    # ------------------------------------------------------------------ helpers
+
+    def _parts(self, tensors: Tensor | Sequence[Tensor], fragment: int) -> list[Tensor]:
+        self._check_fragment(fragment)
+        tensors = _as_list(tensors)
+        if [t.numel() for t in tensors] != [t.numel() for t in self.theta]:
+            raise ValueError(
+                "tensors do not match theta_global's layout: "
+                f"{[t.numel() for t in tensors]} vs {[t.numel() for t in self.theta]}"
+            )
+        return [
+            t.view(-1)[b[fragment][0] : b[fragment][1]]
+            for t, b in zip(tensors, self._bounds, strict=True)
+        ]
+
+    def _check_fragment(self, fragment: int) -> None:
+        if not 0 <= fragment < self.fragments:
+            raise ValueError(f"fragment {fragment} out of range [0, {self.fragments})")

@@ -1,0 +1,208 @@
+"""The strategy planner: groupings of the sites, batch shares, the price of an outer round
+against a hand computation, the outer state in the memory model, and the choice between
+the pipeline across sites and the outer loop (geopipe.optimizer.strategy, .outer_cost)."""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import pytest
+
+from geopipe.config import ClusterSpec, ConfigError, OuterSetting, parse_cluster
+from geopipe.model.sizes import param_totals, stage_param_count
+from geopipe.optimizer.evaluate import plan_peak_memory
+from geopipe.optimizer.memory import outer_state_bytes_per_param, stage_memory
+from geopipe.optimizer.outer_cost import DELTA_ROW_LEN, block_bytes, price_round, ring_hops
+from geopipe.optimizer.penalty import PenaltyModel, parse_table
+from geopipe.optimizer.planner import plan_cluster
+from geopipe.optimizer.strategy import (
+    as_pipeline,
+    balanced_shares,
+    group_spec,
+    plan_strategy,
+    site_groupings,
+)
+
+MODEL = {"n_layer": 4, "n_embd": 128, "n_head": 4, "vocab_size": 256, "max_seq_len": 128}
+
+
+def _site(name: str, tflops: float = 0.05) -> dict:
+    return {"name": name, "nodes": 1, "devices_per_node": 1, "device_memory_gb": 2,
+            "device_tflops": tflops, "device_efficiency": 0.5, "device_mem_bw_gb_per_s": 10,
+            "intra_bandwidth_gbps": 20}  # fmt: skip
+
+
+def _doc(sites: list[dict], links: list[dict], **plan: Any) -> dict:
+    return {
+        "name": "t", "sites": sites, "links": links, "model": dict(MODEL),
+        "training": {"global_batch_size": 8, "steps": 100, "lr": 0.001,
+                     "checkpoint": {"every_steps": 0}},
+        "plan": {"micro_batch_size": 1, "seq_len": 128, "delta_n": {"min": 0, "max": 8},
+                 "ga": {"population": 8, "generations": 2}, **plan},
+    }  # fmt: skip
+
+
+def _two_sites(gbps: float = 0.1, **plan: Any) -> ClusterSpec:
+    link = {"from": "a", "to": "b", "bandwidth_gbps": gbps, "latency_ms": 10}
+    return parse_cluster(_doc([_site("a"), _site("b", 0.025)], [link], **plan))
+
+
+def _table(rows: list[tuple[int, int, float]], codec: str = "none") -> PenaltyModel:
+    listed = [{"replicas": m, "h": h, "fragments": 1, "codec": codec, "rel_gap": g}
+              for m, h, g in rows]  # fmt: skip
+    doc = {"source": "test", "model": "toy", "steps": 10, "tokens_per_step": 8,
+           "sync_noise": 0.0, "rows": listed}  # fmt: skip
+    return PenaltyModel(parse_table(doc), "test.json")
+
+
+def test_groupings_are_contiguous_runs_for_every_m_dividing_the_batch() -> None:
+    order = ["a", "b", "c", "d", "e"]
+    got = site_groupings(order, 4)  # M = 2 and 4 divide the batch; 3 and 5 do not
+    assert (("a", "b", "c"), ("d", "e")) in got and (("a", "b"), ("c", "d", "e")) in got
+    assert (("a", "b"), ("c",), ("d",), ("e",)) in got
+    assert all(len(g) in (2, 4) for g in got)
+    assert all([s for run in g for s in run] == order for g in got)
+    assert site_groupings(order, 5) == [tuple((s,) for s in order)]  # one group per site
+
+
+def test_balanced_shares_follow_speed_in_grains_and_sum_to_the_batch() -> None:
+    assert balanced_shares(64, [3.0, 1.0], [1, 1]) == (48, 16)
+    assert balanced_shares(64, [3.0, 1.0], [8, 8]) == (48, 16)
+    shares = balanced_shares(512, [396.0, 140.0, 396.0, 140.0], [4, 4, 4, 2])
+    assert sum(shares) == 512 and shares[0] > 2.5 * shares[1]
+    assert all(s % g == 0 for s, g in zip(shares, [4, 4, 4, 2], strict=True))
+    assert balanced_shares(10, [1.0, 1.0], [4, 4]) is None  # grains of 4 cannot make 10
+
+
+def test_the_round_matches_a_hand_computation() -> None:
+    spec = _two_sites(gbps=0.05, strategy="outer",
+                      outer={"h": 8, "fragments": 2, "overlap": 1})  # fmt: skip
+    groups = (("a",), ("b",))
+    evals = [plan_cluster(group_spec(spec, g, 4)).best for g in groups]
+    assert all(e.feasible and e.plan.pipelines == 1 and e.plan.num_stages == 1 for e in evals)
+    s = OuterSetting(h=8, fragments=2, overlap=1, codec="none")
+    cost = price_round(spec, groups, evals, s)
+    params = param_totals(spec.model)[0]
+    # One fragment: half the parameters, as rows of 256 fp32 values.
+    elems = math.ceil(math.ceil(params / 2) / DELTA_ROW_LEN) * DELTA_ROW_LEN
+    assert block_bytes(spec, evals[0].plan, s) == elems * 4
+    exchange = 0.010 + elems * 4 * 8 / 0.05e9  # M = 2: one ring step over the one link
+    t_a, t_b = (e.iteration_time_s for e in evals)
+    assert t_b > 1.5 * t_a  # b's device is half as fast: it sets the pace
+    assert cost.step_s == t_b and cost.exchange_s == pytest.approx(exchange)
+    exposed = 2 * (exchange - 1 * t_b)
+    assert 0 < exposed < 2 * exchange  # partly hidden behind the overlapped step
+    assert cost.exposed_s == pytest.approx(exposed)
+    assert cost.codec_s == 0.0  # codec none
+    outer = params * (40 + 4 * 2) / 10e9  # elementwise over the fp32 master, one device
+    assert cost.outer_step_s == pytest.approx(outer)
+    round_s = 8 * t_b + exposed + outer
+    assert cost.round_s == pytest.approx(round_s)
+    assert cost.tokens == 8 * 2 * 4 * 128
+    busy = sum(8 * (1 - e.bubble_ratio) * e.iteration_time_s for e in evals)
+    assert cost.device_utilization == pytest.approx(busy / (2 * round_s))
+    assert cost.bound == "waiting for the slowest group"
+
+
+def test_int8_blocks_carry_one_scale_per_row() -> None:
+    spec = _two_sites()
+    e = plan_cluster(group_spec(spec, ("a",), 4)).best
+    n = math.ceil(math.ceil(param_totals(spec.model)[0] / 4) / DELTA_ROW_LEN) * DELTA_ROW_LEN
+    assert block_bytes(spec, e.plan, OuterSetting(4, 4, 0, "int8")) == n + n // DELTA_ROW_LEN * 4
+
+
+def test_the_planners_row_length_is_the_runtimes() -> None:
+    from geopipe.outer.exchange import ROW_LEN  # imports torch: the planner must not
+
+    assert ROW_LEN == DELTA_ROW_LEN
+
+
+def test_a_ring_without_a_closing_link_routes_back_along_the_chain() -> None:
+    links = [{"from": "a", "to": "b", "bandwidth_gbps": 1, "latency_ms": 5},
+             {"from": "b", "to": "c", "bandwidth_gbps": 2, "latency_ms": 7}]  # fmt: skip
+    spec = parse_cluster(_doc([_site("a"), _site("b"), _site("c")], links))
+    hops = ring_hops(spec, [("a",), ("b",), ("c",)])
+    assert [(h.src, h.dst, h.routed) for h in hops] == [
+        ("a", "b", False), ("b", "c", False), ("c", "a", True)]  # fmt: skip
+    assert hops[2].latency_s == pytest.approx(0.012) and hops[2].bandwidth_bps == 1e9
+
+
+def test_a_group_holds_the_outer_state_partitioned_like_the_masters() -> None:
+    spec = _two_sites(strategy="auto", outer={"fragments": [1, 2], "codec": ["int8", "topk"]})
+    assert outer_state_bytes_per_param(spec) == 0.0  # not a group's spec
+    group = group_spec(spec, ("a", "b"), 4)
+    assert outer_state_bytes_per_param(group) == 8 + 4 + 8 / 1  # theta + momentum, EF, F = 1
+    mem = stage_memory(spec.model, "fp32", (1, 3), 4, 1, 16, 1, outer_per_param=20.0)
+    assert mem.outer_state == stage_param_count(spec.model, (1, 3)) * 20.0 / 4
+    plan = plan_cluster(group).best.plan
+    with_outer = plan_peak_memory(group, plan)
+    without = plan_peak_memory(as_pipeline(group), plan)
+    for k, (x, y) in enumerate(zip(with_outer, without, strict=True)):
+        params = stage_param_count(spec.model, plan.partition[k])
+        assert x.total - y.total == pytest.approx(params * 20.0 / plan.pipelines)
+
+
+def _strategy(spec: ClusterSpec, penalty: PenaltyModel) -> Any:
+    return plan_strategy(spec, plan_cluster(as_pipeline(spec)), penalty, source="t.yaml")
+
+
+def test_auto_takes_the_outer_loop_when_it_wins_after_its_penalty() -> None:
+    spec = _two_sites(gbps=0.01, strategy="auto", outer={"h": [10, 20, 40]})
+    report = _strategy(spec, _table([(2, 10, 0.01), (2, 20, 0.02)]))
+    c = report.chosen
+    assert c.kind == "outer" and c.setting.h in (10, 20) and c.replicas == 2
+    pipe = report.candidates[0]
+    assert pipe.kind == "pipeline" and c.score < pipe.score
+    assert c.effective_tokens_per_s == pytest.approx(c.tokens_per_s / (1 + c.penalty.value))
+    h40 = next(x for x in report.candidates if x.setting and x.setting.h == 40)
+    assert not h40.penalty.priced and "beyond the largest H measured" in h40.reason
+    assert "assumed loss penalty" in report.why and report.chosen.device_utilization > 0
+    doc = report.to_json()
+    assert doc["chosen"]["device_utilization"] == c.device_utilization
+    assert doc["chosen"]["group_plans"][0]["sites"] == ["a"]
+    assert {x["kind"] for x in doc["candidates"]} == {"pipeline", "outer"}
+
+
+def test_a_tie_goes_to_the_synchronous_pipeline() -> None:
+    spec = _two_sites(gbps=0.01, strategy="auto", outer={"h": [10, 20]},
+                      min_gain={"outer": 1.0})  # fmt: skip
+    report = _strategy(spec, _table([(2, 10, 0.01), (2, 20, 0.02)]))
+    best_outer = min((c for c in report.candidates[1:]), key=lambda c: c.score)
+    assert best_outer.score < report.candidates[0].score  # faster, but not 2x
+    assert report.chosen.kind == "pipeline" and "tie goes to the synchronous" in report.why
+
+
+def test_max_loss_penalty_excludes_candidates() -> None:
+    spec = _two_sites(gbps=0.01, strategy="auto", outer={"h": [10, 20]}, max_loss_penalty=0.015)
+    report = _strategy(spec, _table([(2, 10, 0.01), (2, 20, 0.02)]))
+    h20 = next(c for c in report.candidates if c.setting and c.setting.h == 20)
+    assert "above plan.max_loss_penalty" in h20.reason
+    assert report.chosen.setting.h == 10
+    spec = _two_sites(gbps=0.01, strategy="outer", outer={"h": [10, 20]}, max_loss_penalty=0.001)
+    with pytest.raises(ConfigError, match=r"t\.yaml: plan\.max_loss_penalty: no outer"):
+        _strategy(spec, _table([(2, 10, 0.01), (2, 20, 0.02)]))
+
+
+def test_without_a_table_auto_keeps_the_pipeline_and_outer_says_the_penalty_is_unknown() -> None:
+    none = PenaltyModel(None, "absent.json")
+    auto = _strategy(_two_sites(gbps=0.01, strategy="auto"), none)
+    assert auto.chosen.kind == "pipeline" and "no measured loss-penalty table" in auto.why
+    assert all(not c.penalty.priced for c in auto.candidates[1:])
+    outer = _strategy(_two_sites(gbps=0.01, strategy="outer"), none)
+    assert outer.chosen.kind == "outer" and "chosen by time alone" in outer.why
+
+
+def test_outer_with_no_group_that_fits_is_a_config_error() -> None:
+    # Each device holds half the model beside its activations, not the whole model with
+    # the outer state (16 B per parameter more): the pipeline fits, no group does.
+    doc = _doc([_site("a"), _site("b")], [{"from": "a", "to": "b", "bandwidth_gbps": 1,
+                                           "latency_ms": 5}], strategy="outer")  # fmt: skip
+    for s in doc["sites"]:
+        s["device_memory_gb"] = 0.025
+    spec = parse_cluster(copy.deepcopy(doc))
+    assert plan_cluster(as_pipeline(spec)).best.feasible
+    assert plan_cluster(as_pipeline(group_spec(spec, ("a",), 4))).best.feasible
+    with pytest.raises(ConfigError, match=r"plan\.strategy: outer: no grouping .* fits"):
+        _strategy(spec, _table([(2, 10, 0.01)]))
