@@ -294,13 +294,20 @@ def cmd_status(args: argparse.Namespace) -> int:
         data = json.loads(paths[0].read_text())
         pid = data.get("pid")
         alive = isinstance(pid, int) and pid > 0 and _pid_alive(pid)
-        state = data.get("state", "?") if not alive else "running"
+        state = data.get("state", "?")
+        if alive and state not in _LIVE_STATES:  # the file's word for a live run, else running
+            state = "running"
         text = json_text({**data, "state": state}) if args.json else format_status(data, state)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         print(f"geopipe status: {paths[0]} is not a readable status file ({exc})", file=sys.stderr)
         return EXIT_USAGE
     print(text)
     return 0
+
+
+# What status.json says while its driver runs (the controller's states that are not ends).
+_LIVE_STATES = ("planning", "launching", "running", "waiting", "recovering", "growing",
+                "checkpointing")  # fmt: skip
 
 
 def _pid_alive(pid: int) -> bool:

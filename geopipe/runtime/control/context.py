@@ -23,6 +23,7 @@ from geopipe.optimizer.evaluate import Evaluation
 from geopipe.optimizer.measurements import Measurements, costed
 from geopipe.optimizer.runplan import Overrides, with_overrides
 from geopipe.plan import Plan
+from geopipe.runtime.control.models import model_manifest
 
 __all__ = ["RunContext"]
 
@@ -65,3 +66,21 @@ class RunContext:
 
     def resumed(self, lineage: dict[str, int | None]) -> RunContext:
         return replace(self, lineage=lineage)
+
+    def manifest(self, plan: Plan, step: int, data_digest: str | None) -> dict:
+        """The run's fields of a checkpoint manifest at ``step`` (identity: the config hash
+        of the YAML as loaded, run id and lineage; what runs: the settings and ``plan``)."""
+        m, t = self.settings.model, self.settings.training
+        return {
+            "config_hash": self.config_hash,
+            "run_id": self.run_id,
+            "lineage": self.lineage,
+            "plan": plan.to_dict(),
+            "data": {"seed": t.seed, "step": step, "source": t.data, "digest": data_digest},
+            "model": model_manifest(self.settings),
+            "run": self.settings.name,
+            "lr": t.lr,
+            "steps_total": t.steps,
+            "global_batch_size": t.global_batch_size,
+            "n_embd": m.n_embd,
+        }

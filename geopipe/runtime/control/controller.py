@@ -62,7 +62,7 @@ from geopipe.runtime.control.health import (
 from geopipe.runtime.control.history import RunHistory
 from geopipe.runtime.control.linkprobe import probe_links
 from geopipe.runtime.control.metrics import StepMetrics, aggregate, measured_events
-from geopipe.runtime.control.models import check_data_source, model_manifest
+from geopipe.runtime.control.models import check_data_source
 from geopipe.runtime.control.placement import Placement
 from geopipe.runtime.control.planning import measure_before_planning
 from geopipe.runtime.control.recovery import Recovery
@@ -276,7 +276,10 @@ class Controller:
         check_sites(self.spec, self.plan, ray.cluster_resources())
         use_gpu = ray.cluster_resources().get("GPU", 0) >= len(self.plan.actors())
         check_precision(self.spec.training.precision, use_gpu)
-        self._say_security()
+        if not self.spec.encrypted and not self.spec.ray.links_emulated:
+            self.reporter.say("security.encrypt is off: activations, gradients and checkpoint "
+                              "copies cross the network in clear (authenticated, not "
+                              "encrypted)")  # fmt: skip
         # Placement reads settings only (names, data, the emulated links' YAML figures).
         self.placement = Placement(self.spec, self.lr_horizon, use_gpu, self.creds)
         self.placement.place(self.plan)
@@ -548,30 +551,8 @@ class Controller:
         return True
 
     # -- state of the whole model ---------------------------------------------------------------
-    def _say_security(self) -> None:
-        """The data plane is always authenticated; say when it is not encrypted over a real
-        network (``security.encrypt: false``: a trusted private network)."""
-        if not self.spec.encrypted and not self.spec.ray.links_emulated:
-            self.reporter.say(
-                "security.encrypt is off: activations, gradients and checkpoint "
-                "copies cross the network in clear (authenticated, not encrypted)"
-            )
-
     def _manifest(self, step: int) -> dict:
-        m, t = self.spec.model, self.spec.training
-        return {
-            "config_hash": self.ctx.config_hash,
-            "run_id": self.run_id,
-            "lineage": self.lineage,
-            "plan": self.plan.to_dict(),
-            "data": {"seed": t.seed, "step": step, "source": t.data, "digest": self.data_digest},
-            "model": model_manifest(self.spec),
-            "run": self.spec.name,
-            "lr": t.lr,
-            "steps_total": t.steps,
-            "global_batch_size": t.global_batch_size,
-            "n_embd": m.n_embd,
-        }
+        return self.ctx.manifest(self.plan, step, self.data_digest)
 
     def gather_state(self) -> dict:
         """The whole model's unsharded parameters and Adam state, keyed by parameter name."""

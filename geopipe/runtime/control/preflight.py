@@ -55,7 +55,7 @@ def check_run_dir(run_dir: Path) -> None:
     if not mine and state not in _ENDED and _alive(pid):
         raise LaunchError(
             f"run dir {run_dir} belongs to a run still going (pid {pid}, see "
-            f"`geopipe status --run-dir {run_dir}`): stop it, or give --run-dir"
+            f"`geopipe status {run_dir}`): stop it, or give --run-dir"
         )
     parent = run_dir
     while not parent.exists() and parent != parent.parent:
