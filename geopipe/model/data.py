@@ -1,10 +1,11 @@
 """Deterministic, resumable token stream over a byte corpus (vocab 256) or a token dataset.
 
 Every sample is a pure function of ``(seed, sample_index)`` and every sample index is a pure
-function of ``(step, pipeline, micro_batch)``, so the only data state a run needs to
-checkpoint is ``{"seed", "step", "corpus_digest"}``: resuming at step N reproduces exactly the
-batches an uninterrupted run would have seen, on any node and any pipeline layout. The stream
-only needs ``len``, ``window`` and ``digest`` of its corpus, so a prepared
+function of ``(step, group, pipeline, micro_batch)`` (the outer loop's replica groups take
+disjoint slices of each global batch: :func:`group_sample_indices`), so the only data state a
+run needs to checkpoint is ``{"seed", "step", "corpus_digest"}``: resuming at step N reproduces
+exactly the batches an uninterrupted run would have seen, on any node and any pipeline layout.
+The stream only needs ``len``, ``window`` and ``digest`` of its corpus, so a prepared
 :class:`~geopipe.model.tokens.TokenDataset` works the same as the byte :class:`Corpus`.
 """
 
@@ -27,6 +28,7 @@ __all__ = [
     "Corpus",
     "TokenStream",
     "global_indices",
+    "group_sample_indices",
     "micro_batches_per_pipeline",
     "open_corpus",
     "sample_indices",
@@ -258,3 +260,36 @@ def global_indices(
     per_pipeline = global_batch // num_pipelines
     first = step * global_batch + pipeline * per_pipeline + micro_batch * micro_batch_size
     return list(range(first, first + micro_batch_size))
+
+
+def group_sample_indices(
+    step: int,
+    global_batch: int,
+    group: int,
+    groups: int,
+    micro_batch: int,
+    micro_batch_size: int,
+) -> list[int]:
+    """Sample indices of micro-batch ``micro_batch`` of replica group ``group``'s slice at
+    ``step``, when ``groups`` replica groups (the outer loop's) share each global batch.
+
+    Group ``g`` of ``M`` takes samples ``[g*B/M, (g+1)*B/M)`` of global batch ``B``, and its
+    own pipelines divide that slice as one group's pipelines divide a whole global batch
+    (``micro_batch`` counts micro-batches inside the slice). The union over groups is
+    therefore exactly the single-group global batch, each sample once, and a sample stays a
+    pure function of ``(seed, index)``: M groups see the samples one group would, which is
+    what makes the outer loop comparable with synchronous training at equal tokens. With
+    ``groups == 1`` this is :func:`sample_indices`."""
+    if groups < 1 or not 0 <= group < groups:
+        raise ValueError(f"replica group {group} out of range [0, {groups})")
+    if global_batch % (groups * micro_batch_size):
+        raise ValueError(
+            f"global_batch {global_batch} does not split into {groups} replica groups of "
+            f"whole micro-batches of {micro_batch_size}"
+        )
+    per_group = global_batch // groups // micro_batch_size
+    if not 0 <= micro_batch < per_group:
+        raise ValueError(
+            f"micro_batch {micro_batch} out of range [0, {per_group}) of a group's slice"
+        )
+    return sample_indices(step, global_batch, group * per_group + micro_batch, micro_batch_size)

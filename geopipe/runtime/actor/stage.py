@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from geopipe.config import RECOVERY_SNAPSHOTS_KEPT
-from geopipe.model.data import TokenStream, open_corpus, sample_indices
+from geopipe.model.data import TokenStream, group_sample_indices, open_corpus
 from geopipe.model.family import DTYPES, ModelDesc, stage_param_names
 from geopipe.optimizer.codec_guard import Fallback, apply_fallbacks
 from geopipe.optimizer.evaluate import plan_schedule
@@ -36,6 +36,7 @@ from geopipe.runtime.actor.engine_config import EngineConfig
 from geopipe.runtime.actor.executor import FOREGROUND, Fault, IterationResult, execute
 from geopipe.runtime.actor.handoff import Restore, restore_boundary
 from geopipe.runtime.actor.links import StageLinks, WanPeer
+from geopipe.runtime.actor.outer_wire import OuterPeer, OuterSettings
 from geopipe.runtime.actor.shards import ShardWriter, load_stage
 from geopipe.runtime.actor.snapshots import BoundaryKeeper
 from geopipe.runtime.node import node_ip
@@ -86,6 +87,10 @@ class StageSpec:
     creds: RunCredentials | None = None
     listen_all: bool = False
     wan_outage_s: float = 60.0  # health.wan_outage_s: the WAN streams must outlive it
+    # The outer loop's replica groups: this replica's group and their number; group g of M
+    # trains on samples [g*B/M, (g+1)*B/M) of each global batch (group_sample_indices).
+    group: int = 0
+    groups: int = 1
 
 
 # [Note: garbage collection off the step]
@@ -128,6 +133,7 @@ class StageWorker:
         self.shards = ShardWriter()
         self._fault: Fault | None = None
         self._chunks: ChunkServer | None = None  # started when a store first asks
+        self._outer: Any = None  # the outer loop's state and exchange (outer_begin)
         self._configure(spec)
 
     def _configure(self, spec: StageSpec) -> None:
@@ -231,11 +237,12 @@ class StageWorker:
 
     # -- one iteration -------------------------------------------------------------------------
     def _batch(self, step: int, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
-        plan = self.plan
-        first = self.spec.first_microbatch
+        plan, spec = self.plan, self.spec
+        first = spec.first_microbatch
         if first is None:
-            first = self.spec.replica * plan.num_microbatches
-        idx = sample_indices(step, self.spec.global_batch, first + mb, plan.micro_batch_size)
+            first = spec.replica * plan.num_microbatches
+        idx = group_sample_indices(step, spec.global_batch, spec.group, spec.groups, first + mb,
+                                   plan.micro_batch_size)  # fmt: skip
         return self.stream.batch(idx, plan.seq_len)
 
     def run_iteration(self, step: int, record: bool = False) -> IterationResult:
@@ -388,6 +395,52 @@ class StageWorker:
     def load_checkpoint(self, path: str) -> int:
         return load_stage(self.engine, path, self.k, self.layers, self.links)
 
+    # -- the outer loop between replica groups (geopipe.runtime.actor.outer) -------------------
+    def outer_begin(self, settings: OuterSettings) -> dict[str, Any]:
+        """Take theta_global from this replica's fp32 masters now and open its outer
+        listener; returns its endpoint (group, stage, partition, address, layout)."""
+        from geopipe.runtime.actor.outer import OuterLoop
+
+        self._end_outer()
+        tag = f"{self.layers}/{self.spec.hold}"
+        self._outer = OuterLoop(
+            self.engine, self.k, self.spec.group, settings, host=node_ip(),
+            listen_all=self.spec.listen_all, creds=self.spec.creds,
+            user_timeout_s=self.links.user_timeout_s, tag=tag,
+        )  # fmt: skip
+        return self._outer.endpoint()
+
+    def outer_connect(self, peers: list[OuterPeer]) -> None:
+        """Connect to this replica's peers: same (stage, partition) in the other groups."""
+        self._outer.connect(peers)
+
+    def outer_send(self, fragment: int) -> dict[str, Any]:
+        """Encode this replica's pseudo-gradient of ``fragment``; its sends run on."""
+        return self._outer.send(fragment)
+
+    def outer_apply(self, fragment: int) -> dict[str, Any]:
+        """The outer step of the sent ``fragment`` (COLLECTIVE on the ZeRO-1 group, between
+        iterations). The boundary snapshot of this step is re-taken: recovery must roll
+        back to the weights after the outer step, not before it."""
+        out = self._outer.apply(fragment)
+        step = self.engine.step_count
+        if self.boundaries.holds(step):
+            self.boundaries.discard(step)
+            self.boundaries.take(step, self.engine)
+        return out
+
+    def outer_state(self) -> dict[str, Any]:
+        """theta_global and the outer momentum of this replica's partition (checkpoints)."""
+        return self._outer.state.state_dict()
+
+    def load_outer_state(self, state: dict[str, Any]) -> None:
+        self._outer.state.load_state_dict(state)
+
+    def _end_outer(self) -> None:
+        if self._outer is not None:
+            self._outer.close()
+            self._outer = None
+
     # -- lifecycle -----------------------------------------------------------------------------
     def ping(self) -> int:
         return os.getpid()
@@ -418,6 +471,7 @@ class StageWorker:
         collective with us is *not* released by this (gloo keeps its connections until the
         process exits): the controller replaces such a peer."""
         self.links.close()
+        self._end_outer()
         self.boundaries.after_leave()
         self.shards.forget()
         self._drop_engine()
@@ -434,6 +488,7 @@ class StageWorker:
 
     def shutdown(self) -> None:
         self.links.inbox.close()
+        self._end_outer()
         self._drop_engine()
 
     def _drop_engine(self) -> None:

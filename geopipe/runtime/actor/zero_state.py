@@ -31,7 +31,10 @@ __all__ = [
     "full_state",
     "load_full_state",
     "local_snapshot",
+    "master_partitions",
+    "partition_layout",
     "set_lr_step",
+    "sync_working_params",
 ]
 
 
@@ -174,3 +177,49 @@ def set_lr_step(engine: Any, lr_lambda: Callable[[int], float], lr_step: int) ->
     sched.load_state_dict({**sched.state_dict(), "last_epoch": lr_step, "_last_lr": lrs})
     for group, lr in zip(sched.optimizer.param_groups, lrs, strict=True):
         group["lr"] = lr
+
+
+# -- the fp32 master partitions, for the outer loop (geopipe.runtime.actor.outer) -------------
+
+
+def master_partitions(engine: Any) -> list[Tensor]:
+    """This replica's flat fp32 master partitions, one per parameter group: the live tensors
+    DeepSpeed's Adam steps (``single_partition_of_fp32_groups``), not copies.
+
+    Writing into them in place changes what the next inner step starts from, but not the
+    weights the forward reads: those are the 16-bit (or, in fp32, the separate flat working)
+    copies, so a writer must call :func:`sync_working_params` afterwards. Adam's state is
+    keyed by these same tensors, so writing in place keeps it (the outer loop must not reset
+    it)."""
+    return list(engine.optimizer.single_partition_of_fp32_groups)
+
+
+def partition_layout(engine: Any) -> dict[str, Any]:
+    """Which partition of its ZeRO-1 group this replica owns and how the partitions are cut:
+    ``{"rank", "size", "numels"}`` (``numels``: this replica's partition of each parameter
+    group). Replicas of different groups can exchange partition slices elementwise only when
+    their layouts are equal; the outer loop checks it before the first round."""
+    zo = engine.optimizer
+    group = zo.real_dp_process_group[0]
+    return {
+        "rank": int(dist.get_rank(group=group)),
+        "size": int(dist.get_world_size(group=group)),
+        "numels": [int(p.numel()) for p in zo.single_partition_of_fp32_groups],
+    }
+
+
+def sync_working_params(engine: Any) -> None:
+    """Make the module's working weights equal the fp32 masters again, as DeepSpeed does at
+    the end of its own step: each replica copies its master partition into its slice of the
+    flat working buffer, then the slices are all-gathered in the group (the model's
+    parameters are views of that buffer).
+
+    COLLECTIVE on the ZeRO-1 group: every replica calls it, between iterations (it uses the
+    training communicator, which must not interleave with a step's reduction). DeepSpeed
+    0.19's ``update_lp_params`` is exactly that copy plus ``all_gather_dp_groups``; the views
+    are re-pointed as its ``step`` does (``_update_model_bit16_weights``) in case a load
+    replaced a parameter's storage."""
+    zo = engine.optimizer
+    zo.update_lp_params()
+    for i in range(len(zo.bit16_groups)):
+        zo._update_model_bit16_weights(i)

@@ -1,0 +1,244 @@
+"""A stage replica's part of the outer loop (DiLoCo between replica groups).
+
+The numerics are :mod:`geopipe.outer`'s (theta_global, the Nesterov step, the encoded
+all-gather); this module binds them to a stage replica's DeepSpeed ZeRO-1 engine and to its
+peers over the data plane (:mod:`.outer_wire`).
+
+[Note: the outer loop partition by partition]
+Under ZeRO-1 each replica of a stage owns one flat fp32 master partition per parameter
+group (:func:`~geopipe.runtime.actor.zero_state.master_partitions`). The outer step is
+elementwise, so each replica keeps theta_global and the outer momentum for its own
+partition only and exchanges it only with its *peers*: the replicas that own the same
+(stage, partition) in the other groups. That needs the same partition layout in every
+group (same stage split, same ZeRO-1 size): checked by a digest before the first round.
+A fragment is slice ``f`` of each of the replica's partitions (equal slices, so the
+fragments' transfers are equal). After the step theta_global is written into the masters
+and the working weights are all-gathered inside the ZeRO-1 group, as DeepSpeed does after
+its own step, so the next inner step starts from theta_global. Adam's state is not touched.
+
+[Note: chunks, seeds and identical averages]
+A fragment's pseudo-gradient is cut into chunks of ``chunk_elems`` (a multiple of the
+codec's row, :data:`~geopipe.outer.ROW_LEN`), each encoded once and sent as one frame, so
+no frame exceeds the receiver's payload bound whatever the model's size. Every group
+averages the same bytes in group order, chunk by chunk, so theta_global stays bitwise equal
+in every group under every codec. A seeded codec (the rotated int4h/int2h) takes its seed
+from (run seed, stage, partition, fragment, round, chunk): the same in every group.
+
+[Note: tied embeddings and the outer loop]
+With ZeRO-1 a partition never holds two copies of one tensor, but a pipeline whose first and
+last stages hold the two copies of a tied embedding has them in two *different* stages'
+partitions, at different offsets. Exact averaging (codec ``none``) would keep them equal,
+since both copies start equal and get equal inputs; a lossy codec quantises each copy with
+different neighbours in its rows and the copies drift apart. Rather than promise what is
+not tested, an outer loop over a stage holding a tied copy is refused
+(:class:`OuterState`); exchanging the tied tensor as a stream of its own, encoded with the
+same rows on both stages, is the way to lift that.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from geopipe.outer import OuterOptimizer, average_encoded, decode_delta, encode_delta
+from geopipe.runtime.actor import zero_state
+from geopipe.runtime.actor.outer_wire import CHUNK_ELEMS, OuterExchange, OuterPeer, OuterSettings
+from geopipe.transport import wire
+from geopipe.transport.codec import Codec, Encoded, make_codec
+from geopipe.transport.security import RunCredentials
+
+__all__ = ["CHUNK_ELEMS", "OuterLoop", "OuterPeer", "OuterSettings", "OuterState"]
+
+
+class OuterState:
+    """theta_global and the outer momentum of one replica's ZeRO-1 partitions, bound to its
+    engine ([Note: the outer loop partition by partition]).
+
+    ``engine`` is the replica's :class:`~geopipe.runtime.actor.engine.StageEngine`. The
+    initial theta_global is a copy of the fp32 masters now: build it when every group holds
+    the same weights (at the start, after a checkpoint load, or after a round)."""
+
+    def __init__(self, engine: Any, stage: int, settings: OuterSettings, tag: str = "") -> None:
+        if engine.has_tied:
+            raise ValueError(
+                "the outer loop does not yet run on a stage holding one copy of a tied "
+                "embedding split over two stages ([Note: tied embeddings and the outer loop] "
+                "in geopipe.runtime.actor.outer): untie the model, or keep it in one stage"
+            )
+        self.engine, self.stage, self.settings = engine, stage, settings
+        layout = zero_state.partition_layout(engine.engine)
+        self.partition, self.partitions = layout["rank"], layout["size"]
+        self.layout = _digest({**layout, "stage": stage, "tag": tag})
+        masters = zero_state.master_partitions(engine.engine)
+        self.opt = OuterOptimizer(
+            [m.detach().clone() for m in masters], settings.lr, settings.momentum,
+            settings.fragments,
+        )  # fmt: skip
+        self._codec = make_codec(settings.codec, topk_ratio=settings.topk_ratio)
+
+    def chunks(self, fragment: int) -> list[tuple[int, int]]:
+        """``[start, end)`` of each chunk of ``fragment``'s flat vector."""
+        n = self.opt.fragment_numel(fragment)
+        size = self.settings.chunk_elems
+        return [(s, min(s + size, n)) for s in range(0, n, size)] or [(0, 0)]
+
+    def seed(self, fragment: int, round_: int, chunk: int) -> int:
+        """The codec seed of one chunk: equal in every group ([Note: chunks, seeds and
+        identical averages])."""
+        key = f"{self.settings.seed}/{self.stage}/{self.partition}/{fragment}/{round_}/{chunk}"
+        return int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "little")
+
+    def _codec_for(self, fragment: int, round_: int, chunk: int) -> Codec:
+        if self.settings.codec in wire.GROUPED:  # stateless apart from the seed
+            seed = self.seed(fragment, round_, chunk)
+            return make_codec(self.settings.codec, self.settings.topk_ratio, seed=seed)
+        return self._codec  # top-k keeps its error feedback, per fragment and chunk
+
+    def delta(self, fragment: int, round_: int | None = None) -> tuple[list[Encoded], float]:
+        """This replica's encoded pseudo-gradient (theta_global - masters) of ``fragment``,
+        one payload per chunk, and the codec's relative error on it (0 for ``none``)."""
+        round_ = self.opt.steps(fragment) if round_ is None else round_
+        masters = zero_state.master_partitions(self.engine.engine)
+        delta = self.opt.pseudo_gradient(masters, fragment)
+        out, err2 = [], 0.0
+        for c, (s, e) in enumerate(self.chunks(fragment)):
+            codec = self._codec_for(fragment, round_, c)
+            enc = encode_delta(delta[s:e], codec, key=f"outer/{fragment}/{c}")
+            if self.settings.codec != "none":
+                err2 += float((decode_delta(enc, e - s) - delta[s:e]).pow(2).sum())
+            out.append(enc)
+        norm = float(delta.norm())
+        return out, (err2**0.5 / norm if norm > 0 else err2**0.5)
+
+    @torch.no_grad()
+    def apply(self, fragment: int, payloads: Sequence[Sequence[Encoded]]) -> None:
+        """The outer step of ``fragment`` from every group's chunks (``payloads[g][c]``, in
+        the same group order in every group, this replica's own among them); then the
+        masters of ``fragment`` are set to theta_global and the working weights re-synced.
+
+        COLLECTIVE on the ZeRO-1 group (the all-gather): every replica of the group applies
+        the same fragment, between iterations."""
+        avg = torch.empty(self.opt.fragment_numel(fragment), dtype=torch.float32)
+        for c, (s, e) in enumerate(self.chunks(fragment)):
+            avg[s:e] = average_encoded([p[c] for p in payloads], e - s)
+        self.opt.step(avg, fragment)
+        masters = zero_state.master_partitions(self.engine.engine)
+        self.opt.copy_to(masters, fragment)
+        zero_state.sync_working_params(self.engine.engine)
+
+    def digest(self) -> str:
+        return self.opt.digest()
+
+    def state_dict(self) -> dict[str, Any]:
+        """theta_global, momentum and step counts (:meth:`OuterOptimizer.state_dict`), the
+        partition they belong to, and the top-k residuals (error feedback)."""
+        codec_state = self._codec.state_dict() if hasattr(self._codec, "state_dict") else {}
+        return {**self.opt.state_dict(), "stage": self.stage, "partition": self.partition,
+                "partitions": self.partitions, "layout": self.layout,
+                "codec": self.settings.codec, "codec_state": codec_state}  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` of the same (stage, partition) layout bit-exactly."""
+        if state["layout"] != self.layout:
+            raise ValueError(
+                f"outer state of stage {state['stage']} partition {state['partition']}/"
+                f"{state['partitions']} does not fit stage {self.stage} partition "
+                f"{self.partition}/{self.partitions} (layouts differ)"
+            )
+        self.opt.load_state_dict(state)
+        if state.get("codec_state") and hasattr(self._codec, "load_state_dict"):
+            self._codec.load_state_dict(state["codec_state"])
+
+
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class OuterLoop:
+    """One replica's outer state and its exchange with its peers: what the
+    :class:`~geopipe.runtime.actor.stage.StageWorker` methods ``outer_*`` call.
+
+    A round of fragment ``f``: :meth:`send` (take and encode the pseudo-gradient, send it to
+    every peer in the background), any number of inner steps (the overlap tau), then
+    :meth:`apply` (wait for the peers' payloads, average, step, write, all-gather)."""
+
+    def __init__(
+        self,
+        engine: Any,
+        stage: int,
+        group: int,
+        settings: OuterSettings,
+        *,
+        host: str,
+        listen_all: bool = False,
+        creds: RunCredentials | None = None,
+        user_timeout_s: float = 30.0,
+        tag: str = "",
+    ) -> None:
+        self.state = OuterState(engine, stage, settings, tag)
+        self.group, self.settings = group, settings
+        self.net = OuterExchange(
+            "0.0.0.0" if listen_all else host, host, creds, settings.max_payload, user_timeout_s
+        )
+        self._pending: dict[int, tuple[int, list[Encoded]]] = {}  # fragment -> (round, own)
+
+    def endpoint(self) -> dict[str, Any]:
+        """What the driver needs to pair peers: (stage, partition) and the listener."""
+        s = self.state
+        return {"group": self.group, "stage": s.stage, "partition": s.partition,
+                "partitions": s.partitions, "address": self.net.address,
+                "layout": s.layout}  # fmt: skip
+
+    def connect(self, peers: Sequence[OuterPeer]) -> None:
+        for p in peers:
+            if p.layout != self.state.layout:
+                raise ValueError(f"outer peer in group {p.group} at {p.address} has another "
+                                 "partition layout: every group must split its stages and "
+                                 "ZeRO-1 partitions alike")  # fmt: skip
+            if p.group == self.group:
+                raise ValueError(f"outer peer at {p.address} is in this replica's group {p.group}")
+        self.net.connect(peers)
+
+    def _tag(self, fragment: int, round_: int) -> tuple:
+        return ("O", self.state.stage, self.state.partition, fragment, round_)
+
+    def send(self, fragment: int) -> dict[str, Any]:
+        """Encode this replica's pseudo-gradient of ``fragment`` and start sending it."""
+        if fragment in self._pending:
+            raise RuntimeError(f"fragment {fragment} was sent and not applied yet")
+        t0 = time.perf_counter()
+        round_ = self.state.opt.steps(fragment)
+        chunks, err = self.state.delta(fragment, round_)
+        encode_s = time.perf_counter() - t0
+        self._pending[fragment] = (round_, chunks)
+        self.net.post(self._tag(fragment, round_), self.group, chunks)
+        return {"fragment": fragment, "round": round_, "chunks": len(chunks),
+                "payload_bytes": sum(c.payload_nbytes for c in chunks),
+                "encode_s": encode_s, "codec_error": err}  # fmt: skip
+
+    def apply(self, fragment: int) -> dict[str, Any]:
+        """Wait for the peers' payloads of the sent ``fragment``, then the outer step.
+        COLLECTIVE on the ZeRO-1 group (see :meth:`OuterState.apply`)."""
+        if fragment not in self._pending:
+            raise RuntimeError(f"fragment {fragment} has not been sent")
+        round_, own = self._pending[fragment]
+        t0 = time.perf_counter()
+        got, sent = self.net.collect(self._tag(fragment, round_), len(own),
+                                     self.settings.timeout_s)  # fmt: skip
+        wait_s = time.perf_counter() - t0
+        del self._pending[fragment]  # only now: a timed-out apply can be asked again
+        got[self.group] = own
+        payloads = [got[g] for g in sorted(got)]
+        t0 = time.perf_counter()
+        self.state.apply(fragment, payloads)
+        return {"fragment": fragment, "round": round_, "groups": len(payloads),
+                "bytes_sent": sent, "wait_s": wait_s, "apply_s": time.perf_counter() - t0,
+                "digest": self.state.digest()}  # fmt: skip
+
+    def close(self) -> None:
+        self.net.close()

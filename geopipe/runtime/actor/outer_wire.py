@@ -1,0 +1,309 @@
+"""The outer loop's exchange between replica groups, over the run's direct data plane.
+
+Each stage replica sends the encoded pseudo-gradient of its ZeRO-1 partition to its *peers*
+(the replicas holding the same stage and partition in the other groups) and receives theirs
+(:mod:`geopipe.runtime.actor.outer`). The bytes go over the same authenticated, encrypted
+TCP streams as the activations (:mod:`geopipe.transport.direct`): never gloo or TCPStore
+across sites (unauthenticated), never Ray's object store (bulk bytes on the control plane,
+several round trips per transfer over a long link). Ray only carries the listener's
+address.
+
+Why not :class:`~geopipe.transport.direct.DirectSender` itself: it encodes what it sends
+with the link's own codec, and the outer loop must send bytes it has *already* encoded, the
+same bytes to every peer, so that every group averages identical payloads
+(:mod:`geopipe.outer.exchange`). :class:`EncodedSender` is the direct channel's frame
+(:func:`~geopipe.transport.frames.encode_frame`, the codec seal, the run's handshake and TLS
+records, the link emulator's delivery stamp) written for a pre-encoded payload; the receiving
+side is the direct channel's own :class:`~geopipe.transport.direct.DirectReceiver` (its
+handshake, payload bound and checks) filing into an :class:`EncodedInbox`, which keeps the
+verified payload encoded instead of decoding it.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+import threading
+import time
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from geopipe.outer import ROW_LEN
+from geopipe.transport import wire
+from geopipe.transport.codec import CorruptPayloadError, Encoded, Sealed, open_sealed, seal
+from geopipe.transport.direct import CONGESTION, DirectReceiver, PeerLostError
+from geopipe.transport.frames import encode_frame, key_to_json, sendmsg_all
+from geopipe.transport.link import DelayedMailbox, LinkEmulator, LinkParams, MailboxClosedError
+from geopipe.transport.security import (
+    HandshakeError,
+    RunCredentials,
+    TlsSealer,
+    client_handshake_sealed,
+    link_id,
+)
+from geopipe.transport.sockets import set_congestion, shutdown_socket, tune_stream
+
+__all__ = [
+    "CHUNK_ELEMS",
+    "EncodedInbox",
+    "EncodedSender",
+    "OuterExchange",
+    "OuterPeer",
+    "OuterSettings",
+]
+
+CHUNK_ELEMS = ROW_LEN * 4096  # elements per frame: 4 MiB with codec none
+
+
+@dataclass(frozen=True)
+class OuterSettings:
+    """The outer optimizer and exchange of one run (``plan.outer`` once chosen): plain data
+    the driver sends every actor. ``timeout_s``: how long an apply waits for a peer's payload
+    (the driver passes ``health.wan_outage_s``); ``seed``: the run's, for codec seeds."""
+
+    lr: float = 0.7
+    momentum: float = 0.9
+    fragments: int = 1
+    codec: str = "none"
+    topk_ratio: float = 0.01
+    timeout_s: float = 600.0
+    chunk_elems: int = CHUNK_ELEMS
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.codec not in wire.CODECS:
+            raise ValueError(f"outer codec {self.codec!r} is not one of {wire.CODECS}")
+        if self.chunk_elems < ROW_LEN or self.chunk_elems % ROW_LEN:
+            raise ValueError(f"chunk_elems must be a positive multiple of {ROW_LEN}, "
+                             f"got {self.chunk_elems}")  # fmt: skip
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+
+    @property
+    def max_payload(self) -> int:
+        """The largest frame an outer listener accepts: a chunk in fp32 twice over (top-k at
+        a high ratio sends 6 bytes an element) plus 1 MiB."""
+        return 8 * self.chunk_elems + (1 << 20)
+
+
+@dataclass(frozen=True)
+class OuterPeer:
+    """A replica of another group holding the same (stage, ZeRO-1 partition) as this one:
+    its group id, its outer listener, its partition layout's digest (must equal ours) and,
+    on an emulated WAN, the link to it (None: the network is real)."""
+
+    group: int
+    address: tuple[str, int]
+    layout: str
+    link: LinkParams | None = None
+
+
+@dataclass(frozen=True)
+class _Failed:
+    error: BaseException
+
+
+class EncodedInbox:
+    """Where a :class:`DirectReceiver` files the peers' payloads: verified against their
+    seal, kept *encoded* (the average decodes every group's payload itself, in group order),
+    and held until their emulated delivery time."""
+
+    def __init__(self) -> None:
+        self._box = DelayedMailbox()
+        self._error: BaseException | None = None
+
+    def deliver_sealed(
+        self, key: Hashable, sealed: Sealed, deliver_at: float, sent_at: float = 0.0
+    ) -> None:
+        try:
+            self._box.put(key, open_sealed(sealed), deliver_at)
+        except CorruptPayloadError as exc:
+            self._box.put(key, _Failed(exc), 0.0)
+
+    def deliver_error(self, key: Hashable, error: BaseException) -> None:
+        self._box.put(key, _Failed(error), 0.0)
+
+    def fail(self, error: BaseException) -> None:
+        """The stream broke in a way no key can be blamed for: every wait raises ``error``."""
+        self._error = error
+        self._box.close()
+
+    def get(self, key: Hashable, timeout: float | None) -> Encoded:
+        try:
+            item = self._box.get(key, timeout=timeout)
+        except MailboxClosedError:
+            if self._error is not None:
+                raise self._error from None
+            raise
+        if isinstance(item, _Failed):
+            raise item.error
+        return item
+
+    def close(self) -> None:
+        self._box.close()
+
+
+class EncodedSender:
+    """One authenticated connection to a peer's outer listener; writes pre-encoded payloads
+    as direct-channel frames, in order, on the calling thread (the exchange runs each peer's
+    sends on a thread of its own)."""
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        creds: RunCredentials | None,
+        link: LinkParams | None = None,
+        user_timeout_s: float = 30.0,
+        connect_timeout_s: float = 30.0,
+    ) -> None:
+        self.address = tuple(address)
+        self._emulator = LinkEmulator(link) if link is not None else None
+        self._lock = threading.Lock()
+        self._seq = 0
+        self.bytes_written = 0
+        self._sock, self._tls = _connect(self.address, creds, connect_timeout_s)
+        tune_stream(self._sock, user_timeout_s)
+
+    def send(self, key: Hashable, enc: Encoded) -> int:
+        """Write one payload's frame; returns the bytes written. Raises PeerLostError."""
+        key_to_json(key)
+        with self._lock:
+            sent_at = time.monotonic()
+            deliver_at = 0.0
+            if self._emulator is not None:
+                deliver_at = self._emulator.stamp(enc.payload_nbytes, sent_at)
+            bufs = encode_frame(key, seal(enc), self._seq, deliver_at, sent_at)
+            if self._tls is not None:
+                bufs = self._tls.seal(bufs)
+            try:
+                n = sendmsg_all(self._sock, bufs)
+            except OSError as exc:
+                raise PeerLostError(f"outer exchange to {self.address} failed: {exc}") from exc
+            self._seq += 1
+            self.bytes_written += n
+            return n
+
+    def close(self) -> None:
+        shutdown_socket(self._sock)
+
+
+def _connect(
+    address: tuple[str, int], creds: RunCredentials | None, timeout_s: float
+) -> tuple[socket.socket, TlsSealer | None]:
+    """Connect (retrying while the listener is not up yet) and pass the run's handshake."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        set_congestion(sock, CONGESTION)
+        sock.settimeout(timeout_s)
+        try:
+            sock.connect(address)
+            break
+        except OSError as exc:
+            sock.close()
+            retry = exc.errno in (errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH)
+            if not retry or time.monotonic() >= deadline:
+                raise PeerLostError(f"cannot connect to outer peer {address}: {exc}") from exc
+            time.sleep(0.05)
+    tls = None
+    if creds is not None:
+        try:
+            sock, tls = client_handshake_sealed(sock, creds, link_id(address))
+        except (HandshakeError, OSError) as exc:
+            sock.close()
+            raise PeerLostError(f"cannot authenticate to outer peer {address}: {exc}") from exc
+    sock.settimeout(None)
+    return sock, tls
+
+
+class OuterExchange:
+    """This replica's outer listener and its connections to its peers.
+
+    ``post`` sends this replica's chunks of one (fragment, round) to every peer on
+    background threads (one per peer) and returns at once, so a streaming fragment's
+    transfer overlaps the inner steps that follow; ``collect`` joins those sends and waits
+    for every peer's chunks. Keys are ``(tag, group, chunk)`` where ``tag`` names the
+    stage, partition, fragment and round, so a late or early payload cannot be mistaken
+    for another round's."""
+
+    def __init__(
+        self,
+        host: str,
+        advertise_host: str,
+        creds: RunCredentials | None,
+        max_payload: int,
+        user_timeout_s: float,
+    ) -> None:
+        self.creds = creds
+        self.user_timeout_s = user_timeout_s
+        self.inbox = EncodedInbox()
+        self.receiver = DirectReceiver(
+            self.inbox, host=host, advertise_host=advertise_host, creds=creds,
+            max_payload=max_payload, user_timeout_s=user_timeout_s,
+        )  # fmt: skip
+        self.address = self.receiver.address
+        self.peers: dict[int, OuterPeer] = {}
+        self._senders: dict[int, EncodedSender] = {}
+        self._posts: list[tuple[int, threading.Thread, list[Any]]] = []
+
+    def connect(self, peers: Sequence[OuterPeer]) -> None:
+        """(Re)connect to ``peers`` (drops connections to groups no longer listed)."""
+        for s in self._senders.values():
+            s.close()
+        self._senders, self.peers = {}, {}
+        for p in peers:
+            self._senders[p.group] = EncodedSender(
+                p.address, self.creds, p.link, user_timeout_s=self.user_timeout_s
+            )
+            self.peers[p.group] = p
+
+    def post(self, tag: tuple, group: int, chunks: Sequence[Encoded]) -> None:
+        """Send ``chunks`` (this replica's payload, from group ``group``) to every peer."""
+        for g, sender in sorted(self._senders.items()):
+            box: list[Any] = []
+
+            def run(sender: EncodedSender = sender, box: list[Any] = box) -> None:
+                try:
+                    box.append(sum(sender.send((*tag, group, c), enc)
+                                   for c, enc in enumerate(chunks)))  # fmt: skip
+                except BaseException as exc:  # surfaced by collect(), naming the peer
+                    box.append(exc)
+
+            t = threading.Thread(target=run, name=f"outer-send-{g}", daemon=True)
+            t.start()
+            self._posts.append((g, t, box))
+
+    def collect(
+        self, tag: tuple, chunks: int, timeout_s: float
+    ) -> tuple[dict[int, list[Encoded]], int]:
+        """Every peer's ``chunks`` payload chunks of ``tag`` (by group), and the bytes this
+        replica sent for it. Raises naming the peer whose send failed or whose payload did
+        not arrive within ``timeout_s``."""
+        sent = 0
+        posts, self._posts = self._posts, []
+        for g, t, box in posts:
+            t.join(timeout_s)
+            where = f"outer exchange: sending to group {g} at {self.peers[g].address}"
+            if t.is_alive() or not box:
+                raise TimeoutError(f"{where} took over {timeout_s:g}s")
+            if isinstance(box[0], BaseException):
+                raise PeerLostError(f"{where} failed: {box[0]}") from box[0]
+            sent += box[0]
+        deadline = time.monotonic() + timeout_s
+        got: dict[int, list[Encoded]] = {}
+        for g, peer in sorted(self.peers.items()):
+            try:
+                got[g] = [self.inbox.get((*tag, g, c), max(0.0, deadline - time.monotonic()))
+                          for c in range(chunks)]  # fmt: skip
+            except TimeoutError as exc:
+                why = f"no payload from group {g} at {peer.address} in {timeout_s:g}s"
+                raise TimeoutError(f"outer exchange: {why} ({exc})") from None
+        return got, sent
+
+    def close(self) -> None:
+        for s in self._senders.values():
+            s.close()
+        self._senders = {}
+        self.receiver.close()
+        self.inbox.close()
