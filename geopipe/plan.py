@@ -96,12 +96,42 @@ class Plan:
     # not yet) its device holds, which bounds how far W is deferred; () = no memory bound.
     inflight_caps: tuple[int, ...] = ()
     mix: tuple[PipelineLayout, ...] = ()  # heterogeneous pipelines (see the note); () = uniform
+    # [Note: replica groups] The outer loop's group of each pipeline (a mixed plan's; () =
+    # one group, synchronous). A group's pipelines reduce their gradients together every
+    # step (ZeRO-1 inside each site, as any plan); different groups sit on different sites,
+    # never share a reduction, and meet only in the outer loop every H steps. Pipelines are
+    # listed group by group, so group g trains on one contiguous slice of each global batch
+    # (first_microbatch), and a gradient's mean is over its own group's micro-batches.
+    groups: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.mix:
             depths = [len(p.stage_sites) for p in self.mix]
-            if depths != sorted(depths, reverse=True) or self.pipelines != len(self.mix):
-                raise ValueError("a mixed plan lists its pipelines deepest first, one each")
+            if self.pipelines != len(self.mix):
+                raise ValueError("a mixed plan lists its pipelines one each")
+            if depths != sorted(depths, reverse=True) and not self.groups:
+                raise ValueError("a mixed plan lists its pipelines deepest first")
+        if self.groups:
+            g = list(self.groups)
+            if not self.mix or len(g) != self.pipelines or g != sorted(g) or g[0] != 0:
+                raise ValueError("groups: a mixed plan's, one per pipeline, 0.. in order")
+            sites = [set(self.mix[r].stage_sites) for r in range(self.pipelines)]
+            for r in range(self.pipelines):
+                for q in range(r):
+                    if g[q] != g[r] and sites[q] & sites[r]:
+                        raise ValueError("replica groups must sit on different sites")
+
+    @property
+    def num_groups(self) -> int:
+        """Replica groups joined by the outer loop (1: synchronous training)."""
+        return self.groups[-1] + 1 if self.groups else 1
+
+    def group_of(self, r: int) -> int:
+        return self.groups[r] if self.groups else 0
+
+    def group_microbatches(self, g: int) -> int:
+        """Micro-batches of one inner step of group ``g`` (all of them for one group)."""
+        return sum(self.microbatches_of(r) for r in range(self.pipelines) if self.group_of(r) == g)
 
     @property
     def heterogeneous(self) -> bool:
@@ -117,7 +147,7 @@ class Plan:
         return replace(
             self, pipelines=1, stage_sites=p.stage_sites, partition=p.partition,
             num_microbatches=p.num_microbatches, delta_n=p.delta_n, codecs=p.codecs,
-            inflight_caps=p.inflight_caps, mix=(),
+            inflight_caps=p.inflight_caps, mix=(), groups=(),
         )  # fmt: skip
 
     def microbatches_of(self, r: int) -> int:
@@ -184,6 +214,11 @@ class Plan:
 
     def describe(self) -> str:
         """``2 pipeline(s) × 4 stages``, or for a mix each pipeline's depth."""
+        if self.groups:
+            return (
+                f"{self.num_groups} replica groups of {self.pipelines // self.num_groups} "
+                f"pipeline(s) × {self.num_stages} stages (outer loop)"
+            )
         if not self.mix:
             return f"{self.pipelines} pipeline(s) × {self.num_stages} stages"
         depths = ", ".join(str(len(p.stage_sites)) for p in self.mix)
@@ -208,6 +243,8 @@ class Plan:
         d = asdict(self)
         if not self.mix:  # uniform plans keep their long-standing JSON form
             del d["mix"]
+        if not self.groups:  # and one group is every plan before the outer loop
+            del d["groups"]
         return d
 
     @classmethod
@@ -224,6 +261,7 @@ class Plan:
             codecs=tuple(d["codecs"]),
             inflight_caps=tuple(int(x) for x in d.get("inflight_caps", ())),
             mix=tuple(PipelineLayout.from_dict(x) for x in d.get("mix", ())),
+            groups=tuple(int(x) for x in d.get("groups", ())),
         )
 
     def to_json(self) -> str:

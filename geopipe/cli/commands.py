@@ -206,8 +206,9 @@ def _dry_run(spec: ClusterSpec, args: argparse.Namespace) -> int:
         print(format_mix(rp.plan, rp.predicted.iteration_time_s))
     if rp.strategy is not None:
         print_strategy(rp.strategy, console)
-    if rp.outer:
-        print(f"geopipe launch: {OUTER_NOT_LAUNCHED}", file=sys.stderr)
+    if rp.outer_refused or rp.outer is not None:
+        why = f": {rp.outer_refused}" if rp.outer_refused else ""
+        print(f"geopipe launch: {OUTER_NOT_LAUNCHED}{why}", file=sys.stderr)
         return EXIT_USAGE
     for note in notes:
         print(f"note: {note}")

@@ -18,6 +18,7 @@ from geopipe.config import ClusterSpec
 from geopipe.optimizer.errors import PlanningError
 from geopipe.optimizer.evaluate import Candidate, Evaluation, Evaluator
 from geopipe.optimizer.measurements import Measurements, costed
+from geopipe.optimizer.outerplan import OuterRun, outer_run
 from geopipe.optimizer.penalty import PenaltyModel, load_penalty
 from geopipe.optimizer.planner import PlanReport, plan_cluster
 from geopipe.optimizer.strategy import StrategyReport, as_pipeline, plan_strategy
@@ -56,12 +57,8 @@ class RunPlan:
     report: PlanReport | None = None
     mixed: bool = False
     strategy: StrategyReport | None = None  # plan.strategy outer or auto: every candidate
-
-    @property
-    def outer(self) -> bool:
-        """Whether the strategy chosen is an outer loop between replica groups (``plan``
-        then stays the pipeline across sites, the table's first row)."""
-        return self.strategy is not None and self.strategy.chosen.kind != "pipeline"
+    outer: OuterRun | None = None  # the outer loop chosen, as launch runs it (plan is its)
+    outer_refused: str | None = None  # why launch cannot run the outer loop chosen
 
 
 def with_overrides(spec: ClusterSpec, overrides: Overrides) -> ClusterSpec:
@@ -105,14 +102,34 @@ def plan_run(
         strategy = plan_strategy(
             priced, report, penalty or load_penalty(), source=source or spec.name
         )
+    if strategy is not None and strategy.chosen.kind != "pipeline":
+        return _outer(priced, report, strategy)
     if not report.best.feasible:
-        if not strict or (strategy is not None and strategy.chosen.kind != "pipeline"):
+        if not strict:
             return RunPlan(report.best.plan, report.best, report, strategy=strategy)
         raise PlanningError(f"no feasible plan for {spec.name}: {report.best.reason}")
     mixed = mixed_at_launch(pipeline, report.best)
     if mixed is not None:
         return RunPlan(mixed.plan, mixed, report, mixed=True, strategy=strategy)
     return RunPlan(report.best.plan, report.best, report, strategy=strategy)
+
+
+def _outer(spec: ClusterSpec, report: PlanReport, strategy: StrategyReport) -> RunPlan:
+    """The chosen outer loop as launch runs it, its prediction per inner step (a round's
+    time over H: what the progress line and calibration compare with), or the reason the
+    runtime cannot run it."""
+    chosen = strategy.chosen
+    try:
+        run = outer_run(spec, chosen)
+    except PlanningError as exc:
+        return RunPlan(report.best.plan, report.best, report, strategy=strategy,
+                       outer_refused=str(exc))  # fmt: skip
+    tokens = spec.training.global_batch_size * run.plan.seq_len
+    predicted = replace(
+        chosen.evaluations[0], plan=run.plan, iteration_time_s=run.round_s / run.h,
+        tokens_per_iteration=tokens, reason=f"{chosen.label} (outer loop, H={run.h})",
+    )  # fmt: skip
+    return RunPlan(run.plan, predicted, report, strategy=strategy, outer=run)
 
 
 def mixed_at_launch(spec: ClusterSpec, best: Evaluation) -> Evaluation | None:

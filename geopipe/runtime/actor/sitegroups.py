@@ -72,4 +72,7 @@ def site_worlds(plan: Plan) -> list[SiteWorld]:
 def grad_scale(plan: Plan, key: Key) -> float:
     """The factor actor ``key`` applies to its weight gradients (see the module note)."""
     size = next(len(g) for gs in plan.shared_groups().values() for g in gs if key in g)
-    return plan.microbatches_of(key[1]) * size / plan.total_microbatches
+    # The mean is over the actor's own replica group's micro-batches ([Note: replica groups]
+    # in geopipe.plan): every micro-batch of the global batch for a synchronous plan.
+    total = plan.group_microbatches(plan.group_of(key[1]))
+    return plan.microbatches_of(key[1]) * size / total

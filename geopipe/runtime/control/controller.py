@@ -256,7 +256,9 @@ class Controller:
             rp = plan_run(self.ctx.spec, self.ctx.measurements.merged(measured), self.overrides)
         except PlanningError as exc:
             raise LaunchError(str(exc)) from None
-        if rp.outer:
+        if rp.outer_refused:
+            raise LaunchError(f"{OUTER_NOT_LAUNCHED}: {rp.outer_refused}")
+        if rp.outer is not None:  # until the controller drives rounds (outerloop.py)
             raise LaunchError(OUTER_NOT_LAUNCHED)
         self.ctx = self.ctx.measured(measured).planned(rp.plan, rp.predicted)
         self.planned_with = self.ctx.measurements
