@@ -483,8 +483,9 @@ class SecuritySpec(Spec):
 
     encrypt: bool | None = Field(
         None,
-        description="TLS 1.3 with a per-run CA on every data-plane connection (default: on, "
-        "except when ray.emulate_links puts every site on this one machine); off is for "
+        description="TLS 1.3 with a per-run CA on every data-plane connection (default: on "
+        "whenever the run may span more than one node, i.e. unless ray.address is 'local', "
+        "the embedded single-machine cluster, whatever ray.emulate_links says); off is for "
         "trusted private networks, and launch says so",
     )
     listen: Literal["node", "all"] = Field(
@@ -507,9 +508,11 @@ class ClusterSpec(Spec):
 
     @property
     def encrypted(self) -> bool:
-        """Whether the data plane runs TLS (see :class:`SecuritySpec`)."""
+        """Whether the data plane runs TLS (see :class:`SecuritySpec`). By topology, not by
+        link emulation: a cluster Ray attaches to may span nodes even when its WAN links are
+        emulated (the test bed's are), and there every byte crosses a real network."""
         enc = self.security.encrypt
-        return (not self.ray.links_emulated) if enc is None else enc
+        return (self.ray.address != "local") if enc is None else enc
 
     # -- derived views -----------------------------------------------------------------------
     def site(self, name: str) -> SiteSpec:
