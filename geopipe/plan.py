@@ -145,10 +145,17 @@ class Plan:
             return replace(self, pipelines=1)
         p = self.mix[r]
         return replace(
-            self, pipelines=1, stage_sites=p.stage_sites, partition=p.partition,
-            num_microbatches=p.num_microbatches, delta_n=p.delta_n, codecs=p.codecs,
-            inflight_caps=p.inflight_caps, mix=(), groups=(),
-        )  # fmt: skip
+            self,
+            pipelines=1,
+            stage_sites=p.stage_sites,
+            partition=p.partition,
+            num_microbatches=p.num_microbatches,
+            delta_n=p.delta_n,
+            codecs=p.codecs,
+            inflight_caps=p.inflight_caps,
+            mix=(),
+            groups=(),
+        )
 
     def microbatches_of(self, r: int) -> int:
         return self.mix[r].num_microbatches if self.mix else self.num_microbatches

@@ -60,8 +60,15 @@ def write_chrome_trace(path: str | Path, events: Iterable[Interval], process: st
     Path(path).write_text(json.dumps(chrome_trace(events, process)))
 
 
-_COLORS = {"F": "#4C72B0", "B": "#55A868", "I": "#8DD3A0", "W": "#2E7D4F", "step": "#C44E52",
-           "send": "#8172B2", "recv": "#CCB974"}  # fmt: skip
+_COLORS = {
+    "F": "#4C72B0",
+    "B": "#55A868",
+    "I": "#8DD3A0",
+    "W": "#2E7D4F",
+    "step": "#C44E52",
+    "send": "#8172B2",
+    "recv": "#CCB974",
+}
 
 
 def plot_timelines(

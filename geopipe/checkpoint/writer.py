@@ -143,8 +143,9 @@ def shard_bytes(
     data, header = _encode(stage, tensors, meta, rng)
     blob = save(data, metadata=header)
     digest = hashlib.sha256(blob).hexdigest()
-    info = ShardInfo(stage, shard_name(stage), digest, len(blob), len(data),
-                     time.perf_counter() - t0)  # fmt: skip
+    info = ShardInfo(
+        stage, shard_name(stage), digest, len(blob), len(data), time.perf_counter() - t0
+    )
     return blob, info
 
 

@@ -45,8 +45,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     record = bool(args.trace or args.plot)
     # The one planning function launch and --dry-run call: the pipeline across the sites,
     # the launch-time mix, and (strategy outer or auto) the strategy table.
-    rp = plan_run(spec, exhaustive=args.exhaustive, record=record, strict=False,
-                  source=args.cluster)  # fmt: skip
+    rp = plan_run(
+        spec, exhaustive=args.exhaustive, record=record, strict=False, source=args.cluster
+    )
     report, strategy = rp.report, rp.strategy
     if args.trace:
         from geopipe.timeline import write_chrome_trace
@@ -214,16 +215,20 @@ def _dry_run(spec: ClusterSpec, args: argparse.Namespace) -> int:
         print(f"note: {note}")
     calibrate = spec.plan.calibrate
     if spec.ray.address == "local" if calibrate is None else calibrate:
-        print("note: launch first times the model on this machine (plan.calibrate); this dry "
-              "run used the YAML's nominal device speeds")  # fmt: skip
+        print(
+            "note: launch first times the model on this machine (plan.calibrate); this dry "
+            "run used the YAML's nominal device speeds"
+        )
     print(f"dry run: {spec.name} is valid and plannable; nothing was started")
     return 0
 
 
 def format_mix(plan: object, iteration_time_s: float) -> str:
     """One line per pipeline of a launch-time mix of templates."""
-    lines = [f"launch runs a mix of pipeline templates over all devices (predicted "
-             f"{fmt_time(iteration_time_s)}/step):"]  # fmt: skip
+    lines = [
+        f"launch runs a mix of pipeline templates over all devices (predicted "
+        f"{fmt_time(iteration_time_s)}/step):"
+    ]
     for r, p in enumerate(plan.mix):
         lines.append(
             f"  pipeline {r}: {len(p.stage_sites)} stages over {' → '.join(p.stage_sites)}, "
@@ -246,15 +251,29 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
             print(f"geopipe checkpoints: no such directory {root}", file=sys.stderr)
             return EXIT_USAGE
         roots = {"": str(root)}
-    listed = {site: list_checkpoints(d, verify=not args.fast) if Path(d).is_dir() else None
-              for site, d in roots.items()}  # fmt: skip
+    listed = {
+        site: list_checkpoints(d, verify=not args.fast) if Path(d).is_dir() else None
+        for site, d in roots.items()
+    }
     if args.json:
-        print(json.dumps([
-            {"path": str(i.path), "step": i.step, "status": i.status, "reason": i.reason,
-             "time": i.time, "size_bytes": i.size_bytes, "run_id": i.run_id,
-             **({"site": s} if s else {})}
-            for s, infos in listed.items() for i in infos or []
-        ]))  # fmt: skip
+        print(
+            json.dumps(
+                [
+                    {
+                        "path": str(i.path),
+                        "step": i.step,
+                        "status": i.status,
+                        "reason": i.reason,
+                        "time": i.time,
+                        "size_bytes": i.size_bytes,
+                        "run_id": i.run_id,
+                        **({"site": s} if s else {}),
+                    }
+                    for s, infos in listed.items()
+                    for i in infos or []
+                ]
+            )
+        )
         return 0
     for site, infos in listed.items():
         where = f"site {site}: {roots[site]}" if site else str(roots[site])
@@ -307,8 +326,15 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 # What status.json says while its driver runs (the controller's states that are not ends).
-_LIVE_STATES = ("planning", "launching", "running", "waiting", "recovering", "growing",
-                "checkpointing")  # fmt: skip
+_LIVE_STATES = (
+    "planning",
+    "launching",
+    "running",
+    "waiting",
+    "recovering",
+    "growing",
+    "checkpointing",
+)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -331,9 +357,14 @@ def cmd_prepare_data(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     try:
         m = prepare_data(
-            args.inputs, args.tokenizer, args.out, text_field=args.text_field,
-            processes=args.processes, progress=not args.no_progress, overwrite=args.overwrite,
-        )  # fmt: skip
+            args.inputs,
+            args.tokenizer,
+            args.out,
+            text_field=args.text_field,
+            processes=args.processes,
+            progress=not args.no_progress,
+            overwrite=args.overwrite,
+        )
     except DatasetError as exc:
         print(f"geopipe: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -354,8 +385,14 @@ def cmd_export(args: argparse.Namespace) -> int:
     from geopipe.model.tokens import DatasetError
 
     try:
-        out, note = export_run(args.run_dir, args.out, step=args.step, dtype=args.dtype,
-                               force=args.force, max_shard_bytes=args.max_shard_bytes)  # fmt: skip
+        out, note = export_run(
+            args.run_dir,
+            args.out,
+            step=args.step,
+            dtype=args.dtype,
+            force=args.force,
+            max_shard_bytes=args.max_shard_bytes,
+        )
     except (CheckpointError, ExportError, DatasetError, OSError) as exc:
         print(f"geopipe: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -364,9 +401,13 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def export_run(
-    run_dir: str, out: str, step: int | None = None, dtype: str | None = None,
-    force: bool = False, max_shard_bytes: int | None = None,
-) -> tuple[str, str]:  # fmt: skip
+    run_dir: str,
+    out: str,
+    step: int | None = None,
+    dtype: str | None = None,
+    force: bool = False,
+    max_shard_bytes: int | None = None,
+) -> tuple[str, str]:
     """Export ``run_dir``'s newest complete checkpoint (or ``step``'s) to ``out``; returns
     (out, a one-line summary). What ``geopipe export`` runs; benchmarks call it too."""
     import shutil
@@ -392,8 +433,7 @@ def export_run(
     target = Path(out)
     if force and target.exists():
         shutil.rmtree(target)
-    write_model_dir(target, config, generation, tensors, tokenizer,
-                    max_shard_bytes or SHARD_BYTES)  # fmt: skip
+    write_model_dir(target, config, generation, tensors, tokenizer, max_shard_bytes or SHARD_BYTES)
     n = sum(t.numel() for t in tensors.values())
     kind = config.get("architectures", ["?"])[0]
     tok = "with the run's tokenizer" if tokenizer else "no tokenizer (byte-level data)"

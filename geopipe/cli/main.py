@@ -78,9 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     _run_commands(sub)
     _data_commands(sub)
     tb = sub.add_parser(
-        "testbed", help="a real emulated WAN on this host (namespaces; needs root)",
+        "testbed",
+        help="a real emulated WAN on this host (namespaces; needs root)",
         add_help=False,
-    )  # fmt: skip
+    )
     tb.add_argument("testbed_args", nargs=argparse.REMAINDER)
     tb.set_defaults(func=_cmd_testbed)
     return p
@@ -124,26 +125,36 @@ def _run_commands(sub: Any) -> None:
     la = sub.add_parser("launch", help="train on the cluster the YAML describes")
     la.add_argument("cluster")
     la.add_argument(
-        "--steps", type=_int_in(1, MAX_STEPS), default=None,
+        "--steps",
+        type=_int_in(1, MAX_STEPS),
+        default=None,
         help="total optimizer steps of the run",
-    )  # fmt: skip
+    )
     la.add_argument("--schedule", choices=(*SCHEDULES, AUTO), default=None)
     la.add_argument("--run-dir", default=None, help="where checkpoints, metrics, traces go")
     la.add_argument("--metrics-out", default=None, metavar="FILE.jsonl")
     la.add_argument("--trace", default=None, metavar="FILE", help="measured Chrome trace")
     la.add_argument("--no-progress", action="store_true", help="no progress bar")
     la.add_argument(
-        "--resume", nargs="?", const=True, default=False, metavar="PATH",
+        "--resume",
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="PATH",
         help="continue from the newest complete checkpoint of the run (or from PATH)",
-    )  # fmt: skip
+    )
     la.add_argument(
-        "--chaos-kill-every", type=_POSITIVE, default=None, metavar="N",
+        "--chaos-kill-every",
+        type=_POSITIVE,
+        default=None,
+        metavar="N",
         help="kill a random stage actor in the middle of every N-th step (see recovery)",
-    )  # fmt: skip
+    )
     la.add_argument(
-        "--dry-run", action="store_true",
+        "--dry-run",
+        action="store_true",
         help="validate the YAML and plan the run as launch would; start nothing",
-    )  # fmt: skip
+    )
     la.set_defaults(func=cmd_launch)
 
     ck = sub.add_parser("checkpoints", help="list a run's checkpoints and whether they verify")
@@ -165,9 +176,12 @@ def _data_commands(sub: Any) -> None:
     pd.add_argument("--out", required=True, metavar="DIR", help="the dataset directory to write")
     pd.add_argument("--text-field", default="text", help="JSONL field / Parquet column (text)")
     pd.add_argument(
-        "--processes", type=_POSITIVE, default=None, metavar="N",
+        "--processes",
+        type=_POSITIVE,
+        default=None,
+        metavar="N",
         help="tokenizer processes (default: the CPUs available)",
-    )  # fmt: skip
+    )
     pd.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     pd.add_argument("--no-progress", action="store_true", help="no progress bar")
     pd.set_defaults(func=cmd_prepare_data)
@@ -176,12 +190,19 @@ def _data_commands(sub: Any) -> None:
     ex.add_argument("run_dir", help="the run directory (or a checkpoints/ or step directory)")
     ex.add_argument("--out", required=True, metavar="DIR", help="the directory to write")
     ex.add_argument("--step", type=int, default=None, help="default: the newest complete one")
-    ex.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
-                    help="default: the checkpoint's own (fp32 master weights)")  # fmt: skip
     ex.add_argument(
-        "--max-shard-bytes", type=_POSITIVE, default=None, metavar="N",
+        "--dtype",
+        choices=["fp32", "bf16", "fp16"],
+        default=None,
+        help="default: the checkpoint's own (fp32 master weights)",
+    )
+    ex.add_argument(
+        "--max-shard-bytes",
+        type=_POSITIVE,
+        default=None,
+        metavar="N",
         help="split the weights into files of at most N bytes (default 5 GB)",
-    )  # fmt: skip
+    )
     ex.add_argument("--force", action="store_true", help="replace a non-empty --out")
     ex.set_defaults(func=cmd_export)
 

@@ -56,10 +56,11 @@ def infeasible_note(e: Any) -> str:
     if e.plan is not None and e.memory:
         over = [
             (m / lim, k)
-            for k, (m, lim) in enumerate(zip(e.peak_memory_bytes, e.memory_limit_bytes,
-                                             strict=True))
+            for k, (m, lim) in enumerate(
+                zip(e.peak_memory_bytes, e.memory_limit_bytes, strict=True)
+            )
             if m > lim
-        ]  # fmt: skip
+        ]
         if over:
             _, k = max(over)
             return (
@@ -83,9 +84,14 @@ def model_summary(spec: ClusterSpec) -> dict[str, Any]:
     from geopipe.model.sizes import param_totals
 
     m = spec.model
-    return {"family": m.family, "parameters": param_totals(m)[0], "n_layer": m.n_layer,
-            "hidden": m.n_embd, "tie_embeddings": m.tie_embeddings,
-            "pretrained_weights": m.hf_weights}  # fmt: skip
+    return {
+        "family": m.family,
+        "parameters": param_totals(m)[0],
+        "n_layer": m.n_layer,
+        "hidden": m.n_embd,
+        "tie_embeddings": m.tie_embeddings,
+        "pretrained_weights": m.hf_weights,
+    }
 
 
 def format_model(spec: ClusterSpec) -> str:
@@ -205,8 +211,14 @@ def _codec_table(report: Any) -> Any:
     for r in report.codecs:
         t = r.evaluation.iteration_time_s
         ratio = t / best if math.isfinite(t) else math.nan
-        c.add_row(r.setting, fmt_time(t), f"{ratio:.2f}×" if math.isfinite(ratio) else "-",
-                  fmt_time(r.wan_busy_s), fmt_time(r.compute_s), r.bound)  # fmt: skip
+        c.add_row(
+            r.setting,
+            fmt_time(t),
+            f"{ratio:.2f}×" if math.isfinite(ratio) else "-",
+            fmt_time(r.wan_busy_s),
+            fmt_time(r.compute_s),
+            r.bound,
+        )
     return c
 
 
@@ -220,31 +232,50 @@ def print_strategy(report: Any, console: Any) -> None:
     from rich.table import Table
 
     t = Table(title="strategies compared (score: time per token × (1 + loss penalty))")
-    for col in ("", "strategy", "H", "F", "τ", "codec", "tokens/s", "device util",
-                "loss penalty", "÷ (1 + penalty)"):  # fmt: skip
+    for col in (
+        "",
+        "strategy",
+        "H",
+        "F",
+        "τ",
+        "codec",
+        "tokens/s",
+        "device util",
+        "loss penalty",
+        "÷ (1 + penalty)",
+    ):
         t.add_column(col, justify="left" if col in ("", "strategy", "codec") else "right")
     t.add_column("bound by / not chosen because", overflow="fold")
     for c in report.candidates:
         s = c.setting
         cells = [str(x) for x in (s.h, s.fragments, s.overlap)] if s else ["-"] * 3
         t.add_row(
-            "→" if c is report.chosen else "", c.label, *cells, s.codec if s else "-",
+            "→" if c is report.chosen else "",
+            c.label,
+            *cells,
+            s.codec if s else "-",
             f"{c.tokens_per_s:,.0f}" if c.feasible else "-",
             f"{c.device_utilization:.0%}" if c.feasible else "-",
-            _pct(c.penalty.value), f"{c.effective_tokens_per_s:,.0f}" if c.score < math.inf
-            else "-", c.reason or c.bound,
-        )  # fmt: skip
+            _pct(c.penalty.value),
+            f"{c.effective_tokens_per_s:,.0f}" if c.score < math.inf else "-",
+            c.reason or c.bound,
+        )
     console.print(t)
     c = report.chosen
     console.print(f"chosen: {report.why}", soft_wrap=True, highlight=False)
     table = report.penalty.table
     source = f"no table at {report.penalty.path}"
     if table:
-        source = (f"{table.path}: measured on {table.model}, {table.steps} steps, "
-                  f"synchronous noise {table.sync_noise:.2%}")  # fmt: skip
+        source = (
+            f"{table.path}: measured on {table.model}, {table.steps} steps, "
+            f"synchronous noise {table.sync_noise:.2%}"
+        )
     value = _pct(c.penalty.value) if c.penalty.priced else "unknown"
-    console.print(f"assumed loss penalty: {value} ({c.penalty.basis}); {source}",
-                  soft_wrap=True, highlight=False)  # fmt: skip
+    console.print(
+        f"assumed loss penalty: {value} ({c.penalty.basis}); {source}",
+        soft_wrap=True,
+        highlight=False,
+    )
     if c.kind != "pipeline":
         for g, (sites, e) in enumerate(zip(c.groups, c.evaluations, strict=True)):
             p = e.plan
@@ -253,8 +284,9 @@ def print_strategy(report: Any, console: Any) -> None:
                 f"{p.num_stages} stages, {c.shares[g]} sequences per step (micro-batch "
                 f"{p.micro_batch_size} × {p.num_microbatches}), {p.schedule}, inner step "
                 f"{fmt_time(e.iteration_time_s)}, bubble {e.bubble_ratio:.1%}",
-                highlight=False, soft_wrap=True,
-            )  # fmt: skip
+                highlight=False,
+                soft_wrap=True,
+            )
 
 
 def format_simulation(name: str, s: dict) -> str:
@@ -288,8 +320,10 @@ def format_status(data: dict, state: str) -> str:
     lines = [f"run {data['run']}{run_id}: {state}, step {data['step']}/{data['steps']}"]
     wait = data.get("waiting")
     if state == "waiting" and wait:
-        lines.append(f"waiting for link {wait['link']} (silent {wait['silent_s']:.0f} s of "
-                     f"{wait['limit_s']:.0f} s)")  # fmt: skip
+        lines.append(
+            f"waiting for link {wait['link']} (silent {wait['silent_s']:.0f} s of "
+            f"{wait['limit_s']:.0f} s)"
+        )
     if data.get("dashboard_url"):
         lines.append(f"Ray dashboard: {data['dashboard_url']}")
     rec = data.get("recoveries") or []
@@ -307,11 +341,14 @@ def format_status(data: dict, state: str) -> str:
             for st in p["stages"]:
                 sites[st["site"]] = sites.get(st["site"], 0) + 1
             per = " + ".join(f"{n} {s}" for s, n in sites.items())
-            lines.append(f"  pipeline {p['pipeline']}: {per} stage(s), "
-                         f"{p['microbatches']} micro-batches")  # fmt: skip
+            lines.append(
+                f"  pipeline {p['pipeline']}: {per} stage(s), {p['microbatches']} micro-batches"
+            )
             for k, st in enumerate(p["stages"]):
-                lines.append(f"    stage {k:>2}  site {st['site']:<12} layers {st['layers']}  "
-                             f"{st['actor'] or '-'}")  # fmt: skip
+                lines.append(
+                    f"    stage {k:>2}  site {st['site']:<12} layers {st['layers']}  "
+                    f"{st['actor'] or '-'}"
+                )
     else:
         for st in data["stages"]:
             lines.append(

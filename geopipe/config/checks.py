@@ -89,8 +89,9 @@ def cross_check(spec: ClusterSpec) -> Problems:
     for i, site in enumerate(spec.sites):
         for c in site.codec_gb_per_s:
             if c not in CODECS:
-                problems.append((f"sites[{i}].codec_gb_per_s.{c}",
-                                 f"unknown codec '{c}' (one of {CODECS})"))  # fmt: skip
+                problems.append(
+                    (f"sites[{i}].codec_gb_per_s.{c}", f"unknown codec '{c}' (one of {CODECS})")
+                )
     if problems:
         return problems
 
@@ -323,8 +324,12 @@ def outer_settings(spec: ClusterSpec) -> list[OuterSetting]:
         for f in choice_values(o.fragments, default=[]):
             if f < 1 or h % f:
                 continue
-            out += [OuterSetting(h, f, tau, c) for tau in choice_values(o.overlap, default=[])
-                    if 0 <= tau < h // f for c in o.codecs]  # fmt: skip
+            out += [
+                OuterSetting(h, f, tau, c)
+                for tau in choice_values(o.overlap, default=[])
+                if 0 <= tau < h // f
+                for c in o.codecs
+            ]
     return out
 
 
@@ -345,15 +350,24 @@ def _check_outer(spec: ClusterSpec) -> Problems:
                 (path, f"must be in [{low}, {MAX_OUTER_H}] (got {_show_choice(choice)})")
             )
         elif count > MAX_OUTER_VALUES:
-            problems.append((path, f"{count} values: the planner prices each for every grouping "
-                             f"of the sites; give at most {MAX_OUTER_VALUES}"))  # fmt: skip
+            problems.append(
+                (
+                    path,
+                    f"{count} values: the planner prices each for every grouping "
+                    f"of the sites; give at most {MAX_OUTER_VALUES}",
+                )
+            )
     if not o.codec:
         problems.append(("plan.outer.codec", "the list is empty: give at least one codec"))
     for i, c in enumerate(o.codec):
         if c not in CODECS:
-            problems.append((f"plan.outer.codec[{i}]" if len(o.codec) > 1 else "plan.outer.codec",
-                             f"unknown codec '{c}' (one of {CODECS}; the pseudo-gradient "
-                             "travels one way, so one name)"))  # fmt: skip
+            problems.append(
+                (
+                    f"plan.outer.codec[{i}]" if len(o.codec) > 1 else "plan.outer.codec",
+                    f"unknown codec '{c}' (one of {CODECS}; the pseudo-gradient "
+                    "travels one way, so one name)",
+                )
+            )
     if problems or outer_settings(spec):
         return problems
     return [_why_no_outer_setting(spec)]
@@ -366,18 +380,24 @@ def _why_no_outer_setting(spec: ClusterSpec) -> tuple[str, str]:
     fs = choice_values(o.fragments, default=[])
     pairs = [(h, f) for h in hs for f in fs if h % f == 0]
     if not pairs:
-        return ("plan.outer.fragments",
-                f"h ({_show_choice(o.h)}) must be a multiple of the fragments "
-                f"({_show_choice(o.fragments)}): each fragment is synced every h inner steps, "
-                "staggered by h / fragments")  # fmt: skip
+        return (
+            "plan.outer.fragments",
+            f"h ({_show_choice(o.h)}) must be a multiple of the fragments "
+            f"({_show_choice(o.fragments)}): each fragment is synced every h inner steps, "
+            "staggered by h / fragments",
+        )
     taus = choice_values(o.overlap, default=[])
     if not any(tau < h // f for h, f in pairs for tau in taus):
-        return ("plan.outer.overlap",
-                f"overlap ({_show_choice(o.overlap)}) must be below h / fragments "
-                f"({_short(sorted({h // f for h, f in pairs}))}): a fragment's send starts "
-                "after the previous fragment's apply")  # fmt: skip
+        return (
+            "plan.outer.overlap",
+            f"overlap ({_show_choice(o.overlap)}) must be below h / fragments "
+            f"({_short(sorted({h // f for h, f in pairs}))}): a fragment's send starts "
+            "after the previous fragment's apply",
+        )
     every = spec.training.checkpoint.every_steps
-    return ("training.checkpoint.every_steps",
-            f"{every} is not a multiple of plan.outer.h ({_show_choice(o.h)}) with strategy "
-            f"{spec.plan.strategy}: a checkpoint must fall on an outer round's boundary, "
-            "where no fragment is in flight")  # fmt: skip
+    return (
+        "training.checkpoint.every_steps",
+        f"{every} is not a multiple of plan.outer.h ({_show_choice(o.h)}) with strategy "
+        f"{spec.plan.strategy}: a checkpoint must fall on an outer round's boundary, "
+        "where no fragment is in flight",
+    )

@@ -21,45 +21,61 @@ class HealthSpec(Spec):
     health checks: none changes what training computes (outside the config digest)."""
 
     heartbeat_s: float = Field(
-        1.0, gt=0.0, le=60.0,
+        1.0,
+        gt=0.0,
+        le=60.0,
         description="each actor is pinged this often while a step runs",
-    )  # fmt: skip
+    )
     unresponsive_s: float = Field(
-        10.0, gt=0.0, le=3_600.0,
+        10.0,
+        gt=0.0,
+        le=3_600.0,
         description="an actor leaving a ping unanswered this long is lost (a frozen process, "
         "a dead node); its site's other actors answering tells it from a WAN outage",
-    )  # fmt: skip
+    )
     hang_factor: float = Field(
-        20.0, ge=1.0, le=1_000.0,
+        20.0,
+        ge=1.0,
+        le=1_000.0,
         description="a step may take this many predicted step times before it is a hang …",
-    )  # fmt: skip
+    )
     hang_floor_s: float = Field(
         30.0, gt=0.0, le=86_400.0, description="… but at least this long once calibrated …"
-    )  # fmt: skip
+    )
     hang_floor_uncalibrated_s: float = Field(
-        120.0, gt=0.0, le=86_400.0,
+        120.0,
+        gt=0.0,
+        le=86_400.0,
         description="… and this long before (warm-up steps, the first compilations)",
-    )  # fmt: skip
+    )
     wan_outage_s: float = Field(
-        60.0, ge=1.0, le=86_400.0,
+        60.0,
+        ge=1.0,
+        le=86_400.0,
         description="a site whose every actor stops answering mid-step (a WAN outage or "
         "partition) is waited for this long, the step paused, before the site-loss path "
         "re-forms the job without it; WAN blips last seconds to a minute",
-    )  # fmt: skip
+    )
     stuck_release_s: float = Field(
-        60.0, gt=0.0, le=3_600.0,
+        60.0,
+        gt=0.0,
+        le=3_600.0,
         description="in a recovery, how long a survivor blocked in a collective with a dead "
         "replica is waited for when it holds state no one else does (the dead replica's "
         "exit releases it; Ray SIGKILLs a frozen process after its kill grace, 1 s on the "
         "clusters geopipe starts and 5 s by Ray's default)",
-    )  # fmt: skip
+    )
     copy_wait_s: float = Field(
-        120.0, gt=0.0, le=86_400.0,
+        120.0,
+        gt=0.0,
+        le=86_400.0,
         description="how long re-sent per-site checkpoint copies are waited for before the "
         "copy is abandoned (the previous complete checkpoint stays)",
-    )  # fmt: skip
+    )
     settle_s: float = Field(
-        10.0, gt=0.0, le=3_600.0,
+        10.0,
+        gt=0.0,
+        le=3_600.0,
         description="at the end of a run or before a recovery, how long a checkpoint still "
         "being written is waited for before it is left incomplete (never marked good)",
-    )  # fmt: skip
+    )

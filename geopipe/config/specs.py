@@ -146,9 +146,10 @@ class SiteSpec(Spec):
     intra_bandwidth_gbps: BANDWIDTH_GBPS = 100.0
     intra_latency_ms: LATENCY_MS = 0.01
     host_memory_gb: MEMORY_GB | None = Field(
-        None, description="host RAM per node; when given, the planner checks that the "
+        None,
+        description="host RAM per node; when given, the planner checks that the "
         "recovery snapshots (training.recovery_snapshots) fit in it",
-    )  # fmt: skip
+    )
     codec_gb_per_s: dict[str, MEM_BW_GB_PER_S] = Field(
         default_factory=dict,
         description="encode + decode speed of each codec on one device, GB/s of the "
@@ -187,9 +188,17 @@ class LinkSpec(Spec):
 # and the fields only such a directory sets (the built-in GPT's architecture is fixed).
 HF_SHAPE_FIELDS = ("n_layer", "n_embd", "n_head", "vocab_size")
 HF_ONLY_FIELDS = (
-    "family", "n_kv_head", "head_dim", "intermediate_size", "tie_embeddings", "attention_bias",
-    "mlp_bias", "rms_norm_eps", "hf_weights", "hf_config_digest",
-)  # fmt: skip
+    "family",
+    "n_kv_head",
+    "head_dim",
+    "intermediate_size",
+    "tie_embeddings",
+    "attention_bias",
+    "mlp_bias",
+    "rms_norm_eps",
+    "hf_weights",
+    "hf_config_digest",
+)
 MAX_INTERMEDIATE = 1 << 20  # MLP width (the largest published models use ~50-100 k)
 
 
@@ -219,9 +228,10 @@ class ModelSpec(Spec):
     """
 
     hf: str | None = Field(
-        None, description="a save_pretrained directory of a llama, mistral or qwen2 model "
+        None,
+        description="a save_pretrained directory of a llama, mistral or qwen2 model "
         "(relative to the YAML file); its config.json gives the shape",
-    )  # fmt: skip
+    )
     family: str = Field("gpt", description="'gpt' (built in) or config.json's model_type")
     n_layer: int = Field(ge=1, le=MAX_LAYERS)
     n_embd: int = Field(ge=8, le=MAX_EMBD)
@@ -248,11 +258,15 @@ class ModelSpec(Spec):
         hf = data.get("hf")
         if hf is None:
             errors = [
-                _model_error(k, "only a model.hf directory's config.json sets this (the "
-                             "built-in GPT has a fixed architecture)", data[k])
+                _model_error(
+                    k,
+                    "only a model.hf directory's config.json sets this (the "
+                    "built-in GPT has a fixed architecture)",
+                    data[k],
+                )
                 for k in HF_ONLY_FIELDS
                 if k in data and not (k == "family" and data[k] == "gpt")
-            ]  # fmt: skip
+            ]
             if errors:
                 raise ValidationError.from_exception_data(cls.__name__, errors)
             return data
@@ -261,11 +275,10 @@ class ModelSpec(Spec):
                 cls.__name__, [_model_error("hf", "must be the path of a directory", hf)]
             )
         errors = [
-            _model_error(k, "comes from config.json of the model.hf directory: remove it",
-                         data[k])
+            _model_error(k, "comes from config.json of the model.hf directory: remove it", data[k])
             for k in (*HF_SHAPE_FIELDS, *HF_ONLY_FIELDS)
             if k in data
-        ]  # fmt: skip
+        ]
         base = (info.context or {}).get("base_dir") if info.context else None
         directory = Path(os.path.abspath(Path(base or ".") / Path(hf).expanduser()))
         try:
@@ -274,8 +287,7 @@ class ModelSpec(Spec):
             errors.append(_model_error("hf", str(exc), hf))
             fields = None
         except OSError as exc:
-            errors.append(_model_error("hf", f"cannot read {directory}: {exc.strerror or exc}",
-                                       hf))  # fmt: skip
+            errors.append(_model_error("hf", f"cannot read {directory}: {exc.strerror or exc}", hf))
             fields = None
         seq = data.get("max_seq_len")
         if fields is not None:
@@ -283,9 +295,14 @@ class ModelSpec(Spec):
             if seq is None:
                 seq = most
             elif isinstance(seq, int) and not isinstance(seq, bool) and seq > most:
-                errors.append(_model_error(
-                    "max_seq_len", f"{seq} is longer than the model's max_position_embeddings "
-                    f"({most}) in config.json", seq))  # fmt: skip
+                errors.append(
+                    _model_error(
+                        "max_seq_len",
+                        f"{seq} is longer than the model's max_position_embeddings "
+                        f"({most}) in config.json",
+                        seq,
+                    )
+                )
         if errors:
             raise ValidationError.from_exception_data(cls.__name__, errors)
         out = {**data, **(fields or {}), "hf": str(directory)}
@@ -390,10 +407,11 @@ class TrainingSpec(Spec):
     run_dir: str | None = Field(None, description="default: runs/<name>")
     checkpoint: CheckpointSpec = CheckpointSpec()
     recovery_snapshots: bool = Field(
-        True, description="keep every stage's full state of the last two step boundaries in "
+        True,
+        description="keep every stage's full state of the last two step boundaries in "
         "host RAM (24 B per parameter per replica) so a failure loses no step; off: recover "
         "from the latest checkpoint",
-    )  # fmt: skip
+    )
 
     @property
     def snapshots_kept(self) -> int:
@@ -433,9 +451,10 @@ class GainsSpec(Spec):
     )
     grow_back: PROB = Field(0.05, description="a layout over returned devices over the running one")
     outer: PROB = Field(
-        0.02, description="strategy auto: the outer loop over the exact synchronous pipeline "
+        0.02,
+        description="strategy auto: the outer loop over the exact synchronous pipeline "
         "(after its loss penalty)",
-    )  # fmt: skip
+    )
 
 
 class PlanSpec(Spec):
@@ -546,8 +565,12 @@ class ClusterSpec(Spec):
         plan = {"max_codec_error", "min_gain", "max_loss_penalty"}
         if self.plan.strategy == "pipeline":
             plan |= {"strategy", "outer"}
-        exclude: dict = {"security": True, "health": True, "plan": plan,
-                         "sites": {"__all__": {"codec_gb_per_s"}}}  # fmt: skip
+        exclude: dict = {
+            "security": True,
+            "health": True,
+            "plan": plan,
+            "sites": {"__all__": {"codec_gb_per_s"}},
+        }
         if not self.model.is_hf:
             exclude["model"] = {"hf", *HF_ONLY_FIELDS}
         doc = self.model_dump(mode="json", by_alias=True, exclude=exclude)

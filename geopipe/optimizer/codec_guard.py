@@ -31,9 +31,11 @@ class Fallback:
 
 
 def codec_fallbacks(
-    plan: Plan, samples: Iterable[tuple[int, int, str, float]], bound: float,
+    plan: Plan,
+    samples: Iterable[tuple[int, int, str, float]],
+    bound: float,
     allowed: Iterable[str],
-) -> list[Fallback]:  # fmt: skip
+) -> list[Fallback]:
     """The fallbacks a step's ``samples`` — ``(stage, pipeline, direction, error)`` — call for:
     one per hop and direction whose worst sample exceeds ``bound``, to the next finer codec
     among ``allowed`` (or exact)."""

@@ -138,11 +138,15 @@ class Evaluation:
             return INFEASIBLE * 10
         if not self.feasible:
             ratios = [
-                *(m / lim for m, lim in zip(self.peak_memory_bytes, self.memory_limit_bytes,
-                                            strict=True)),
-                *(self.host_memory_bytes[s] / lim
-                  for s, lim in self.host_memory_limit_bytes.items()),
-            ]  # fmt: skip
+                *(
+                    m / lim
+                    for m, lim in zip(self.peak_memory_bytes, self.memory_limit_bytes, strict=True)
+                ),
+                *(
+                    self.host_memory_bytes[s] / lim
+                    for s, lim in self.host_memory_limit_bytes.items()
+                ),
+            ]
             over = max(ratios, default=1.0)
             return INFEASIBLE * (1.0 + over)
         return self.iteration_time_s / self.tokens_per_iteration
@@ -186,8 +190,12 @@ def choose(evaluations: Iterable[Evaluation]) -> Evaluation | None:
     if not ok:
         return min(pool, key=lambda e: e.fitness, default=None)
     # Equal memory and time (ΔN the warm-up cap hides): the smaller ΔN, for a stable answer.
-    return lean_tie(ok, lambda e: e.fitness, lambda e: e.activation_bytes,
-                    lambda e: (sum(e.candidate.delta_n), e.candidate.delta_n))  # fmt: skip
+    return lean_tie(
+        ok,
+        lambda e: e.fitness,
+        lambda e: e.activation_bytes,
+        lambda e: (sum(e.candidate.delta_n), e.candidate.delta_n),
+    )
 
 
 def codec_space(settings: Sequence[str]) -> tuple[str, ...]:
@@ -212,8 +220,10 @@ def _memory_reason(e: Evaluation, over: list[int], host_over: list[str]) -> str:
     whose nodes cannot hold the recovery snapshots."""
     if over:
         k = over[0]
-        return (f"stage {k} needs {e.memory[k].total / GiB:.3g} GiB, "
-                f"device has {e.memory_limit_bytes[k] / GiB:.3g} GiB")  # fmt: skip
+        return (
+            f"stage {k} needs {e.memory[k].total / GiB:.3g} GiB, "
+            f"device has {e.memory_limit_bytes[k] / GiB:.3g} GiB"
+        )
     s = host_over[0]
     return (
         f"site {s}: recovery snapshots need {e.host_memory_bytes[s] / GiB:.3g} GiB of host "
@@ -431,9 +441,16 @@ class Evaluator:
                 ser.append(nbytes * 8 * d / lk.bandwidth_bps / (1 - lk.loss) + codec_s)
                 lat.append(lk.latency_s)
         return PipelineCosts(
-            tuple(fwd), tuple(bwd), tuple(step), tuple(ser_f), tuple(lat_f), tuple(ser_b),
-            tuple(lat_b), tuple(inp), tuple(wgt),
-        )  # fmt: skip
+            tuple(fwd),
+            tuple(bwd),
+            tuple(step),
+            tuple(ser_f),
+            tuple(lat_f),
+            tuple(ser_b),
+            tuple(lat_b),
+            tuple(inp),
+            tuple(wgt),
+        )
 
     def wan_bytes(self, plan: Plan, elems: int) -> float:
         """Bytes one iteration sends over the WAN: every boundary's activations and

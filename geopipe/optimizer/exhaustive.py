@@ -155,8 +155,14 @@ def _simulate_in_bound_order(
 
     def candidate(i: int) -> Candidate:
         c = bases[int(base[i])]
-        return Candidate(c.pipelines, c.micro_batch_size, c.seq_len,
-                         tuple(int(x) for x in grid[int(dn[i])]), c.codecs, c.schedule)  # fmt: skip
+        return Candidate(
+            c.pipelines,
+            c.micro_batch_size,
+            c.seq_len,
+            tuple(int(x) for x in grid[int(dn[i])]),
+            c.codecs,
+            c.schedule,
+        )
 
     seen: list[Evaluation] = []
     best = np.inf

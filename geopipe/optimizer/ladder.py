@@ -307,8 +307,12 @@ class LayoutPredictor:
         if math.isinf(fastest):  # report the smallest ΔN: the least memory it can need
             return at(ladder[0])
         # ΔN changes activations only: the least memory within the tie tolerance
-        return lean_tie(tried.values(), rank, lambda pr: sum(pr.peak_memory_bytes),
-                        lambda pr: (sum(pr.delta_n),))  # fmt: skip
+        return lean_tie(
+            tried.values(),
+            rank,
+            lambda pr: sum(pr.peak_memory_bytes),
+            lambda pr: (sum(pr.delta_n),),
+        )
 
     def _predict_at(self, stage_sites: Layout, d: int, m: int, dn: tuple[int, ...]) -> Prediction:
         """Predict one ΔN: memory at the in-flight peak, the time at ``m`` (exact)."""

@@ -83,14 +83,24 @@ class Measurements:
         """For the metrics' plan event and status.json."""
         return {
             "devices": {
-                s: {"efficiency": d.efficiency, "backward_forward_ratio": d.backward_forward_ratio,
-                    **({"tflops": d.tflops} if d.tflops is not None else {})}
+                s: {
+                    "efficiency": d.efficiency,
+                    "backward_forward_ratio": d.backward_forward_ratio,
+                    **({"tflops": d.tflops} if d.tflops is not None else {}),
+                }
                 for s, d in self.devices.items()
             },
-            "links": [{"from": lk.src, "to": lk.dst, "latency_ms": lk.latency_s * 1e3,
-                       "bandwidth_mbps": lk.bandwidth_bps / 1e6} for lk in self.links],
+            "links": [
+                {
+                    "from": lk.src,
+                    "to": lk.dst,
+                    "latency_ms": lk.latency_s * 1e3,
+                    "bandwidth_mbps": lk.bandwidth_bps / 1e6,
+                }
+                for lk in self.links
+            ],
             "codec_gb_per_s": self.codecs,
-        }  # fmt: skip
+        }
 
 
 def costed(spec: ClusterSpec, measured: Measurements) -> ClusterSpec:

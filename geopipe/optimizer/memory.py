@@ -132,13 +132,22 @@ def inflight_caps(spec: ClusterSpec, plan: Plan) -> list[int]:
     outer = outer_state_bytes_per_param(spec)
     for k, limit in enumerate(device_limits(spec, plan.stage_sites)):
         static = stage_memory(
-            spec.model, spec.training.precision, plan.partition[k], plan.pipelines,
-            plan.micro_batch_size, plan.seq_len, 0, outer,
-        ).total  # fmt: skip
-        per_mb = _activations_per_micro_batch(
-            spec.model, spec.training.precision, plan.partition[k], plan.micro_batch_size,
+            spec.model,
+            spec.training.precision,
+            plan.partition[k],
+            plan.pipelines,
+            plan.micro_batch_size,
             plan.seq_len,
-        )  # fmt: skip
+            0,
+            outer,
+        ).total
+        per_mb = _activations_per_micro_batch(
+            spec.model,
+            spec.training.precision,
+            plan.partition[k],
+            plan.micro_batch_size,
+            plan.seq_len,
+        )
         out.append(max(0, int((limit - static) // per_mb)) if per_mb > 0 else plan.num_microbatches)
     return out
 
@@ -149,11 +158,17 @@ def plan_memory(spec: ClusterSpec, plan: Plan, in_flight: Sequence[float]) -> li
     outer = outer_state_bytes_per_param(spec)
     return [
         stage_memory(
-            spec.model, spec.training.precision, plan.partition[k], plan.pipelines,
-            plan.micro_batch_size, plan.seq_len, in_flight[k], outer,
+            spec.model,
+            spec.training.precision,
+            plan.partition[k],
+            plan.pipelines,
+            plan.micro_batch_size,
+            plan.seq_len,
+            in_flight[k],
+            outer,
         )
         for k in range(plan.num_stages)
-    ]  # fmt: skip
+    ]
 
 
 def device_limits(spec: ClusterSpec, stage_sites: Sequence[str]) -> list[float]:

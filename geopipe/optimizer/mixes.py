@@ -52,7 +52,7 @@ __all__ = [
     "best_mix",
     "layer_split",
     "mixed_plan",
-]  # fmt: skip
+]
 
 MAX_SPLITS = 6
 MAX_SPLIT_MOVES = 8  # layer moves of the local search over splits
@@ -76,9 +76,15 @@ class SplitTemplateSet(TemplateSet):
     """The templates of ``base``'s settings whose stages all lay over ``split``."""
 
     def __init__(self, base: TemplateSet, split: LayerSplit) -> None:
-        super().__init__(base.spec, dict(zip(base.sites, base.devices, strict=True)),
-                         base.micro_batch_size, base.seq_len, base.schedule, base.codecs,
-                         base.plan_delta_n)  # fmt: skip
+        super().__init__(
+            base.spec,
+            dict(zip(base.sites, base.devices, strict=True)),
+            base.micro_batch_size,
+            base.seq_len,
+            base.schedule,
+            base.codecs,
+            base.plan_delta_n,
+        )
         self.split = split
         self.layers = dict(split)
         self.predictor.partition_of = self.partition_of
@@ -154,16 +160,31 @@ def mixed_plan(ts: TemplateSet, inst: Instantiation) -> Plan:
         pr = ts.predict(t.stages_per_site, k, pa.num_microbatches)
         assert pr is not None
         one = ts.predictor.plan(t.stage_sites, k, pa.num_microbatches, pr.delta_n)
-        pipes.append(PipelineLayout(one.stage_sites, one.partition, pa.num_microbatches,
-                                    one.delta_n, one.codecs, one.inflight_caps))  # fmt: skip
+        pipes.append(
+            PipelineLayout(
+                one.stage_sites,
+                one.partition,
+                pa.num_microbatches,
+                one.delta_n,
+                one.codecs,
+                one.inflight_caps,
+            )
+        )
     pipes.sort(key=lambda p: -len(p.stage_sites))
     p0 = pipes[0]
     return Plan(
-        pipelines=k, stage_sites=p0.stage_sites, partition=p0.partition,
-        micro_batch_size=ts.micro_batch_size, seq_len=ts.seq_len,
-        num_microbatches=p0.num_microbatches, schedule=ts.schedule, delta_n=p0.delta_n,
-        codecs=p0.codecs, inflight_caps=p0.inflight_caps, mix=tuple(pipes),
-    )  # fmt: skip
+        pipelines=k,
+        stage_sites=p0.stage_sites,
+        partition=p0.partition,
+        micro_batch_size=ts.micro_batch_size,
+        seq_len=ts.seq_len,
+        num_microbatches=p0.num_microbatches,
+        schedule=ts.schedule,
+        delta_n=p0.delta_n,
+        codecs=p0.codecs,
+        inflight_caps=p0.inflight_caps,
+        mix=tuple(pipes),
+    )
 
 
 def best_mix(
@@ -254,8 +275,7 @@ def union_overflow(ts: TemplateSet, plan: Plan) -> list[tuple[int, int]]:
     prec = spec.training.precision
     counts = layer_param_counts(spec.model)
     held, k = plan.held_layers(), plan.pipelines
-    sizes = {key: len(g) for groups in plan.shared_groups().values() for g in groups
-             for key in g}  # fmt: skip
+    sizes = {key: len(g) for groups in plan.shared_groups().values() for g in groups for key in g}
     limit = {s.name: s.device_memory_gb * GiB for s in spec.sites}
     over = []
     for r in range(plan.pipelines):
@@ -274,8 +294,9 @@ def union_overflow(ts: TemplateSet, plan: Plan) -> list[tuple[int, int]]:
     return over
 
 
-def uniform_time(ts: TemplateSet, devices_alive: Mapping[str, int], global_batch: int,
-                 micro_batch: int) -> float:  # fmt: skip
+def uniform_time(
+    ts: TemplateSet, devices_alive: Mapping[str, int], global_batch: int, micro_batch: int
+) -> float:
     """Predicted iteration time of :func:`best_uniform`'s choice (inf if none fits)."""
     choice = best_uniform(ts, devices_alive, global_batch, micro_batch)
     if choice is None:

@@ -45,9 +45,16 @@ class OuterRun:
 
     def to_dict(self) -> dict:
         s = self.setting
-        return {"h": s.h, "fragments": s.fragments, "overlap": s.overlap, "codec": s.codec,
-                "lr": self.lr, "momentum": self.momentum, "groups": self.plan.num_groups,
-                "round_s": self.round_s}  # fmt: skip
+        return {
+            "h": s.h,
+            "fragments": s.fragments,
+            "overlap": s.overlap,
+            "codec": s.codec,
+            "lr": self.lr,
+            "momentum": self.momentum,
+            "groups": self.plan.num_groups,
+            "round_s": self.round_s,
+        }
 
 
 def outer_run(spec: ClusterSpec, chosen: object) -> OuterRun:
@@ -87,16 +94,30 @@ def outer_run(spec: ClusterSpec, chosen: object) -> OuterRun:
             )
             groups.append(g)
     plan = Plan(
-        pipelines=len(mix), stage_sites=first.stage_sites, partition=first.partition,
-        micro_batch_size=first.micro_batch_size, seq_len=first.seq_len,
-        num_microbatches=first.num_microbatches, schedule=first.schedule,
-        delta_n=first.delta_n, codecs=first.codecs, inflight_caps=first.inflight_caps,
-        mix=tuple(mix), groups=tuple(groups),
-    )  # fmt: skip
+        pipelines=len(mix),
+        stage_sites=first.stage_sites,
+        partition=first.partition,
+        micro_batch_size=first.micro_batch_size,
+        seq_len=first.seq_len,
+        num_microbatches=first.num_microbatches,
+        schedule=first.schedule,
+        delta_n=first.delta_n,
+        codecs=first.codecs,
+        inflight_caps=first.inflight_caps,
+        mix=tuple(mix),
+        groups=tuple(groups),
+    )
     o = spec.plan.outer
     return OuterRun(plan, chosen.setting, o.lr, o.momentum, chosen.round.round_s)
 
 
 def _layout(p: Plan) -> tuple:
-    return (p.pipelines, p.num_stages, p.partition, p.micro_batch_size, p.seq_len,
-            p.num_microbatches, p.schedule)  # fmt: skip
+    return (
+        p.pipelines,
+        p.num_stages,
+        p.partition,
+        p.micro_batch_size,
+        p.seq_len,
+        p.num_microbatches,
+        p.schedule,
+    )

@@ -110,8 +110,11 @@ class PenaltyTable:
             return Penalty(None, miss)
         key = (replicas, codec, fragments)
         if overlap > self.overlaps.get(key, 0):
-            return Penalty(None, f"overlap {overlap} is beyond the largest measured "
-                           f"({self.overlaps.get(key, 0)}, {where})")  # fmt: skip
+            return Penalty(
+                None,
+                f"overlap {overlap} is beyond the largest measured "
+                f"({self.overlaps.get(key, 0)}, {where})",
+            )
         pts = self.points[key]
         hs = [x for x, _ in pts]
         if h > hs[-1] or h < hs[0]:

@@ -40,8 +40,12 @@ class CodecRow:
     bound: str  # "WAN a→b" or "compute stage k"
 
     def to_json(self) -> dict:
-        return {**self.evaluation.summary(), "wan_busy_s": self.wan_busy_s,
-                "compute_s": self.compute_s, "bound": self.bound}  # fmt: skip
+        return {
+            **self.evaluation.summary(),
+            "wan_busy_s": self.wan_busy_s,
+            "compute_s": self.compute_s,
+            "bound": self.bound,
+        }
 
 
 def codec_rows(spec: ClusterSpec, best: Evaluation) -> list[CodecRow]:

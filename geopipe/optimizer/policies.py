@@ -145,8 +145,9 @@ def decide(failure: Failure, templates: TemplateSet) -> Decision:
     plan = failure.plan
     total = plan.total_microbatches
     alive = {s: n for s, n in failure.devices_alive.items() if s in templates.sites}
-    choice = best_layout(templates, alive, total * plan.micro_batch_size,
-                         plan.micro_batch_size, running=plan)  # fmt: skip
+    choice = best_layout(
+        templates, alive, total * plan.micro_batch_size, plan.micro_batch_size, running=plan
+    )
     have = ", ".join(f"{s}={alive.get(s, 0)}" for s in templates.sites)
     if choice is None:
         return Fail(
@@ -265,8 +266,9 @@ def newest_common_boundary(
     held = set().union(*have.values()) if have else set()
     cov = {key: (covers[key] if covers is not None else {key[0]}) for key in have}
     for s_ in sorted((b for b in held if b <= failed_step), reverse=True):
-        found = {k: [key for key in have if k in cov[key] and s_ in have[key]]
-                 for k in range(num_stages)}  # fmt: skip
+        found = {
+            k: [key for key in have if k in cov[key] and s_ in have[key]] for k in range(num_stages)
+        }
         if all(found.values()):
             return s_, found
     return None, {}

@@ -122,13 +122,17 @@ def _outer(spec: ClusterSpec, report: PlanReport, strategy: StrategyReport) -> R
     try:
         run = outer_run(spec, chosen)
     except PlanningError as exc:
-        return RunPlan(report.best.plan, report.best, report, strategy=strategy,
-                       outer_refused=str(exc))  # fmt: skip
+        return RunPlan(
+            report.best.plan, report.best, report, strategy=strategy, outer_refused=str(exc)
+        )
     tokens = spec.training.global_batch_size * run.plan.seq_len
     predicted = replace(
-        chosen.evaluations[0], plan=run.plan, iteration_time_s=run.round_s / run.h,
-        tokens_per_iteration=tokens, reason=f"{chosen.label} (outer loop, H={run.h})",
-    )  # fmt: skip
+        chosen.evaluations[0],
+        plan=run.plan,
+        iteration_time_s=run.round_s / run.h,
+        tokens_per_iteration=tokens,
+        reason=f"{chosen.label} (outer loop, H={run.h})",
+    )
     return RunPlan(run.plan, predicted, report, strategy=strategy, outer=run)
 
 

@@ -255,8 +255,9 @@ def balanced_shares(
     give a grain at a time to the group whose step stays shortest with it.
     """
     total = sum(speeds)
-    shares = [max(g, int(global_batch * v / total) // g * g)
-              for v, g in zip(speeds, grains, strict=True)]  # fmt: skip
+    shares = [
+        max(g, int(global_batch * v / total) // g * g) for v, g in zip(speeds, grains, strict=True)
+    ]
     for _ in range(len(shares) * global_batch):  # bounded: each pass moves one grain
         rest = global_batch - sum(shares)
         if rest == 0:
@@ -308,13 +309,27 @@ def _price(
     out = []
     for setting in outer_settings(spec):
         cost = price_round(spec, grouping, evals, setting)
-        p = penalty.predict(len(grouping), setting.h, setting.fragments, setting.codec,
-                            setting.overlap)  # fmt: skip
+        p = penalty.predict(
+            len(grouping), setting.h, setting.fragments, setting.codec, setting.overlap
+        )
         reason = "" if p.priced else f"loss penalty not priced: {p.basis}"
         if p.priced and bound is not None and p.value > bound:
             reason = f"loss penalty {p.value:.2%} above plan.max_loss_penalty ({bound:.2%})"
-        out.append(Candidate(kind, grouping, setting, cost.tokens_per_s, cost.device_utilization,
-                             p, True, reason, cost.bound, cost, tuple(evals)))  # fmt: skip
+        out.append(
+            Candidate(
+                kind,
+                grouping,
+                setting,
+                cost.tokens_per_s,
+                cost.device_utilization,
+                p,
+                True,
+                reason,
+                cost.bound,
+                cost,
+                tuple(evals),
+            )
+        )
     return out
 
 

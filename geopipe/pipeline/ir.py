@@ -175,10 +175,11 @@ def _hold_points(kinds: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
     # Only the Pareto front matters for a peak with any fraction in [0, 1].
     return tuple(
         sorted(
-            pt for pt in points if not any(o != pt and o[0] >= pt[0] and o[1] >= pt[1]
-                                           for o in points)
+            pt
+            for pt in points
+            if not any(o != pt and o[0] >= pt[0] and o[1] >= pt[1] for o in points)
         )
-    )  # fmt: skip
+    )
 
 
 # Fused op codes (the simulator's hot loop reads these): plain kinds keep their value (0..7);

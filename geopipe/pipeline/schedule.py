@@ -181,15 +181,28 @@ FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
         Family("gpipe", lambda p, m, dn, caps: gpipe(p, m), "all-forward", False, False, False),
-        Family("1f1b", lambda p, m, dn, caps: one_f_one_b(p, m), "one-f-one-b", False, False,
-               False),
-        Family("lookahead", lambda p, m, dn, caps: lookahead(p, m, dn), "one-f-one-b", True,
-               False, False),
+        Family(
+            "1f1b", lambda p, m, dn, caps: one_f_one_b(p, m), "one-f-one-b", False, False, False
+        ),
+        Family(
+            "lookahead",
+            lambda p, m, dn, caps: lookahead(p, m, dn),
+            "one-f-one-b",
+            True,
+            False,
+            False,
+        ),
         Family("zb-h1", lambda p, m, dn, caps: zb_h1(p, m), "replayed", False, True, False),
-        Family("lookahead-zb", lambda p, m, dn, caps: lookahead_zb(p, m, dn, caps),
-               "replayed", True, True, True),
+        Family(
+            "lookahead-zb",
+            lambda p, m, dn, caps: lookahead_zb(p, m, dn, caps),
+            "replayed",
+            True,
+            True,
+            True,
+        ),
     )
-}  # fmt: skip
+}
 
 
 def family(name: str) -> Family:

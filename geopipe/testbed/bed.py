@@ -236,9 +236,11 @@ class Bed:
 
     # -- changing the link ---------------------------------------------------------------------
     def set_link(
-        self, latency_ms: float | None = None, rate_mbit: float | None = None,
+        self,
+        latency_ms: float | None = None,
+        rate_mbit: float | None = None,
         cut: bool | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """New latency/rate, or a cut (100 % loss) / heal, in place: the forwarder re-reads
         the state file on SIGHUP."""
         self.plan = self.plan.with_link(latency_ms, rate_mbit, cut)

@@ -32,8 +32,7 @@ __all__ = [
 
 # TCP settings a new namespace would otherwise reset to the kernel's defaults (they are per
 # namespace): the host's buffer limits decide how much of a long fat link one stream fills.
-_TCP_SYSCTLS = ("net.ipv4.tcp_rmem", "net.ipv4.tcp_wmem", "net.core.rmem_max",
-                "net.core.wmem_max")  # fmt: skip
+_TCP_SYSCTLS = ("net.ipv4.tcp_rmem", "net.ipv4.tcp_wmem", "net.core.rmem_max", "net.core.wmem_max")
 # Set in every namespace whatever the host says. slow_start_after_idle=0: a connection idle
 # for longer than its RTO (a pipeline's gap between steps, a phase change) keeps its
 # congestion window instead of restarting from the initial 10 segments, which on an 80 ms
@@ -85,8 +84,11 @@ def copy_tcp_sysctls(ns: str) -> None:
 
 def set_sysctl(ns: str, key: str, value: str) -> bool:
     """``sysctl -w key=value`` inside ``ns``; False when the kernel refused it."""
-    out = subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-qw", f"{key}={value}"],
-                         check=False, capture_output=True)  # fmt: skip
+    out = subprocess.run(
+        ["ip", "netns", "exec", ns, "sysctl", "-qw", f"{key}={value}"],
+        check=False,
+        capture_output=True,
+    )
     return out.returncode == 0
 
 

@@ -74,11 +74,26 @@ class IterationResult:
 # thread, so its encoding is inside "send" too. gc (Python's cyclic garbage collector,
 # which pauses every thread) falls inside whichever of the above it interrupted.
 FOREGROUND = (
-    "forward", "backward", "optimizer", "send", "recv_wait", "drain", "tie_wait", "snapshot",
-)  # fmt: skip
+    "forward",
+    "backward",
+    "optimizer",
+    "send",
+    "recv_wait",
+    "drain",
+    "tie_wait",
+    "snapshot",
+)
 BREAKDOWN = (*FOREGROUND, "other", "encode", "decode", "gc")
-_SLOT = {_F: "forward", _B: "backward", _I: "backward", _W: "backward", _SF: "send",
-         _SB: "send", _RF: "recv_wait", _RB: "recv_wait"}  # fmt: skip
+_SLOT = {
+    _F: "forward",
+    _B: "backward",
+    _I: "backward",
+    _W: "backward",
+    _SF: "send",
+    _SB: "send",
+    _RF: "recv_wait",
+    _RB: "recv_wait",
+}
 
 
 class _GcClock:
@@ -179,10 +194,18 @@ def execute(
         dtype,
     )
     res = IterationResult(
-        stage=stage, replica=replica, step=step, losses=[], busy_s=0.0, wait_s=0.0,
-        duration_s=0.0, start=t_start, wan_bytes=0,
-        micro_batches=sum(1 for c, _ in program if c == _F), optimizer_steps=0,
-    )  # fmt: skip
+        stage=stage,
+        replica=replica,
+        step=step,
+        losses=[],
+        busy_s=0.0,
+        wait_s=0.0,
+        duration_s=0.0,
+        start=t_start,
+        wan_bytes=0,
+        micro_batches=sum(1 for c, _ in program if c == _F),
+        optimizer_steps=0,
+    )
     run = _Run(step, engine, links, batch, first, last, recv_timeout_s, res)
     sends = [i for i, (c, _) in enumerate(program) if c in (_SF, _SB)]
     spent = dict.fromkeys(BREAKDOWN, 0.0)

@@ -76,9 +76,11 @@ class OuterState:
         self.layout = _digest({**layout, "stage": stage, "tag": tag})
         masters = zero_state.master_partitions(engine.engine)
         self.opt = OuterOptimizer(
-            [m.detach().clone() for m in masters], settings.lr, settings.momentum,
+            [m.detach().clone() for m in masters],
+            settings.lr,
+            settings.momentum,
             settings.fragments,
-        )  # fmt: skip
+        )
         self._codec = make_codec(settings.codec, topk_ratio=settings.topk_ratio)
 
     def chunks(self, fragment: int) -> list[tuple[int, int]]:
@@ -138,9 +140,15 @@ class OuterState:
         """theta_global, momentum and step counts (:meth:`OuterOptimizer.state_dict`), the
         partition they belong to, and the top-k residuals (error feedback)."""
         codec_state = self._codec.state_dict() if hasattr(self._codec, "state_dict") else {}
-        return {**self.opt.state_dict(), "stage": self.stage, "partition": self.partition,
-                "partitions": self.partitions, "layout": self.layout,
-                "codec": self.settings.codec, "codec_state": codec_state}  # fmt: skip
+        return {
+            **self.opt.state_dict(),
+            "stage": self.stage,
+            "partition": self.partition,
+            "partitions": self.partitions,
+            "layout": self.layout,
+            "codec": self.settings.codec,
+            "codec_state": codec_state,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict` of the same (stage, partition) layout bit-exactly."""
@@ -190,16 +198,23 @@ class OuterLoop:
     def endpoint(self) -> dict[str, Any]:
         """What the driver needs to pair peers: (stage, partition) and the listener."""
         s = self.state
-        return {"group": self.group, "stage": s.stage, "partition": s.partition,
-                "partitions": s.partitions, "address": self.net.address,
-                "layout": s.layout}  # fmt: skip
+        return {
+            "group": self.group,
+            "stage": s.stage,
+            "partition": s.partition,
+            "partitions": s.partitions,
+            "address": self.net.address,
+            "layout": s.layout,
+        }
 
     def connect(self, peers: Sequence[OuterPeer]) -> None:
         for p in peers:
             if p.layout != self.state.layout:
-                raise ValueError(f"outer peer in group {p.group} at {p.address} has another "
-                                 "partition layout: every group must split its stages and "
-                                 "ZeRO-1 partitions alike")  # fmt: skip
+                raise ValueError(
+                    f"outer peer in group {p.group} at {p.address} has another "
+                    "partition layout: every group must split its stages and "
+                    "ZeRO-1 partitions alike"
+                )
             if p.group == self.group:
                 raise ValueError(f"outer peer at {p.address} is in this replica's group {p.group}")
         self.net.connect(peers)
@@ -217,9 +232,14 @@ class OuterLoop:
         encode_s = time.perf_counter() - t0
         self._pending[fragment] = (round_, chunks)
         self.net.post(self._tag(fragment, round_), self.group, chunks)
-        return {"fragment": fragment, "round": round_, "chunks": len(chunks),
-                "payload_bytes": sum(c.payload_nbytes for c in chunks),
-                "encode_s": encode_s, "codec_error": err}  # fmt: skip
+        return {
+            "fragment": fragment,
+            "round": round_,
+            "chunks": len(chunks),
+            "payload_bytes": sum(c.payload_nbytes for c in chunks),
+            "encode_s": encode_s,
+            "codec_error": err,
+        }
 
     def apply(self, fragment: int) -> dict[str, Any]:
         """Wait for the peers' payloads of the sent ``fragment``, then the outer step.
@@ -228,17 +248,22 @@ class OuterLoop:
             raise RuntimeError(f"fragment {fragment} has not been sent")
         round_, own = self._pending[fragment]
         t0 = time.perf_counter()
-        got, sent = self.net.collect(self._tag(fragment, round_), len(own),
-                                     self.settings.timeout_s)  # fmt: skip
+        got, sent = self.net.collect(self._tag(fragment, round_), len(own), self.settings.timeout_s)
         wait_s = time.perf_counter() - t0
         del self._pending[fragment]  # only now: a timed-out apply can be asked again
         got[self.group] = own
         payloads = [got[g] for g in sorted(got)]
         t0 = time.perf_counter()
         self.state.apply(fragment, payloads)
-        return {"fragment": fragment, "round": round_, "groups": len(payloads),
-                "bytes_sent": sent, "wait_s": wait_s, "apply_s": time.perf_counter() - t0,
-                "digest": self.state.digest()}  # fmt: skip
+        return {
+            "fragment": fragment,
+            "round": round_,
+            "groups": len(payloads),
+            "bytes_sent": sent,
+            "wait_s": wait_s,
+            "apply_s": time.perf_counter() - t0,
+            "digest": self.state.digest(),
+        }
 
     def close(self) -> None:
         self.net.close()

@@ -75,8 +75,9 @@ class OuterSettings:
         if self.codec not in wire.CODECS:
             raise ValueError(f"outer codec {self.codec!r} is not one of {wire.CODECS}")
         if self.chunk_elems < ROW_LEN or self.chunk_elems % ROW_LEN:
-            raise ValueError(f"chunk_elems must be a positive multiple of {ROW_LEN}, "
-                             f"got {self.chunk_elems}")  # fmt: skip
+            raise ValueError(
+                f"chunk_elems must be a positive multiple of {ROW_LEN}, got {self.chunk_elems}"
+            )
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
 
@@ -239,9 +240,13 @@ class OuterExchange:
         self.user_timeout_s = user_timeout_s
         self.inbox = EncodedInbox()
         self.receiver = DirectReceiver(
-            self.inbox, host=host, advertise_host=advertise_host, creds=creds,
-            max_payload=max_payload, user_timeout_s=user_timeout_s,
-        )  # fmt: skip
+            self.inbox,
+            host=host,
+            advertise_host=advertise_host,
+            creds=creds,
+            max_payload=max_payload,
+            user_timeout_s=user_timeout_s,
+        )
         self.address = self.receiver.address
         self.peers: dict[int, OuterPeer] = {}
         self._senders: dict[int, EncodedSender] = {}
@@ -265,8 +270,9 @@ class OuterExchange:
 
             def run(sender: EncodedSender = sender, box: list[Any] = box) -> None:
                 try:
-                    box.append(sum(sender.send((*tag, group, c), enc)
-                                   for c, enc in enumerate(chunks)))  # fmt: skip
+                    box.append(
+                        sum(sender.send((*tag, group, c), enc) for c, enc in enumerate(chunks))
+                    )
                 except BaseException as exc:  # surfaced by collect(), naming the peer
                     box.append(exc)
 
@@ -294,8 +300,10 @@ class OuterExchange:
         got: dict[int, list[Encoded]] = {}
         for g, peer in sorted(self.peers.items()):
             try:
-                got[g] = [self.inbox.get((*tag, g, c), max(0.0, deadline - time.monotonic()))
-                          for c in range(chunks)]  # fmt: skip
+                got[g] = [
+                    self.inbox.get((*tag, g, c), max(0.0, deadline - time.monotonic()))
+                    for c in range(chunks)
+                ]
             except TimeoutError as exc:
                 why = f"no payload from group {g} at {peer.address} in {timeout_s:g}s"
                 raise TimeoutError(f"outer exchange: {why} ({exc})") from None

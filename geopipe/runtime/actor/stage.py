@@ -176,8 +176,9 @@ class StageWorker:
         """Send with finer codecs from the next iteration (the codec error guard)."""
         self.plan = apply_fallbacks(self.plan, fallbacks)
         codecs, k = self.plan.codecs, self.k
-        self.links.set_codecs(codecs[k - 1] if k > 0 else None,
-                              codecs[k] if k < len(codecs) else None)  # fmt: skip
+        self.links.set_codecs(
+            codecs[k - 1] if k > 0 else None, codecs[k] if k < len(codecs) else None
+        )
 
     # -- wiring ------------------------------------------------------------------------------
     def endpoint(self) -> tuple[str, int]:
@@ -241,18 +242,29 @@ class StageWorker:
         first = spec.first_microbatch
         if first is None:
             first = spec.replica * plan.num_microbatches
-        idx = group_sample_indices(step, spec.global_batch, spec.group, spec.groups, first + mb,
-                                   plan.micro_batch_size)  # fmt: skip
+        idx = group_sample_indices(
+            step, spec.global_batch, spec.group, spec.groups, first + mb, plan.micro_batch_size
+        )
         return self.stream.batch(idx, plan.seq_len)
 
     def run_iteration(self, step: int, record: bool = False) -> IterationResult:
         """Execute this stage's action list for optimizer step ``step``."""
         res = execute(
-            self.program, step, self.engine, self.links, self._batch,
-            stage=self.k, replica=self.spec.replica, first=self.first, last=self.last,
-            record=record, recv_timeout_s=self.spec.recv_timeout_s, shape=self.shape,
-            dtype=self.dtype, fault=self._fault,
-        )  # fmt: skip
+            self.program,
+            step,
+            self.engine,
+            self.links,
+            self._batch,
+            stage=self.k,
+            replica=self.spec.replica,
+            first=self.first,
+            last=self.last,
+            record=record,
+            recv_timeout_s=self.spec.recv_timeout_s,
+            shape=self.shape,
+            dtype=self.dtype,
+            fault=self._fault,
+        )
         if self.spec.recovery_snapshots:
             res.breakdown["snapshot"] = self.boundaries.take(step + 1, self.engine)
         res.duration_s = time.monotonic() - res.start
@@ -338,11 +350,16 @@ class StageWorker:
             self.boundaries.take(step, self.engine)
         taken_for_save = not self.spec.recovery_snapshots
         self.shards.save(
-            directory, step, self.boundaries.future(step), stage=self.k,
-            layers=list(self.layers), writer=self.spec.replica == 0,
-            tensors=self.links.codec_state(), only=self._own_names(),
+            directory,
+            step,
+            self.boundaries.future(step),
+            stage=self.k,
+            layers=list(self.layers),
+            writer=self.spec.replica == 0,
+            tensors=self.links.codec_state(),
+            only=self._own_names(),
             on_gathered=(lambda: self.boundaries.discard(step)) if taken_for_save else None,
-        )  # fmt: skip
+        )
         return time.perf_counter() - t0
 
     def _own_names(self) -> set[str] | None:
@@ -356,8 +373,9 @@ class StageWorker:
 
     def write_shard_instead(self, step: int) -> Any:
         if not self.spec.stand_in_writer:  # its layers differ from the writer's
-            raise RuntimeError(f"stage {self.k} of pipeline {self.spec.replica} cannot write "
-                               "this stage's shard")  # fmt: skip
+            raise RuntimeError(
+                f"stage {self.k} of pipeline {self.spec.replica} cannot write this stage's shard"
+            )
         return self.shards.write_instead(step)
 
     def release_shard(self, step: int) -> None:
@@ -404,10 +422,16 @@ class StageWorker:
         self._end_outer()
         tag = f"{self.layers}/{self.spec.hold}"
         self._outer = OuterLoop(
-            self.engine, self.k, self.spec.group, settings, host=node_ip(),
-            listen_all=self.spec.listen_all, creds=self.spec.creds,
-            user_timeout_s=self.links.user_timeout_s, tag=tag,
-        )  # fmt: skip
+            self.engine,
+            self.k,
+            self.spec.group,
+            settings,
+            host=node_ip(),
+            listen_all=self.spec.listen_all,
+            creds=self.spec.creds,
+            user_timeout_s=self.links.user_timeout_s,
+            tag=tag,
+        )
         return self._outer.endpoint()
 
     def outer_connect(self, peers: list[OuterPeer]) -> None:

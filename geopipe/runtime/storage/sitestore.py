@@ -77,9 +77,14 @@ class SiteStore:
     """The actor body (wrapped with ``ray.remote`` by :mod:`geopipe.runtime.control.sitecopies`)."""
 
     def __init__(
-        self, site: str, root: str, keep: int, creds: RunCredentials | None = None,
-        listen_all: bool = False, run: dict | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        site: str,
+        root: str,
+        keep: int,
+        creds: RunCredentials | None = None,
+        listen_all: bool = False,
+        run: dict | None = None,
+    ) -> None:
         # Not at a lower CPU priority (os.nice): tried, it barely moved the replication
         # stall, and under heavy load a niced store did not answer a recovery's questions
         # for seconds.
@@ -189,8 +194,9 @@ class SiteStore:
         path = tmp_dir / info.file
         digest = hashlib.sha256()
         t0 = time.perf_counter()
-        pieces = [(off, min(CHUNK_BYTES, info.bytes - off))
-                  for off in range(0, info.bytes, CHUNK_BYTES)]  # fmt: skip
+        pieces = [
+            (off, min(CHUNK_BYTES, info.bytes - off)) for off in range(0, info.bytes, CHUNK_BYTES)
+        ]
         done = 0
         try:
             with open(path, "wb") as f:
@@ -309,8 +315,9 @@ class SiteStore:
         writer = self._writer(step, save_id)
         try:
             for e in doc["stages"]:
-                info = ShardInfo(e["stage"], e["file"], e["sha256"], e["bytes"],
-                                 e.get("tensors", 0), 0.0)  # fmt: skip
+                info = ShardInfo(
+                    e["stage"], e["file"], e["sha256"], e["bytes"], e.get("tensors", 0), 0.0
+                )
                 src = ShardSource(e["stage"], source, None, address)
                 self._pull(step, save_id, writer.tmp_dir, src, info)
                 writer.add_shard(info)
