@@ -15,8 +15,14 @@ from geopipe.runtime.control.controller import Controller, LaunchOptions, RunRes
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def two_site_doc(name: str, latency_ms: float, bandwidth_gbps: float, micro_batches: int,
-                 codec: str = "none", micro_batch_size: int = 1) -> dict:  # fmt: skip
+def two_site_doc(
+    name: str,
+    latency_ms: float,
+    bandwidth_gbps: float,
+    micro_batches: int,
+    codec: str = "none",
+    micro_batch_size: int = 1,
+) -> dict:
     """clusters/local-2dc.yaml with one device per site (one stage each), D = 1."""
     doc = copy.deepcopy(yaml.safe_load((ROOT / "clusters" / "local-2dc.yaml").read_text()))
     doc["name"] = name
@@ -28,9 +34,12 @@ def two_site_doc(name: str, latency_ms: float, bandwidth_gbps: float, micro_batc
     doc["training"].update(global_batch_size=micro_batches * micro_batch_size, warmup_steps=0)
     doc["training"]["checkpoint"] = {"every_steps": 0, "keep": 1}
     doc["plan"].update(
-        pipelines=1, micro_batch_size=micro_batch_size, seq_len=128, codecs=[codec],
+        pipelines=1,
+        micro_batch_size=micro_batch_size,
+        seq_len=128,
+        codecs=[codec],
         delta_n={"min": 0, "max": 32},
-    )  # fmt: skip
+    )
     return doc
 
 
@@ -38,8 +47,9 @@ def spec_of(doc: dict) -> ClusterSpec:
     return parse_cluster(doc, doc["name"])
 
 
-def run(spec: ClusterSpec, steps: int, run_dir: Path, schedule: str | None = None
-        ) -> tuple[Controller, RunResult, list[dict]]:  # fmt: skip
+def run(
+    spec: ClusterSpec, steps: int, run_dir: Path, schedule: str | None = None
+) -> tuple[Controller, RunResult, list[dict]]:
     """Train ``steps`` steps; the embedded Ray stays up for the next setting."""
     ctl = Controller(
         spec, LaunchOptions(steps=steps, schedule=schedule, run_dir=str(run_dir), progress=False)

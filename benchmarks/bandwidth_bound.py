@@ -37,16 +37,25 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 LATENCY_MS, RATE_MBIT, M = 40.0, 50.0, 32
 MBS, SEQ, HIDDEN = 128, 64, 32  # one boundary message: 128 × 64 × 32 fp32 = 1 MiB
-SETTINGS = {"none": ["none"], "int8": ["int8"], "int4h": ["int4h"],
-            "planner": ["none", "int8", "int4h"]}  # fmt: skip
+SETTINGS = {
+    "none": ["none"],
+    "int8": ["int8"],
+    "int4h": ["int4h"],
+    "planner": ["none", "int8", "int4h"],
+}
 
 
 def doc_for(name: str, codecs: list[str]) -> dict:
     from _common import two_site_doc
 
     doc = two_site_doc(f"bw-{name}", LATENCY_MS, RATE_MBIT / 1e3, M, codecs[0], MBS)
-    doc["model"] = {"n_layer": 2, "n_embd": HIDDEN, "n_head": 2, "vocab_size": 256,
-                    "max_seq_len": SEQ}  # fmt: skip
+    doc["model"] = {
+        "n_layer": 2,
+        "n_embd": HIDDEN,
+        "n_head": 2,
+        "vocab_size": 256,
+        "max_seq_len": SEQ,
+    }
     doc["plan"].update(seq_len=SEQ, codecs=codecs, calibrate=True)
     return doc
 
@@ -66,26 +75,31 @@ def _role(address: str, steps: int, names: list[str]) -> None:
             tmp = Path(tempfile.mkdtemp(prefix="geopipe-bw-"))
             ctl, res, _ = run(spec_of(doc), steps, tmp, "lookahead")
             lines = [json.loads(x) for x in ctl.metrics_path.read_text().splitlines()]
-            forecast = {x["step"]: x["predicted_iteration_time_s"] for x in lines
-                        if "event" not in x}  # fmt: skip
+            forecast = {
+                x["step"]: x["predicted_iteration_time_s"] for x in lines if "event" not in x
+            }
             counted = res.steps[CALIBRATION_STEPS:]
             out[name] = {
                 "time_s": statistics.median(s.iteration_time_s for s in counted),
                 "prediction_error": statistics.median(
-                    abs(forecast[s.step] / s.iteration_time_s - 1) for s in counted),
+                    abs(forecast[s.step] / s.iteration_time_s - 1) for s in counted
+                ),
                 "launch_predicted_s": forecast[0],
                 "codecs": [ctl.plan.codecs[j] for j in ctl.plan.wan_boundaries],
                 "delta_n": [ctl.plan.delta_n[j] for j in ctl.plan.wan_boundaries],
                 "wan_mb_per_step": statistics.median(s.wan_bytes for s in counted) / 1e6,
                 "losses": [round(s.loss, 4) for s in res.steps],
                 "load": round(os.getloadavg()[0], 2),
-            }  # fmt: skip
+            }
             r = out[name]
             r["launch_error"] = abs(r["launch_predicted_s"] / r["time_s"] - 1)
-            print(f"  {name}: {r['time_s']:.3f} s/step ({r['codecs']}, ΔN {r['delta_n']}), "
-                  f"forecast {r['prediction_error']:.1%} off, launch prediction "
-                  f"{r['launch_predicted_s']:.3f} s ({r['launch_error']:.1%} off)",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"  {name}: {r['time_s']:.3f} s/step ({r['codecs']}, ΔN {r['delta_n']}), "
+                f"forecast {r['prediction_error']:.1%} off, launch prediction "
+                f"{r['launch_predicted_s']:.3f} s ({r['launch_error']:.1%} off)",
+                file=sys.stderr,
+                flush=True,
+            )
     finally:
         if ray.is_initialized():
             ray.shutdown()
@@ -95,16 +109,26 @@ def _role(address: str, steps: int, names: list[str]) -> None:
 def measure(steps: int) -> dict:
     from geopipe.testbed import BedPlan, BedUnavailable, running
 
-    plan = BedPlan(("east", "west"), LATENCY_MS, RATE_MBIT, prefix="gpbw", ray=True,
-                   cpus_per_site=2)  # fmt: skip
+    plan = BedPlan(
+        ("east", "west"), LATENCY_MS, RATE_MBIT, prefix="gpbw", ray=True, cpus_per_site=2
+    )
     try:
         with running(plan) as bed:
             p = bed.popen(
                 plan.sites[0],
-                [sys.executable, __file__, "--role", "--address", bed.plan.ray_address,
-                 "--steps", str(steps)],
-                stdout=subprocess.PIPE, text=True, cwd=ROOT,
-            )  # fmt: skip
+                [
+                    sys.executable,
+                    __file__,
+                    "--role",
+                    "--address",
+                    bed.plan.ray_address,
+                    "--steps",
+                    str(steps),
+                ],
+                stdout=subprocess.PIPE,
+                text=True,
+                cwd=ROOT,
+            )
             out, _ = p.communicate(timeout=3600)
     except BedUnavailable as exc:
         return {"testbed_skipped": str(exc)}

@@ -76,8 +76,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--codecs", default=",".join(CODECS))
     ap.add_argument("--speed-only", action="store_true", help="encode/decode speed only")
-    ap.add_argument("--plot", type=Path, default=Path("compression_losses.png"),
-                    help="PNG of every codec's loss curve")  # fmt: skip
+    ap.add_argument(
+        "--plot",
+        type=Path,
+        default=Path("compression_losses.png"),
+        help="PNG of every codec's loss curve",
+    )
     args = ap.parse_args()
     speed = codec_speed()
     for name, ms in speed.items():

@@ -209,8 +209,18 @@ def run_direct(
     settle = "1.0" if ns else "0.2"
     rx = _spawn(ns and ns[1], "--role", "recv", "--bind", ips[1], "--plan", json.dumps(phases))
     addrs = _line(rx, "ADDR")
-    tx = _spawn(ns and ns[0], "--role", "send", "--addrs", addrs, "--plan", json.dumps(phases),
-                "--settle", settle, *(["--congestion", cc] if cc else []))  # fmt: skip
+    tx = _spawn(
+        ns and ns[0],
+        "--role",
+        "send",
+        "--addrs",
+        addrs,
+        "--plan",
+        json.dumps(phases),
+        "--settle",
+        settle,
+        *(["--congestion", cc] if cc else []),
+    )
     sent = json.loads(_line(tx, "RESULT"))
     arr = json.loads(_line(rx, "RESULT"))
     tx.wait()
@@ -221,10 +231,32 @@ def run_direct(
 def run_gloo(phases: list[dict], ns: tuple[str, str] | None, ips: tuple[str, str]) -> dict:
     port = str(29611)
     plan = json.dumps(phases)
-    r1 = _spawn(ns and ns[1], "--role", "gloo", "--rank", "1", "--master", ips[0],
-                "--port", port, "--plan", plan)  # fmt: skip
-    r0 = _spawn(ns and ns[0], "--role", "gloo", "--rank", "0", "--master", ips[0],
-                "--port", port, "--plan", plan)  # fmt: skip
+    r1 = _spawn(
+        ns and ns[1],
+        "--role",
+        "gloo",
+        "--rank",
+        "1",
+        "--master",
+        ips[0],
+        "--port",
+        port,
+        "--plan",
+        plan,
+    )
+    r0 = _spawn(
+        ns and ns[0],
+        "--role",
+        "gloo",
+        "--rank",
+        "0",
+        "--master",
+        ips[0],
+        "--port",
+        port,
+        "--plan",
+        plan,
+    )
     sent = json.loads(_line(r0, "RESULT"))
     arr = json.loads(_line(r1, "RESULT"))
     r0.wait()
@@ -292,11 +324,17 @@ def main() -> None:
     ap.add_argument("--ray", action="store_true", help="also measure Ray actor calls (loopback)")
     ap.add_argument("--quick", action="store_true", help="half the messages")
     ap.add_argument("--no-wan", action="store_true", help="loopback only")
-    ap.add_argument("--congestion", default=None,
-                    help="senders' TCP congestion control; bbr,cubic: each in turn")  # fmt: skip
-    ap.add_argument("--idle-restart", default=None,
-                    help="net.ipv4.tcp_slow_start_after_idle in both namespaces (the bed sets "
-                    "0); 1,0: each in turn")  # fmt: skip
+    ap.add_argument(
+        "--congestion",
+        default=None,
+        help="senders' TCP congestion control; bbr,cubic: each in turn",
+    )
+    ap.add_argument(
+        "--idle-restart",
+        default=None,
+        help="net.ipv4.tcp_slow_start_after_idle in both namespaces (the bed sets "
+        "0); 1,0: each in turn",
+    )
     a = ap.parse_args()
     if a.role == "recv":
         return _role_recv(a.bind, json.loads(a.plan))

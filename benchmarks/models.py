@@ -47,10 +47,15 @@ from geopipe.model.prepare import default_processes, prepare_data
 from geopipe.runtime.actor.engine import lr_factor
 
 SMALL = dict(
-    vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    vocab_size=256,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
     tie_word_embeddings=True,
-)  # fmt: skip
+)
 
 
 def reference(spec, plan, model: torch.nn.Module, steps: int) -> tuple[list[float], float]:
@@ -91,11 +96,19 @@ def parity(tmp: Path) -> dict:
     doc["ray"]["dashboard"] = False
     for s in doc["sites"]:
         s["devices_per_node"] = 1
-    doc["training"].update(global_batch_size=8, steps=10, lr=0.01, warmup_steps=1,
-                           data_max_bytes=200_000)  # fmt: skip
+    doc["training"].update(
+        global_batch_size=8, steps=10, lr=0.01, warmup_steps=1, data_max_bytes=200_000
+    )
     doc["training"]["checkpoint"] = {"every_steps": 0, "keep": 1}
-    doc["plan"] = {"schedule": "1f1b", "pipelines": 1, "micro_batch_size": 2, "seq_len": 32,
-                   "codecs": ["none"], "calibrate": False, "delta_n": 0}  # fmt: skip
+    doc["plan"] = {
+        "schedule": "1f1b",
+        "pipelines": 1,
+        "micro_batch_size": 2,
+        "seq_len": 32,
+        "codecs": ["none"],
+        "calibrate": False,
+        "delta_n": 0,
+    }
     spec = spec_of(doc)
     ctl, res, _ = run(spec, 10, tmp / "parity")
     ref_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -111,11 +124,15 @@ def parity(tmp: Path) -> dict:
         untrained = AutoModelForCausalLM.from_pretrained(model_dir)
         untrained_loss = lm_loss(untrained(input_ids=x).logits, y).item()
     ours = geopipe_eval(tmp / "parity", x, y)
-    print(f"held-out loss: exported {hf_loss:.6f}, geopipe's stages on the checkpoint "
-          f"{ours:.6f}, untrained {untrained_loss:.6f}")  # fmt: skip
-    return {"hf_parity_max_abs_loss_diff": loss_diff,
-            "export_roundtrip_max_abs_loss_diff": abs(hf_loss - ours),
-            "export_trained_over_untrained_loss": hf_loss / untrained_loss}  # fmt: skip
+    print(
+        f"held-out loss: exported {hf_loss:.6f}, geopipe's stages on the checkpoint "
+        f"{ours:.6f}, untrained {untrained_loss:.6f}"
+    )
+    return {
+        "hf_parity_max_abs_loss_diff": loss_diff,
+        "export_roundtrip_max_abs_loss_diff": abs(hf_loss - ours),
+        "export_trained_over_untrained_loss": hf_loss / untrained_loss,
+    }
 
 
 def geopipe_eval(run_dir: Path, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -166,8 +183,10 @@ def precision_and_single(tmp: Path) -> dict:
             "wan_bytes": sum(m.wan_bytes for m in res.steps),
             "activation_bytes": sum(res.steps[-1].peak_activation_bytes),
         }
-        print(f"{precision}: final loss {runs[precision]['final_loss']:.4f}, "
-              f"{runs[precision]['tokens_per_s']:,.0f} tokens/s")  # fmt: skip
+        print(
+            f"{precision}: final loss {runs[precision]['final_loss']:.4f}, "
+            f"{runs[precision]['tokens_per_s']:,.0f} tokens/s"
+        )
     f, b = runs["fp32"], runs["bf16"]
     out["bf16_final_loss_rel_diff"] = abs(b["final_loss"] - f["final_loss"]) / f["final_loss"]
     out["bf16_wan_bytes_ratio"] = b["wan_bytes"] / f["wan_bytes"]
@@ -205,28 +224,44 @@ def main() -> None:
     import ray
 
     tmp = Path(tempfile.mkdtemp(prefix="geopipe-models-"))
-    ray.init(address="local", include_dashboard=False, logging_level="ERROR",
-             resources={"site:east": 2, "site:west": 2})  # fmt: skip
+    ray.init(
+        address="local",
+        include_dashboard=False,
+        logging_level="ERROR",
+        resources={"site:east": 2, "site:west": 2},
+    )
     try:
         result = parity(tmp)
-        print(f"parity: max |loss - transformers'| over 10 steps "
-              f"{result['hf_parity_max_abs_loss_diff']:.2e}; exported model's held-out loss vs "
-              f"geopipe's {result['export_roundtrip_max_abs_loss_diff']:.2e}")  # fmt: skip
+        print(
+            f"parity: max |loss - transformers'| over 10 steps "
+            f"{result['hf_parity_max_abs_loss_diff']:.2e}; exported model's held-out loss vs "
+            f"geopipe's {result['export_roundtrip_max_abs_loss_diff']:.2e}"
+        )
         result.update(precision_and_single(tmp))
     finally:
         ray.shutdown()
-    print(f"bf16 vs fp32 after 60 steps: final loss {result['bf16_final_loss_rel_diff']:.2%} "
-          f"apart; WAN bytes x{result['bf16_wan_bytes_ratio']:.2f}, activations "
-          f"x{result['bf16_activation_bytes_ratio']:.2f}, tokens/s "
-          f"x{result['bf16_tokens_per_s_over_fp32']:.2f}")  # fmt: skip
-    print(f"pipelined (2x2 over an emulated 25 ms link) {result['fp32_tokens_per_s']:,.0f} "
-          f"tokens/s vs one process {result['single_process_tokens_per_s']:,.0f}: "
-          f"x{result['pipelined_tokens_per_s_over_single_process']:.2f}")  # fmt: skip
+    print(
+        f"bf16 vs fp32 after 60 steps: final loss {result['bf16_final_loss_rel_diff']:.2%} "
+        f"apart; WAN bytes x{result['bf16_wan_bytes_ratio']:.2f}, activations "
+        f"x{result['bf16_activation_bytes_ratio']:.2f}, tokens/s "
+        f"x{result['bf16_tokens_per_s_over_fp32']:.2f}"
+    )
+    print(
+        f"pipelined (2x2 over an emulated 25 ms link) {result['fp32_tokens_per_s']:,.0f} "
+        f"tokens/s vs one process {result['single_process_tokens_per_s']:,.0f}: "
+        f"x{result['pipelined_tokens_per_s_over_single_process']:.2f}"
+    )
     result.update(prepare_throughput(tmp))
     print(f"prepare-data: {result['prepare_data_mb_per_s']:.1f} MB/s")
     shutil.rmtree(tmp, ignore_errors=True)
-    print(json.dumps({k: float(f"{v:.6g}") if isinstance(v, float) and math.isfinite(v) else v
-                      for k, v in result.items()}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                k: float(f"{v:.6g}") if isinstance(v, float) and math.isfinite(v) else v
+                for k, v in result.items()
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -46,9 +46,15 @@ def _role(address: str, run_dir: str) -> None:
     try:
         t0 = time.time()
         _, res, events = run(spec_of(doc), STEPS, Path(run_dir), "lookahead")
-        out = {"wall_s": time.time() - t0, "losses": [m.loss for m in res.steps],
-               "events": [e for e in events if e["event"] in
-                          ("link_silent", "link_healed", "failure", "recovered")]}  # fmt: skip
+        out = {
+            "wall_s": time.time() - t0,
+            "losses": [m.loss for m in res.steps],
+            "events": [
+                e
+                for e in events
+                if e["event"] in ("link_silent", "link_healed", "failure", "recovered")
+            ],
+        }
     finally:
         if ray.is_initialized():
             ray.shutdown()
@@ -65,10 +71,19 @@ def _steps_done(run_dir: Path) -> int:
 def _train(bed, run_dir: Path, outage_s: float | None) -> dict:
     proc = bed.popen(
         bed.plan.sites[0],
-        [sys.executable, __file__, "--role", "--address", bed.plan.ray_address,
-         "--run-dir", str(run_dir)],
-        stdout=subprocess.PIPE, text=True, cwd=ROOT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            __file__,
+            "--role",
+            "--address",
+            bed.plan.ray_address,
+            "--run-dir",
+            str(run_dir),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
     cut_at = None
     if outage_s is not None:
         while _steps_done(run_dir) < CUT_AFTER and proc.poll() is None:
@@ -86,8 +101,9 @@ def _train(bed, run_dir: Path, outage_s: float | None) -> dict:
 def measure(outage_s: float = 15.0) -> dict:
     from geopipe.testbed import BedPlan, BedUnavailable, running
 
-    plan = BedPlan(("east", "west"), LATENCY_MS, RATE_MBIT, prefix="gpou", ray=True,
-                   cpus_per_site=2)  # fmt: skip
+    plan = BedPlan(
+        ("east", "west"), LATENCY_MS, RATE_MBIT, prefix="gpou", ray=True, cpus_per_site=2
+    )
     tmp = Path(tempfile.mkdtemp(prefix="geopipe-outage-"))
     try:
         with running(plan) as bed:

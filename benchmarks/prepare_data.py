@@ -65,8 +65,16 @@ def main() -> None:
         f"{seconds:.1f} s with {processes} process(es): {mb_s:.1f} MB/s, "
         f"{m['token_count'] / seconds / 1e6:.2f} M tokens/s"
     )
-    print(json.dumps({"prepare_data_mb_per_s": round(mb_s, 2), "tokens": m["token_count"],
-                      "seconds": round(seconds, 2), "processes": processes}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "prepare_data_mb_per_s": round(mb_s, 2),
+                "tokens": m["token_count"],
+                "seconds": round(seconds, 2),
+                "processes": processes,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -40,14 +40,22 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 RATE_MBIT = 200.0
 M, MBS, SEQ = 32, 2, 128
-GEOPIPE_RUNS = (("geopipe_1f1b", "1f1b", "none"), ("geopipe_lookahead", "lookahead", "none"),
-                ("geopipe_lookahead_int8", "lookahead", "int8"),
-                ("geopipe_lookahead_zb", "lookahead-zb", "none"),
-                ("geopipe_auto", "auto", "none"))  # fmt: skip
+GEOPIPE_RUNS = (
+    ("geopipe_1f1b", "1f1b", "none"),
+    ("geopipe_lookahead", "lookahead", "none"),
+    ("geopipe_lookahead_int8", "lookahead", "int8"),
+    ("geopipe_lookahead_zb", "lookahead-zb", "none"),
+    ("geopipe_auto", "auto", "none"),
+)
 # geopipe_lookahead_zb and geopipe_auto (the planner picks look-ahead or lookahead-zb) run
 # only on request (--runs)
-DEFAULT_RUNS = ("torch_1f1b", "torch_gpipe", "geopipe_1f1b", "geopipe_lookahead",
-                "geopipe_lookahead_int8")  # fmt: skip
+DEFAULT_RUNS = (
+    "torch_1f1b",
+    "torch_gpipe",
+    "geopipe_1f1b",
+    "geopipe_lookahead",
+    "geopipe_lookahead_int8",
+)
 
 
 # --------------------------------------------------------------------------- geopipe (driver)
@@ -71,10 +79,13 @@ def _geopipe_role(address: str, latency_ms: float, steps: int, runs: list[str]) 
             out[name] = _summary(ctl, res, events)
             out[name]["load"] = round(os.getloadavg()[0], 2)
             r = out[name]
-            print(f"  {name}: {r['iteration_time_s']:.3f} s/step, predicted "
-                  f"{r['predicted_s']:.3f} s (model {r['model_error']:.1%} off), bubble "
-                  f"{r['bubble_ratio']:.1%}, ΔN {r['delta_n']} ({r['schedule']})",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"  {name}: {r['iteration_time_s']:.3f} s/step, predicted "
+                f"{r['predicted_s']:.3f} s (model {r['model_error']:.1%} off), bubble "
+                f"{r['bubble_ratio']:.1%}, ΔN {r['delta_n']} ({r['schedule']})",
+                file=sys.stderr,
+                flush=True,
+            )
     finally:
         if ray.is_initialized():
             ray.shutdown()
@@ -88,8 +99,9 @@ def _step_costs(ctl, step):
 
     from geopipe.runtime.control.calibration import measured_stage_times
 
-    rs = [SimpleNamespace(stage=k, breakdown=b, micro_batches=M)
-          for k, b in enumerate(step.breakdown)]  # fmt: skip
+    rs = [
+        SimpleNamespace(stage=k, breakdown=b, micro_batches=M) for k, b in enumerate(step.breakdown)
+    ]
     f, b, end = measured_stage_times(rs, len(rs))
     return replace(ctl.calibrator.costs, fwd_s=tuple(f), bwd_s=tuple(b), step_s=tuple(end))
 
@@ -120,8 +132,10 @@ def _summary(ctl, res, events: list[dict]) -> dict:
     lines = [json.loads(x) for x in ctl.metrics_path.read_text().splitlines()]
     forecast = {x["step"]: x["predicted_iteration_time_s"] for x in lines if "event" not in x}
     model = _model_times(ctl, steps)
-    parts = [{k: statistics.mean(s.breakdown[st][k] for s in steps) for k in steps[0].breakdown[st]}
-             for st in range(len(steps[0].breakdown))]  # fmt: skip
+    parts = [
+        {k: statistics.mean(s.breakdown[st][k] for s in steps) for k in steps[0].breakdown[st]}
+        for st in range(len(steps[0].breakdown))
+    ]
     return {
         "iteration_time_s": statistics.median(s.iteration_time_s for s in steps),
         "step_s": [s.iteration_time_s for s in res.steps],
@@ -169,19 +183,45 @@ def _torch(bed, schedule: str, steps: int, split: int) -> dict:
     import torch_pipe_baseline as tpb
 
     a = tpb.parser().parse_args(
-        ["--schedule", schedule, "--steps", str(steps), "--split", str(split),
-         "--micro-batches", str(M), "--micro-batch-size", str(MBS), "--seq-len", str(SEQ)]
-    )  # fmt: skip
+        [
+            "--schedule",
+            schedule,
+            "--steps",
+            str(steps),
+            "--split",
+            str(split),
+            "--micro-batches",
+            str(M),
+            "--micro-batch-size",
+            str(MBS),
+            "--seq-len",
+            str(SEQ),
+        ]
+    )
     return tpb.run(a, bed)
 
 
 def _geopipe(bed, latency_ms: float, steps: int, runs: list[str]) -> dict:
     p = bed.popen(
         bed.plan.sites[0],
-        [sys.executable, __file__, "--role", "geopipe", "--address", bed.plan.ray_address,
-         "--latency-ms", str(latency_ms), "--steps", str(steps), "--runs", ",".join(runs)],
-        stdout=subprocess.PIPE, text=True, cwd=ROOT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            __file__,
+            "--role",
+            "geopipe",
+            "--address",
+            bed.plan.ray_address,
+            "--latency-ms",
+            str(latency_ms),
+            "--steps",
+            str(steps),
+            "--runs",
+            ",".join(runs),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
     out, _ = p.communicate(timeout=3600)
     for line in out.splitlines():
         if line.startswith("RESULT "):
@@ -195,10 +235,12 @@ def measure_latency(bed, latency_ms: float, a: argparse.Namespace) -> dict:
     host's load between settings skews them as little as it can."""
     bed.set_link(latency_ms=latency_ms)
     res: dict = {}
-    order = [["geopipe_1f1b"], ["torch_1f1b"],
-             ["geopipe_lookahead", "geopipe_lookahead_int8", "geopipe_lookahead_zb",
-              "geopipe_auto"],
-             ["torch_gpipe"]]  # fmt: skip
+    order = [
+        ["geopipe_1f1b"],
+        ["torch_1f1b"],
+        ["geopipe_lookahead", "geopipe_lookahead_int8", "geopipe_lookahead_zb", "geopipe_auto"],
+        ["torch_gpipe"],
+    ]
     for group in order:
         runs = [r for r in group if r in a.runs]
         if not runs:
@@ -217,13 +259,23 @@ def measure_latency(bed, latency_ms: float, a: argparse.Namespace) -> dict:
 
 def _brief(res: dict) -> dict:
     """One latency's settings for the JSON line: times, and geopipe's own figures."""
-    keys = ("predicted_s", "model_error", "delta_n", "bubble_ratio", "bubble_parts",
-            "model_bubble", "breakdown_s", "links_measured", "load")  # fmt: skip
+    keys = (
+        "predicted_s",
+        "model_error",
+        "delta_n",
+        "bubble_ratio",
+        "bubble_parts",
+        "model_bubble",
+        "breakdown_s",
+        "links_measured",
+        "load",
+    )
     out = {}
     for name, r in res.items():
         out[name] = {"time_s": round(_time(r), 4)}
-        out[name].update({k: round(r[k], 4) if isinstance(r[k], float) else r[k]
-                          for k in keys if k in r})  # fmt: skip
+        out[name].update(
+            {k: round(r[k], 4) if isinstance(r[k], float) else r[k] for k in keys if k in r}
+        )
     return out
 
 
@@ -248,8 +300,7 @@ def headline(per_l: dict[float, dict]) -> dict:
         for k, r in res.items()
         if k in issue
     ]
-    models = [r["model_error"] for res in per_l.values() for k, r in res.items()
-              if k in issue]  # fmt: skip
+    models = [r["model_error"] for res in per_l.values() for k, r in res.items() if k in issue]
     l40 = per_l.get(40.0, {})
     bubble = model_bubble = bubble_zb = None
     if "geopipe_1f1b" in l40 and "geopipe_lookahead" in l40:
@@ -260,13 +311,21 @@ def headline(per_l: dict[float, dict]) -> dict:
         zb, fb = l40["geopipe_lookahead_zb"], l40["geopipe_1f1b"]
         bubble_zb = 1 - zb["bubble_ratio"] / fb["bubble_ratio"]
     bubble_auto = None
-    auto_schedule = {f"L{lat:g}": r["geopipe_auto"]["schedule"]
-                     for lat, r in per_l.items() if "geopipe_auto" in r}  # fmt: skip
+    auto_schedule = {
+        f"L{lat:g}": r["geopipe_auto"]["schedule"]
+        for lat, r in per_l.items()
+        if "geopipe_auto" in r
+    }
     if "geopipe_1f1b" in l40 and "geopipe_auto" in l40:
         bubble_auto = 1 - l40["geopipe_auto"]["bubble_ratio"] / l40["geopipe_1f1b"]["bubble_ratio"]
-    zb_errors = [abs(r["geopipe_lookahead_zb"]["predicted_s"]
-                     / r["geopipe_lookahead_zb"]["iteration_time_s"] - 1)
-                 for r in per_l.values() if "geopipe_lookahead_zb" in r]  # fmt: skip
+    zb_errors = [
+        abs(
+            r["geopipe_lookahead_zb"]["predicted_s"] / r["geopipe_lookahead_zb"]["iteration_time_s"]
+            - 1
+        )
+        for r in per_l.values()
+        if "geopipe_lookahead_zb" in r
+    ]
     return {
         "parity_1f1b_L0": ratio("geopipe_1f1b", "torch_1f1b", 0.0),
         "parity_1f1b_L40": ratio("geopipe_1f1b", "torch_1f1b", 40.0),
@@ -297,8 +356,11 @@ def main() -> None:
     ap.add_argument("--latency-ms", type=float, help=argparse.SUPPRESS)
     ap.add_argument("--steps", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--latencies", default="0,20,40", help="one-way latencies (ms)")
-    ap.add_argument("--runs", default=",".join(DEFAULT_RUNS),
-                    help="settings to run (also: geopipe_lookahead_zb)")  # fmt: skip
+    ap.add_argument(
+        "--runs",
+        default=",".join(DEFAULT_RUNS),
+        help="settings to run (also: geopipe_lookahead_zb)",
+    )
     ap.add_argument("--geopipe-steps", type=int, default=8, help="3 calibrate, the rest count")
     ap.add_argument("--torch-steps", type=int, default=6, help="2 warm up, the rest count")
     ap.add_argument("--quick", action="store_true", help="L ∈ {0, 40}, fewer steps")

@@ -154,8 +154,9 @@ def replication_stall(tmp: Path) -> dict:
     try:
         ctl.launch()
         ctl.train()  # two steps (calibration) and the final per-site save
-        shared = CheckpointCoordinator(shared_spec, tmp / "stall", ctl.reporter, ctl._rows,
-                                       ctl._manifest)  # fmt: skip
+        shared = CheckpointCoordinator(
+            shared_spec, tmp / "stall", ctl.reporter, ctl._rows, ctl._manifest, workers=ctl.workers
+        )
         coords = {"per_site": ctl.checkpoints, "shared": shared}
         step = 2
         for every, cycles in STALL_CASES:
@@ -172,14 +173,16 @@ def replication_stall(tmp: Path) -> dict:
                 times[name].append((time.perf_counter() - t0) / every)
             # Each per-site cycle against the shared one right after it: load drift on this
             # machine moves whole minutes by tens of percent, neighbours alike.
-            pairs = sorted(p / q - 1 for p, q in zip(times["per_site"], times["shared"],
-                                                     strict=True))  # fmt: skip
+            pairs = sorted(
+                p / q - 1 for p, q in zip(times["per_site"], times["shared"], strict=True)
+            )
             q1, _, q3 = statistics.quantiles(pairs, n=4)
             out[every] = {
-                "ratio": statistics.median(pairs), "pair_ratio_iqr": [q1, q3],
+                "ratio": statistics.median(pairs),
+                "pair_ratio_iqr": [q1, q3],
                 "step_s_median": {k: statistics.median(v) for k, v in times.items()},
                 "step_s": times,
-            }  # fmt: skip
+            }
         saves = [x for x in metrics(tmp / "stall") if x.get("event") == "checkpoint"]
         replicated = [x for x in saves if set(x.get("copies", {})) == {"east", "west"}]
         assert len(replicated) == 1 + sum(c for _, c in STALL_CASES)
@@ -207,8 +210,11 @@ def site_loss(tmp: Path) -> dict:
 
     doc = demo_doc()
     doc["name"] = "siteloss"
-    doc["training"]["checkpoint"] = {"every_steps": EVERY, "keep": 3,
-                                     "dir": str(tmp / "loss-ckpt-{site}")}  # fmt: skip
+    doc["training"]["checkpoint"] = {
+        "every_steps": EVERY,
+        "keep": 3,
+        "dir": str(tmp / "loss-ckpt-{site}"),
+    }
     cluster = Cluster(
         initialize_head=True,
         head_node_args={"num_cpus": 2, "resources": {"site:east": 2}, "include_dashboard": False},
@@ -321,10 +327,14 @@ def hetero_patterns(ctl: Controller) -> dict:
         uni = uniform_time(ts, alive, gb, b)
         choice = best_layout(ts, alive, gb, b, running=plan)
         out[(lost_e, lost_w)] = {
-            "uniform_s": uni, "chosen_s": choice[2], "mixed": choice[1].heterogeneous,
-            "layout": choice[1].describe(), "gain": uni / choice[2],
-            "retained": before_s / choice[2], "retained_uniform": before_s / uni,
-        }  # fmt: skip
+            "uniform_s": uni,
+            "chosen_s": choice[2],
+            "mixed": choice[1].heterogeneous,
+            "layout": choice[1].describe(),
+            "gain": uni / choice[2],
+            "retained": before_s / choice[2],
+            "retained_uniform": before_s / uni,
+        }
     return out
 
 

@@ -95,8 +95,7 @@ def _role(address: str, steps: int, encrypt: bool) -> None:
     try:
         ctl, res, _ = run(spec_of(doc), steps, Path(tempfile.mkdtemp()), "lookahead")
         times = [m.iteration_time_s for m in res.steps[3:]]
-        out = {"encrypt": ctl.creds.encrypt, "times": times,
-               "losses": [m.loss for m in res.steps]}  # fmt: skip
+        out = {"encrypt": ctl.creds.encrypt, "times": times, "losses": [m.loss for m in res.steps]}
     finally:
         if ray.is_initialized():
             ray.shutdown()
@@ -106,8 +105,9 @@ def _role(address: str, steps: int, encrypt: bool) -> None:
 def testbed(steps: int, rounds: int) -> dict:
     from geopipe.testbed import BedPlan, BedUnavailable, running
 
-    plan = BedPlan(("east", "west"), LATENCY_MS, RATE_MBIT, prefix="gpsc", ray=True,
-                   cpus_per_site=2)  # fmt: skip
+    plan = BedPlan(
+        ("east", "west"), LATENCY_MS, RATE_MBIT, prefix="gpsc", ray=True, cpus_per_site=2
+    )
     runs: dict[bool, list[float]] = {False: [], True: []}
     losses: dict[bool, list[float]] = {}
     try:
@@ -116,18 +116,33 @@ def testbed(steps: int, rounds: int) -> dict:
                 for encrypt in (False, True):
                     p = bed.popen(
                         plan.sites[0],
-                        [sys.executable, __file__, "--role", "--address", bed.plan.ray_address,
-                         "--steps", str(steps), "--encrypt", str(int(encrypt))],
-                        stdout=subprocess.PIPE, text=True, cwd=ROOT,
-                    )  # fmt: skip
+                        [
+                            sys.executable,
+                            __file__,
+                            "--role",
+                            "--address",
+                            bed.plan.ray_address,
+                            "--steps",
+                            str(steps),
+                            "--encrypt",
+                            str(int(encrypt)),
+                        ],
+                        stdout=subprocess.PIPE,
+                        text=True,
+                        cwd=ROOT,
+                    )
                     out, _ = p.communicate(timeout=1800)
-                    res = next(json.loads(x[7:]) for x in out.splitlines()
-                               if x.startswith("RESULT "))  # fmt: skip
+                    res = next(
+                        json.loads(x[7:]) for x in out.splitlines() if x.startswith("RESULT ")
+                    )
                     assert res["encrypt"] is encrypt
                     runs[encrypt] += res["times"]
                     losses[encrypt] = res["losses"]
-                    print(f"  encrypt={encrypt}: median {statistics.median(res['times']):.3f} "
-                          f"s/step", file=sys.stderr, flush=True)  # fmt: skip
+                    print(
+                        f"  encrypt={encrypt}: median {statistics.median(res['times']):.3f} s/step",
+                        file=sys.stderr,
+                        flush=True,
+                    )
     except BedUnavailable as exc:
         return {"testbed_skipped": str(exc)}
     plain, tls = statistics.median(runs[False]), statistics.median(runs[True])
@@ -154,10 +169,16 @@ def main() -> None:
     out: dict = {"benchmark": "security"}
     out["auth_handshake_ms"] = handshake_ms(False)
     out["auth_tls_handshake_ms"] = handshake_ms(True)
-    print(f"handshake: {out['auth_handshake_ms']:.2f} ms plain, "
-          f"{out['auth_tls_handshake_ms']:.2f} ms with TLS 1.3", file=sys.stderr)  # fmt: skip
-    for mode, key in (("none", "bulk_mb_s_unauthenticated"), ("plain", "bulk_mb_s_plain"),
-                      ("tls", "bulk_mb_s_encrypted")):  # fmt: skip
+    print(
+        f"handshake: {out['auth_handshake_ms']:.2f} ms plain, "
+        f"{out['auth_tls_handshake_ms']:.2f} ms with TLS 1.3",
+        file=sys.stderr,
+    )
+    for mode, key in (
+        ("none", "bulk_mb_s_unauthenticated"),
+        ("plain", "bulk_mb_s_plain"),
+        ("tls", "bulk_mb_s_encrypted"),
+    ):
         out[key] = bulk_mb_s(mode)
         print(f"bulk over loopback ({mode}): {out[key]:.0f} MB/s", file=sys.stderr)
     if not a.no_testbed:

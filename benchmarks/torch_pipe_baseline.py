@@ -65,8 +65,11 @@ def _role(a: argparse.Namespace) -> None:
     gb = a.micro_batches * a.micro_batch_size
     times, losses = [], []
     for step in range(a.steps):
-        idx = [i for mb in range(a.micro_batches)
-               for i in global_indices(step, gb, 0, 1, mb, a.micro_batch_size)]  # fmt: skip
+        idx = [
+            i
+            for mb in range(a.micro_batches)
+            for i in global_indices(step, gb, 0, 1, mb, a.micro_batch_size)
+        ]
         x, y = stream.batch(idx, a.seq_len)
         t0 = time.perf_counter()
         if a.rank == 0:
@@ -84,11 +87,32 @@ def _role(a: argparse.Namespace) -> None:
 
 
 def _args(a: argparse.Namespace, rank: int, master: str, ifname: str) -> list[str]:
-    return [sys.executable, __file__, "--role", "rank", "--rank", str(rank), "--master", master,
-            "--ifname", ifname, "--port", str(a.port), "--schedule", a.schedule,
-            "--steps", str(a.steps), "--split", str(a.split),
-            "--micro-batches", str(a.micro_batches),
-            "--micro-batch-size", str(a.micro_batch_size), "--seq-len", str(a.seq_len)]  # fmt: skip
+    return [
+        sys.executable,
+        __file__,
+        "--role",
+        "rank",
+        "--rank",
+        str(rank),
+        "--master",
+        master,
+        "--ifname",
+        ifname,
+        "--port",
+        str(a.port),
+        "--schedule",
+        a.schedule,
+        "--steps",
+        str(a.steps),
+        "--split",
+        str(a.split),
+        "--micro-batches",
+        str(a.micro_batches),
+        "--micro-batch-size",
+        str(a.micro_batch_size),
+        "--seq-len",
+        str(a.seq_len),
+    ]
 
 
 def _result(p: subprocess.Popen) -> dict:
@@ -102,13 +126,21 @@ def _result(p: subprocess.Popen) -> dict:
 def run(a: argparse.Namespace, bed: object | None = None) -> dict:
     """Both ranks, on loopback or in the test bed's first two sites; the summary."""
     if bed is None:
-        procs = [subprocess.Popen(_args(a, r, "127.0.0.1", "lo"), stdout=subprocess.PIPE,
-                                  text=True, cwd=ROOT) for r in (1, 0)]  # fmt: skip
+        procs = [
+            subprocess.Popen(
+                _args(a, r, "127.0.0.1", "lo"), stdout=subprocess.PIPE, text=True, cwd=ROOT
+            )
+            for r in (1, 0)
+        ]
     else:
         sites = bed.plan.sites
         master = bed.plan.address(sites[0])
-        procs = [bed.popen(sites[r], _args(a, r, master, "wan0"), stdout=subprocess.PIPE,
-                           text=True, cwd=ROOT) for r in (1, 0)]  # fmt: skip
+        procs = [
+            bed.popen(
+                sites[r], _args(a, r, master, "wan0"), stdout=subprocess.PIPE, text=True, cwd=ROOT
+            )
+            for r in (1, 0)
+        ]
     r1, r0 = (_result(p) for p in procs)
     per_step = [max(x, y) for x, y in zip(r0["times"], r1["times"], strict=True)]
     return {
@@ -147,8 +179,11 @@ def main() -> None:
 
         bed = Bed.load()
     res = run(a, bed)
-    print(f"torch {a.schedule}: median {res['median_s']:.3f} s/step "
-          f"(steps {', '.join(f'{t:.2f}' for t in res['step_s'])})", file=sys.stderr)  # fmt: skip
+    print(
+        f"torch {a.schedule}: median {res['median_s']:.3f} s/step "
+        f"(steps {', '.join(f'{t:.2f}' for t in res['step_s'])})",
+        file=sys.stderr,
+    )
     print(json.dumps({"benchmark": "torch_pipe_baseline", **res}))
 
 

@@ -157,9 +157,11 @@ def main() -> None:
         f"with look-ahead on the ideal link {result['ideal_lookahead_efficiency']:.1%}"
     )
     if "lookahead_zb" in out:
-        print(f"look-ahead with split backward: bubble {one['bubble_ratio']:.1%} -> "
-              f"{out['lookahead_zb']['bubble_ratio']:.1%} ({result['bubble_reduction_zb']:.1%} "
-              f"less), {out['lookahead_zb']['iteration_time_s']:.3f} s/step")  # fmt: skip
+        print(
+            f"look-ahead with split backward: bubble {one['bubble_ratio']:.1%} -> "
+            f"{out['lookahead_zb']['bubble_ratio']:.1%} ({result['bubble_reduction_zb']:.1%} "
+            f"less), {out['lookahead_zb']['iteration_time_s']:.3f} s/step"
+        )
     print(json.dumps(result))
 
 

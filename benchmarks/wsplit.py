@@ -68,10 +68,12 @@ def measure(spec, schedule: str, steps: int, run_dir: Path) -> dict:
     stages = range(len(measured[0].breakdown))
     parts = sorted({k for m in measured for b in m.breakdown for k in b})
     breakdown = [  # per stage: median seconds per step of each part of the compute thread
-        {k: round(statistics.median(m.breakdown[s].get(k, 0.0) for m in measured), 4)
-         for k in parts}
+        {
+            k: round(statistics.median(m.breakdown[s].get(k, 0.0) for m in measured), 4)
+            for k in parts
+        }
         for s in stages
-    ]  # fmt: skip
+    ]
     return {
         "breakdown_s": breakdown,
         "iteration_time_s": statistics.median(m.iteration_time_s for m in measured),
@@ -95,15 +97,22 @@ def shared_costs(runs: list[dict]):
     base = runs[0]
     p = base["plan"].num_stages
     costs = measured_costs(
-        base["spec"], base["plan"], [med("forward_s", k) for k in range(p)],
-        [med("backward_s", k) for k in range(p)], [med("step_s", k) for k in range(p)],
+        base["spec"],
+        base["plan"],
+        [med("forward_s", k) for k in range(p)],
+        [med("backward_s", k) for k in range(p)],
+        [med("step_s", k) for k in range(p)],
         ([med("input_s", k) for k in range(p)], [med("weight_s", k) for k in range(p)]),
-    )  # fmt: skip
+    )
     lat = base["calibration"]["link_latency_s"]
-    lf = [statistics.median(r["calibration"]["link_latency_s"]["forward"][j] for r in runs)
-          for j in range(len(lat["forward"]))]  # fmt: skip
-    lb = [statistics.median(r["calibration"]["link_latency_s"]["backward"][j] for r in runs)
-          for j in range(len(lat["backward"]))]  # fmt: skip
+    lf = [
+        statistics.median(r["calibration"]["link_latency_s"]["forward"][j] for r in runs)
+        for j in range(len(lat["forward"]))
+    ]
+    lb = [
+        statistics.median(r["calibration"]["link_latency_s"]["backward"][j] for r in runs)
+        for j in range(len(lat["backward"]))
+    ]
     return replace(costs, lat_f=tuple(lf), lat_b=tuple(lb))
 
 
@@ -114,8 +123,11 @@ def equal_time_saving(settings: dict, time_key: str, mem_key: str) -> dict:
     for name in SCHEDULES:
         ok = [r for r in settings[name] if r[time_key] <= 1.02 * best]
         lean = min(ok, key=lambda r: r[mem_key]) if ok else None
-        out[name] = {"delta_n": lean["delta_n"], "bytes": lean[mem_key],
-                     "time_s": lean[time_key]} if lean else None  # fmt: skip
+        out[name] = (
+            {"delta_n": lean["delta_n"], "bytes": lean[mem_key], "time_s": lean[time_key]}
+            if lean
+            else None
+        )
     la, zb = out["lookahead"], out["lookahead-zb"]
     out["saving"] = 1 - zb["bytes"] / la["bytes"] if la and zb else None
     return out
@@ -148,15 +160,18 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--max-delta-n", type=int, default=3)
     ap.add_argument("--cap", type=int, default=2, help="upstream in-flight cap (micro-batches)")
-    ap.add_argument("--testbed", action="store_true",
-                    help="over the real-network test bed (root, /dev/net/tun)")  # fmt: skip
+    ap.add_argument(
+        "--testbed", action="store_true", help="over the real-network test bed (root, /dev/net/tun)"
+    )
     ap.add_argument("--role", choices=["sweep"], help=argparse.SUPPRESS)
     ap.add_argument("--address", help=argparse.SUPPRESS)
     ap.add_argument(
-        "--max-load", type=float, default=0.0,
+        "--max-load",
+        type=float,
+        default=0.0,
         help="before each run, wait (up to 10 min) for the 1-minute load average to fall "
         "below this (0: do not wait)",
-    )  # fmt: skip
+    )
     return ap.parse_args()
 
 
@@ -178,9 +193,13 @@ def sweep(args: argparse.Namespace) -> dict[tuple[str, int], list[dict]]:
             for dn in range(args.max_delta_n + 1):
                 for name in SCHEDULES:
                     doc = two_site_doc(
-                        f"ws-{name}-{dn}", args.latency_ms, args.bandwidth_gbps,
-                        args.micro_batches, "none", args.micro_batch_size,
-                    )  # fmt: skip
+                        f"ws-{name}-{dn}",
+                        args.latency_ms,
+                        args.bandwidth_gbps,
+                        args.micro_batches,
+                        "none",
+                        args.micro_batch_size,
+                    )
                     doc["plan"].update(delta_n=dn, seq_len=args.seq_len)
                     if args.address:  # inside the test bed: its Ray, its real link
                         doc["ray"].update(address=args.address, emulate_links=False)
@@ -195,10 +214,12 @@ def sweep(args: argparse.Namespace) -> dict[tuple[str, int], list[dict]]:
                         f"{r['measured_activation_bytes'] / 2**20:.1f} MiB measured, "
                         f"{r['predicted_activation_bytes'] / 2**20:.1f} MiB modelled; "
                         f"load {os.getloadavg()[0]:.1f}\n      per stage, s/step: "
-                        + "; ".join(", ".join(f"{k} {v:.3f}" for k, v in b.items() if v)
-                                    for b in r["breakdown_s"]),
+                        + "; ".join(
+                            ", ".join(f"{k} {v:.3f}" for k, v in b.items() if v)
+                            for b in r["breakdown_s"]
+                        ),
                         flush=True,
-                    )  # fmt: skip
+                    )
     finally:
         if ray.is_initialized():
             ray.shutdown()
@@ -211,17 +232,30 @@ def on_testbed(args: argparse.Namespace) -> None:
     down whatever happens."""
     from geopipe.testbed import BedPlan, BedUnavailable, running
 
-    plan = BedPlan(("east", "west"), args.latency_ms, args.bandwidth_gbps * 1e3,
-                   prefix="gpws", ray=True, cpus_per_site=2)  # fmt: skip
+    plan = BedPlan(
+        ("east", "west"),
+        args.latency_ms,
+        args.bandwidth_gbps * 1e3,
+        prefix="gpws",
+        ray=True,
+        cpus_per_site=2,
+    )
     argv = [a for a in sys.argv[1:] if a != "--testbed"]
     try:
         with running(plan) as bed:
             p = bed.popen(
                 plan.sites[0],
-                [sys.executable, str(Path(__file__).resolve()), *argv, "--role", "sweep",
-                 "--address", bed.plan.ray_address],
+                [
+                    sys.executable,
+                    str(Path(__file__).resolve()),
+                    *argv,
+                    "--role",
+                    "sweep",
+                    "--address",
+                    bed.plan.ray_address,
+                ],
                 cwd=Path(__file__).resolve().parent.parent,
-            )  # fmt: skip
+            )
             try:
                 rc = p.wait()
             finally:
@@ -246,16 +280,18 @@ def main() -> None:
     for (name, dn), rs in sorted(runs.items(), key=lambda kv: kv[0][1]):
         sched = plan_schedule(rs[0]["plan"])
         quiet = quietest[(name, dn)]
-        settings[name].append({
-            "delta_n": dn,
-            "in_flight": rs[0]["in_flight"],
-            "iteration_time_s": quiet["iteration_time_s"],
-            "calibrated_prediction_s": quiet["calibrated_prediction_s"],
-            "predicted_iteration_time_s": simulate(sched, costs).iteration_time_s,
-            "measured_activation_bytes": max(r["measured_activation_bytes"] for r in rs),
-            "predicted_activation_bytes": rs[0]["predicted_activation_bytes"],
-            "repeats_s": [r["iteration_time_s"] for r in rs],
-        })  # fmt: skip
+        settings[name].append(
+            {
+                "delta_n": dn,
+                "in_flight": rs[0]["in_flight"],
+                "iteration_time_s": quiet["iteration_time_s"],
+                "calibrated_prediction_s": quiet["calibrated_prediction_s"],
+                "predicted_iteration_time_s": simulate(sched, costs).iteration_time_s,
+                "measured_activation_bytes": max(r["measured_activation_bytes"] for r in rs),
+                "predicted_activation_bytes": rs[0]["predicted_activation_bytes"],
+                "repeats_s": [r["iteration_time_s"] for r in rs],
+            }
+        )
     saving_m = equal_time_saving(settings, "iteration_time_s", "measured_activation_bytes")
     saving_p = equal_time_saving(
         settings, "predicted_iteration_time_s", "predicted_activation_bytes"
@@ -272,10 +308,11 @@ def main() -> None:
         abs(a - b)
         for dn in range(args.max_delta_n + 1)
         for a, b in zip(
-            runs[("lookahead", dn)][0]["losses"], runs[("lookahead-zb", dn)][0]["losses"],
+            runs[("lookahead", dn)][0]["losses"],
+            runs[("lookahead-zb", dn)][0]["losses"],
             strict=True,
         )
-    ]  # fmt: skip
+    ]
     result = {
         "memory_saving_at_equal_time": saving_m["saving"],
         "memory_saving_at_equal_time_predicted": saving_p["saving"],
@@ -298,9 +335,19 @@ def main() -> None:
         "load_before_after": [round(load0, 2), round(os.getloadavg()[0], 2)],
         "network": "test bed (real TCP through the forwarder)" if args.address else "emulated",
         "bandwidth_gbps": args.bandwidth_gbps,
-        **{k: getattr(args, k) for k in ("latency_ms", "micro_batches", "micro_batch_size",
-                                         "n_embd", "seq_len", "repeats", "steps")},
-    }  # fmt: skip
+        **{
+            k: getattr(args, k)
+            for k in (
+                "latency_ms",
+                "micro_batches",
+                "micro_batch_size",
+                "n_embd",
+                "seq_len",
+                "repeats",
+                "steps",
+            )
+        },
+    }
     print(
         f"equal time (within 2 % of {saving_m['best_lookahead_time_s']:.3f} s): upstream "
         f"activations {saving_m['lookahead']} -> {saving_m['lookahead-zb']}: saving "

@@ -42,18 +42,42 @@ def _spec():
 
 def _plan(schedule: str = "lookahead", delta_n: int = 0) -> Plan:
     return Plan(
-        pipelines=1, stage_sites=("east", "west"), partition=((0, 3), (3, 6)),
-        micro_batch_size=1, seq_len=128, num_microbatches=M, schedule=schedule,
-        delta_n=(delta_n,), codecs=("none",),
-    )  # fmt: skip
+        pipelines=1,
+        stage_sites=("east", "west"),
+        partition=((0, 3), (3, 6)),
+        micro_batch_size=1,
+        seq_len=128,
+        num_microbatches=M,
+        schedule=schedule,
+        delta_n=(delta_n,),
+        codecs=("none",),
+    )
 
 
 def _result(stage: int, fwd: float, bwd: float, end: float, send: float = 0.0, **kw):
-    bd = {"forward": fwd * M, "backward": bwd * M, "optimizer": end, "send": send,
-          "snapshot": 0.0, "other": 0.0}  # fmt: skip
-    return IterationResult(stage=stage, replica=0, step=0, losses=[], busy_s=0.0, wait_s=0.0,
-                           duration_s=1.0, start=0.0, wan_bytes=0, micro_batches=M,
-                           optimizer_steps=1, breakdown=bd, **kw)  # fmt: skip
+    bd = {
+        "forward": fwd * M,
+        "backward": bwd * M,
+        "optimizer": end,
+        "send": send,
+        "snapshot": 0.0,
+        "other": 0.0,
+    }
+    return IterationResult(
+        stage=stage,
+        replica=0,
+        step=0,
+        losses=[],
+        busy_s=0.0,
+        wait_s=0.0,
+        duration_s=1.0,
+        start=0.0,
+        wan_bytes=0,
+        micro_batches=M,
+        optimizer_steps=1,
+        breakdown=bd,
+        **kw,
+    )
 
 
 def test_stage_times_come_from_the_breakdown_with_sends_folded_in():
@@ -83,8 +107,10 @@ def test_real_transport_turns_stamps_across_clocks_into_link_latency():
     # Activations: sent on east's clock, usable on west's; gradients the other way.
     fwd = [(mb, 0.1 * mb, 0.1 * mb + off + ser_f + true_lat) for mb in range(M)]
     bwd = [(mb, off + 0.1 * mb, 0.1 * mb + ser_b + true_lat) for mb in range(M)]
-    rs = [_result(1, 0.01, 0.02, 0.0, transport_stamps={"F": fwd, "B": []}),
-          _result(0, 0.01, 0.02, 0.0, transport_stamps={"F": [], "B": bwd})]  # fmt: skip
+    rs = [
+        _result(1, 0.01, 0.02, 0.0, transport_stamps={"F": fwd, "B": []}),
+        _result(0, 0.01, 0.02, 0.0, transport_stamps={"F": [], "B": bwd}),
+    ]
     links = [LinkMeasurement("east", "west", 0.08, 2e8, 0.04, 2e8, clock_offset_s=off)]
     offsets = boundary_offsets(plan, links)
     assert offsets == {0: off}

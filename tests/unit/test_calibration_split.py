@@ -21,25 +21,51 @@ def _result(stage: int, events: list[tuple[str, float]], **breakdown: float) -> 
         evs.append((kind, i, t, t + d))
         t += d
     return IterationResult(
-        stage=stage, replica=0, step=0, losses=[], busy_s=t, wait_s=0.0, duration_s=t,
-        start=0.0, wan_bytes=0, micro_batches=2, optimizer_steps=1, events=evs,
+        stage=stage,
+        replica=0,
+        step=0,
+        losses=[],
+        busy_s=t,
+        wait_s=0.0,
+        duration_s=t,
+        start=0.0,
+        wan_bytes=0,
+        micro_batches=2,
+        optimizer_steps=1,
+        events=evs,
         breakdown=breakdown,
-    )  # fmt: skip
+    )
 
 
 # stage 0: I ~0 (first stage), W the whole backward; stage 1: I 1.0, W 0.5 then 0.9. No W
 # carries the optimizer step (the runtime steps after the sends), so every W counts.
-R0 = _result(0, [("F", 1.0), ("I", 0.0), ("F", 1.0), ("I", 0.0), ("W", 2.0), ("W", 2.6)],
-             forward=2.0, backward=4.0)  # fmt: skip
-R1 = _result(1, [("F", 1.0), ("I", 1.0), ("W", 0.5), ("F", 1.0), ("I", 1.0), ("W", 0.9)],
-             forward=2.0, backward=3.0)  # fmt: skip
+R0 = _result(
+    0,
+    [("F", 1.0), ("I", 0.0), ("F", 1.0), ("I", 0.0), ("W", 2.0), ("W", 2.6)],
+    forward=2.0,
+    backward=4.0,
+)
+R1 = _result(
+    1,
+    [("F", 1.0), ("I", 1.0), ("W", 0.5), ("F", 1.0), ("I", 1.0), ("W", 0.9)],
+    forward=2.0,
+    backward=3.0,
+)
 
 
 # the same with steady W times: the shares are 0 : 1 and 1 : 0.5
-R0S = _result(0, [("F", 1.0), ("I", 0.0), ("F", 1.0), ("I", 0.0), ("W", 2.0), ("W", 2.0)],
-              forward=2.0, backward=4.0)  # fmt: skip
-R1S = _result(1, [("F", 1.0), ("I", 1.0), ("W", 0.5), ("F", 1.0), ("I", 1.0), ("W", 0.5)],
-              forward=2.0, backward=3.0)  # fmt: skip
+R0S = _result(
+    0,
+    [("F", 1.0), ("I", 0.0), ("F", 1.0), ("I", 0.0), ("W", 2.0), ("W", 2.0)],
+    forward=2.0,
+    backward=4.0,
+)
+R1S = _result(
+    1,
+    [("F", 1.0), ("I", 1.0), ("W", 0.5), ("F", 1.0), ("I", 1.0), ("W", 0.5)],
+    forward=2.0,
+    backward=3.0,
+)
 
 
 def test_split_times_average_every_i_and_w() -> None:

@@ -168,12 +168,11 @@ def test_plan_that_cannot_run_prints_strict_json_and_a_reason(tmp_path, capsys) 
     doc = {
         "name": "giant",
         "sites": [{"name": "a", **site}, {"name": "b", **site}],
-        "links": [{"from": "a", "to": "b", "bandwidth_gbps": 10, "latency_ms": 5,
-                   "codec": "topk"}],
+        "links": [{"from": "a", "to": "b", "bandwidth_gbps": 10, "latency_ms": 5, "codec": "topk"}],
         "model": {"n_layer": 2, "n_embd": 65536, "n_head": 64, "max_seq_len": 65536},
         "training": {"global_batch_size": 1, "steps": 1, "lr": 1e-4},
         "plan": {"micro_batch_size": 1, "delta_n": 0, "codecs": ["topk"]},
-    }  # fmt: skip
+    }
     path = _write(tmp_path, doc)
     code, out, _ = run(capsys, "plan", path, "--json")
     assert code == 0

@@ -12,9 +12,14 @@ from geopipe.cli import main
 ROOT = Path(__file__).resolve().parents[2]
 LOCAL = str(ROOT / "clusters" / "local-2dc.yaml")
 FIELDS = {
-    "iteration_time_s", "tokens_per_s", "bubble_ratio", "peak_memory_bytes",
-    "micro_batch_size", "seq_len", "delta_n",
-}  # fmt: skip
+    "iteration_time_s",
+    "tokens_per_s",
+    "bubble_ratio",
+    "peak_memory_bytes",
+    "micro_batch_size",
+    "seq_len",
+    "delta_n",
+}
 
 
 def run_json(capsys, *args: str) -> dict:
@@ -64,8 +69,9 @@ def test_simulate_json_matches_fields_and_orders_schedules(capsys):
 
 
 def test_simulate_bad_setting_is_a_clear_error(capsys):
-    code = main(["simulate", LOCAL, "--micro-batch-size", "3", "--seq-len", "128",
-                 "--pipelines", "2"])  # fmt: skip
+    code = main(
+        ["simulate", LOCAL, "--micro-batch-size", "3", "--seq-len", "128", "--pipelines", "2"]
+    )
     assert code == 2
     assert "not divisible" in capsys.readouterr().err
 

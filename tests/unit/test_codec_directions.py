@@ -38,8 +38,11 @@ def test_the_space_holds_every_direction_pair_listed_first() -> None:
     # an explicit pair contributes its directions' codecs to the mixes
     assert set(codec_space(["int4h/int8"])) == {"int4h/int8"}
     assert set(codec_space(["bf16", "int4h/int8"])) == {
-        "bf16", "int4h/int8", "bf16/int8", "int4h/bf16",
-    }  # fmt: skip
+        "bf16",
+        "int4h/int8",
+        "bf16/int8",
+        "int4h/bf16",
+    }
 
 
 def _spec(forward_gbps: float, backward_gbps: float, codecs: list[str]):

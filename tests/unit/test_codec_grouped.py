@@ -92,8 +92,13 @@ def test_refusals_and_exact_zeros(codec: str) -> None:
 
 def test_huge_dynamic_range_across_groups_keeps_each_groups_precision() -> None:
     g = torch.Generator().manual_seed(0)
-    x = torch.cat([torch.randn(64, generator=g) * 1e-4, torch.randn(64, generator=g) * 1e4,
-                   torch.randn(64, generator=g)])  # fmt: skip
+    x = torch.cat(
+        [
+            torch.randn(64, generator=g) * 1e-4,
+            torch.randn(64, generator=g) * 1e4,
+            torch.randn(64, generator=g),
+        ]
+    )
     for codec in ("int4", "int4h"):
         y = decode(make_codec(codec).encode(x))
         for k in range(3):
@@ -110,9 +115,10 @@ def test_stochastic_rounding_of_gradients_is_unbiased() -> None:
     mean = sum(decode(sto.encode(x, direction="backward")) for _ in range(400)) / 400
     assert (mean - x).abs().mean().item() < 0.25 * bias_det
     again = make_codec("int4h", seed=4, stochastic=True)  # seeded: reproducible
-    assert torch.equal(decode(again.encode(x, direction="backward")),
-                       decode(make_codec("int4h", seed=4, stochastic=True).encode(
-                           x, direction="backward")))  # fmt: skip
+    assert torch.equal(
+        decode(again.encode(x, direction="backward")),
+        decode(make_codec("int4h", seed=4, stochastic=True).encode(x, direction="backward")),
+    )
     state = sto.state_dict()
     a = decode(sto.encode(x, direction="backward"))
     sto.load_state_dict(state)
@@ -171,11 +177,25 @@ def test_codec_error_is_measured_on_sampled_messages() -> None:
         rx.close()
 
     def result(stage: int, errors: dict) -> IterationResult:
-        return IterationResult(stage=stage, replica=0, step=0, losses=[1.0], busy_s=1.0,
-                               wait_s=0.0, duration_s=1.0, start=0.0, wan_bytes=0,
-                               micro_batches=1, optimizer_steps=1, codec_error=errors)  # fmt: skip
+        return IterationResult(
+            stage=stage,
+            replica=0,
+            step=0,
+            losses=[1.0],
+            busy_s=1.0,
+            wait_s=0.0,
+            duration_s=1.0,
+            start=0.0,
+            wan_bytes=0,
+            micro_batches=1,
+            optimizer_steps=1,
+            codec_error=errors,
+        )
 
-    m = aggregate([result(0, {"forward": 0.05}), result(1, {"backward": 0.2}),
-                   result(0, {"forward": 0.07})], 2, 10)  # fmt: skip
+    m = aggregate(
+        [result(0, {"forward": 0.05}), result(1, {"backward": 0.2}), result(0, {"forward": 0.07})],
+        2,
+        10,
+    )
     assert m.codec_error == {"forward": 0.07, "backward": 0.2}
     assert m.to_json()["codec_error"] == {"forward": 0.07, "backward": 0.2}

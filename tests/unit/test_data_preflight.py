@@ -31,10 +31,9 @@ def spec_for(data: str, vocab: int = 512, seq: int = 64):
     doc = {
         "name": "pre",
         "sites": [{"name": "a", **site}],
-        "model": {"n_layer": 2, "n_embd": 16, "n_head": 2, "vocab_size": vocab,
-                  "max_seq_len": seq},
+        "model": {"n_layer": 2, "n_embd": 16, "n_head": 2, "vocab_size": vocab, "max_seq_len": seq},
         "training": {"global_batch_size": 2, "steps": 1, "lr": 0.001, "data": data},
-    }  # fmt: skip
+    }
     return parse_cluster(doc, "test")
 
 

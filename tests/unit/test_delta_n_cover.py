@@ -51,9 +51,12 @@ def test_cover_is_the_least_delta_n_at_the_pipelines_pace(seed: int) -> None:
     p = rng.randint(2, 5)
     costs = _random_costs(rng, p)
     period = max(
-        [*(x + y for x, y in zip(costs.fwd_s, costs.bwd_s, strict=True)), *costs.ser_f,
-         *costs.ser_b]
-    )  # fmt: skip
+        [
+            *(x + y for x, y in zip(costs.fwd_s, costs.bwd_s, strict=True)),
+            *costs.ser_f,
+            *costs.ser_b,
+        ]
+    )
     dn = list(delta_n_cover(costs, range(p - 1)))
     assert _slope(costs, dn) == pytest.approx(period, rel=1e-6)
     for j in range(p - 1):
@@ -78,9 +81,12 @@ def test_cover_is_the_least_total_by_brute_force(seed: int) -> None:
     p = rng.randint(2, 4)
     costs = _random_costs(rng, p, max_latency=1.5)
     period = max(
-        [*(x + y for x, y in zip(costs.fwd_s, costs.bwd_s, strict=True)), *costs.ser_f,
-         *costs.ser_b]
-    )  # fmt: skip
+        [
+            *(x + y for x, y in zip(costs.fwd_s, costs.bwd_s, strict=True)),
+            *costs.ser_f,
+            *costs.ser_b,
+        ]
+    )
     got = delta_n_cover(costs, range(p - 1))
     box = itertools.product(range(max(got) + 2), repeat=p - 1)
     fast = [v for v in box if _fast_slope(costs, list(v)) <= period * (1 + 1e-6)]

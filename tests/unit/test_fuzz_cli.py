@@ -30,8 +30,10 @@ from geopipe.cli import main
 from geopipe.transport.wire import CODECS
 
 ROOT = Path(__file__).resolve().parents[2]
-SHIPPED = {n: yaml.safe_load((ROOT / "clusters" / f"{n}.yaml").read_text())
-           for n in ("local-2dc", "three-dc-wan")}  # fmt: skip
+SHIPPED = {
+    n: yaml.safe_load((ROOT / "clusters" / f"{n}.yaml").read_text())
+    for n in ("local-2dc", "three-dc-wan")
+}
 TINY_GA = {"population": 4, "generations": 1}
 
 
@@ -47,9 +49,30 @@ def fuzz(examples: int) -> settings:
 # Values that must never get past validation silently: non-finite and absurd numbers, integers
 # too large for any arithmetic (and too long to print), wrong types.
 HOSTILE = st.sampled_from(
-    [math.inf, -math.inf, math.nan, 1e300, -1e300, 1e-300, 0, -1, 0.5, 2**63, 10**30, 10**400,
-     -(10**400), True, "x", "", None, [], {}, [1, "a"], {"min": 5, "max": 2}]
-)  # fmt: skip
+    [
+        math.inf,
+        -math.inf,
+        math.nan,
+        1e300,
+        -1e300,
+        1e-300,
+        0,
+        -1,
+        0.5,
+        2**63,
+        10**30,
+        10**400,
+        -(10**400),
+        True,
+        "x",
+        "",
+        None,
+        [],
+        {},
+        [1, "a"],
+        {"min": 5, "max": 2},
+    ]
+)
 
 
 def strict_json(text: str) -> Any:
@@ -113,13 +136,16 @@ def clusters(draw: st.DrawFn) -> dict:
         sites.append(site)
     links = []
     for a, b in itertools.pairwise(names):
-        links.append({
-            "from": a, "to": b,
-            "bandwidth_gbps": draw(st.sampled_from([1e-6, 0.2, 10, 1e6])),
-            "latency_ms": draw(st.sampled_from([0.0, 25.0, 1e5])),
-            "loss": draw(st.sampled_from([0.0, 0.01, 0.5])),
-            "codec": draw(st.sampled_from(CODECS)),
-        })  # fmt: skip
+        links.append(
+            {
+                "from": a,
+                "to": b,
+                "bandwidth_gbps": draw(st.sampled_from([1e-6, 0.2, 10, 1e6])),
+                "latency_ms": draw(st.sampled_from([0.0, 25.0, 1e5])),
+                "loss": draw(st.sampled_from([0.0, 0.01, 0.5])),
+                "codec": draw(st.sampled_from(CODECS)),
+            }
+        )
     heads = draw(st.sampled_from([1, 2, 4]))
     doc = {
         "name": draw(st.sampled_from(["fuzz", "f-1.x"])),

@@ -22,16 +22,27 @@ def _row(m: int, h: int, gap: float, codec: str = "none", f: int = 1, **extra) -
 
 
 def _table(rows: list[dict]) -> dict:
-    return {"source": "test", "model": "toy", "steps": 100, "tokens_per_step": 64,
-            "sync_noise": 0.001, "rows": rows}  # fmt: skip
+    return {
+        "source": "test",
+        "model": "toy",
+        "steps": 100,
+        "tokens_per_step": 64,
+        "sync_noise": 0.001,
+        "rows": rows,
+    }
 
 
-TABLE = _table([
-    _row(2, 1, 0.001), _row(2, 10, 0.004), _row(2, 100, 0.010),
-    _row(4, 10, 0.008), _row(4, 50, 0.020),
-    _row(2, 10, 0.006, "int8"),
-    _row(2, 20, 0.005, f=4, overlap=2),
-])  # fmt: skip
+TABLE = _table(
+    [
+        _row(2, 1, 0.001),
+        _row(2, 10, 0.004),
+        _row(2, 100, 0.010),
+        _row(4, 10, 0.008),
+        _row(4, 50, 0.020),
+        _row(2, 10, 0.006, "int8"),
+        _row(2, 20, 0.005, f=4, overlap=2),
+    ]
+)
 
 
 def test_a_measured_point_costs_its_gap_h1_included() -> None:

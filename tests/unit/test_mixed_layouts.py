@@ -26,12 +26,14 @@ from geopipe.runtime.actor.sitegroups import grad_scale, site_worlds
 from geopipe.runtime.control.reporting import Reporter
 
 ROOT = Path(__file__).resolve().parents[2]
-A = PipelineLayout(("e", "e", "w", "w"), ((0, 3), (3, 5), (5, 7), (7, 10)), 18, (0, 2, 0),
-                   ("none", "none", "none"))  # fmt: skip
+A = PipelineLayout(
+    ("e", "e", "w", "w"), ((0, 3), (3, 5), (5, 7), (7, 10)), 18, (0, 2, 0), ("none", "none", "none")
+)
 B = PipelineLayout(("e", "w", "w"), ((0, 5), (5, 7), (7, 10)), 14, (2, 0), ("none", "none"))
 MIX = Plan(2, A.stage_sites, A.partition, 1, 64, 18, "1f1b", A.delta_n, A.codecs, mix=(A, B))
-UNIFORM = Plan(2, ("e", "e", "w"), ((0, 2), (2, 4), (4, 6)), 1, 64, 4, "1f1b", (0, 1),
-               ("none", "none"))  # fmt: skip
+UNIFORM = Plan(
+    2, ("e", "e", "w"), ((0, 2), (2, 4), (4, 6)), 1, 64, 4, "1f1b", (0, 1), ("none", "none")
+)
 
 
 def test_plan_addresses_every_actor_of_a_mix() -> None:
@@ -121,8 +123,7 @@ def test_split_templates_lay_every_vector_over_the_split(demo) -> None:
     for v in sts.candidate_vectors((3, 4)):
         t = sts.template(v)
         assert t is not None and layer_split(t.stage_sites, t.partition) == split
-        assert t.stage_sites == tuple(s for s, n in zip(ts.sites, v, strict=True)
-                                      for _ in range(n))  # fmt: skip
+        assert t.stage_sites == tuple(s for s, n in zip(ts.sites, v, strict=True) for _ in range(n))
     assert sts.template((5, 1)) is None  # more east stages than east layers
 
 
@@ -157,12 +158,23 @@ def test_recovery_decides_for_the_mix_and_grow_back_needs_its_time(demo) -> None
     got = decide(failure, ts)
     assert isinstance(got, Reconfigure) and got.plan.heterogeneous
     assert got.predicted_s is not None and got.plan.total_microbatches == plan.total_microbatches
-    back = decide_grow(ts, got.plan, {"east": 4, "west": 4}, spec.training.global_batch_size,
-                       plan.micro_batch_size, now_s=got.predicted_s)  # fmt: skip
+    back = decide_grow(
+        ts,
+        got.plan,
+        {"east": 4, "west": 4},
+        spec.training.global_batch_size,
+        plan.micro_batch_size,
+        now_s=got.predicted_s,
+    )
     assert back.__class__.__name__ == "GrowBack" and not back.plan.heterogeneous
     with pytest.raises(ValueError, match="now_s"):
-        decide_grow(ts, got.plan, {"east": 4, "west": 4}, spec.training.global_batch_size,
-                    plan.micro_batch_size)  # fmt: skip
+        decide_grow(
+            ts,
+            got.plan,
+            {"east": 4, "west": 4},
+            spec.training.global_batch_size,
+            plan.micro_batch_size,
+        )
 
 
 def test_status_shows_each_pipeline_of_a_mix(tmp_path) -> None:
@@ -216,8 +228,13 @@ def test_mixes_whose_unions_overflow_a_device_are_dropped(demo) -> None:
     from geopipe.optimizer.mixes import union_overflow
 
     spec, plan, ts = demo
-    got = best_mix(ts, {"east": 3, "west": 4}, spec.training.global_batch_size,
-                   plan.micro_batch_size, running=plan)  # fmt: skip
+    got = best_mix(
+        ts,
+        {"east": 3, "west": 4},
+        spec.training.global_batch_size,
+        plan.micro_batch_size,
+        running=plan,
+    )
     mix = got.plan
     assert union_overflow(ts, mix) == []  # 2 GB devices: plenty
     held, counts = mix.held_layers(), layer_param_counts(spec.model)

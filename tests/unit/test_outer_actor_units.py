@@ -28,8 +28,9 @@ from geopipe.transport.security import make_credentials
 
 
 # -- data: disjoint group slices whose union is the global batch ---------------------------------
-@pytest.mark.parametrize(("groups", "pipelines", "mbs"), [(1, 1, 2), (2, 2, 2), (4, 1, 1),
-                                                          (2, 3, 2), (3, 2, 1)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("groups", "pipelines", "mbs"), [(1, 1, 2), (2, 2, 2), (4, 1, 1), (2, 3, 2), (3, 2, 1)]
+)
 def test_groups_and_pipelines_cover_the_global_batch_once(groups, pipelines, mbs) -> None:
     batch = 2 * groups * pipelines * mbs
     per_pipe = batch // groups // pipelines // mbs
@@ -39,8 +40,10 @@ def test_groups_and_pipelines_cover_the_global_batch_once(groups, pipelines, mbs
             for r in range(pipelines):
                 for mb in range(per_pipe):
                     idx = group_sample_indices(step, batch, g, groups, r * per_pipe + mb, mbs)
-                    assert all(g * batch // groups <= i - step * batch < (g + 1) * batch // groups
-                               for i in idx)  # fmt: skip
+                    assert all(
+                        g * batch // groups <= i - step * batch < (g + 1) * batch // groups
+                        for i in idx
+                    )
                     seen += idx
         assert sorted(seen) == list(range(step * batch, (step + 1) * batch))
         assert len(set(seen)) == len(seen)
@@ -62,13 +65,23 @@ def test_group_slices_are_checked() -> None:
 
 def test_stage_actor_reads_its_groups_slice() -> None:
     """StageWorker._batch: group offset, then the pipeline's run of micro-batches in it."""
-    plan = Plan(pipelines=1, stage_sites=("a",), partition=((0, 4),), micro_batch_size=2,
-                seq_len=4, num_microbatches=2, schedule="1f1b", delta_n=(), codecs=())  # fmt: skip
+    plan = Plan(
+        pipelines=1,
+        stage_sites=("a",),
+        partition=((0, 4),),
+        micro_batch_size=2,
+        seq_len=4,
+        num_microbatches=2,
+        schedule="1f1b",
+        delta_n=(),
+        codecs=(),
+    )
     seen = []
     for g in range(2):
         for r in range(2):
-            spec = SimpleNamespace(global_batch=16, group=g, groups=2, replica=r,
-                                   first_microbatch=None)  # fmt: skip
+            spec = SimpleNamespace(
+                global_batch=16, group=g, groups=2, replica=r, first_microbatch=None
+            )
             stream = SimpleNamespace(batch=lambda idx, n: list(idx))
             worker = SimpleNamespace(plan=plan, spec=spec, stream=stream)
             seen += [StageWorker._batch(worker, 1, mb) for mb in range(2)]
@@ -107,8 +120,9 @@ def test_encoded_payload_arrives_bytewise_and_encoded(creds) -> None:
         got = inbox.get(("O", 0, 1), timeout=10)
         assert got.codec == "int8" and got.shape == enc.shape
         assert all((a == b).all() for a, b in zip(got.arrays, enc.arrays, strict=True))
-        assert torch.equal(average_encoded([got], delta.numel()),
-                           average_encoded([enc], delta.numel()))  # fmt: skip
+        assert torch.equal(
+            average_encoded([got], delta.numel()), average_encoded([enc], delta.numel())
+        )
         sender.close()
     finally:
         recv.close()
@@ -149,11 +163,16 @@ def test_exchange_all_gathers_every_groups_chunks(creds) -> None:
     nets = [_exchange(creds) for _ in range(3)]
     try:
         for g, net in enumerate(nets):
-            net.connect([OuterPeer(h, other.address, "L") for h, other in enumerate(nets)
-                         if h != g])  # fmt: skip
-        payloads = {g: [encode_delta(torch.full((ROW_LEN,), float(10 * g + c)),
-                                     make_codec("none")) for c in range(2)]
-                    for g in range(3)}  # fmt: skip
+            net.connect(
+                [OuterPeer(h, other.address, "L") for h, other in enumerate(nets) if h != g]
+            )
+        payloads = {
+            g: [
+                encode_delta(torch.full((ROW_LEN,), float(10 * g + c)), make_codec("none"))
+                for c in range(2)
+            ]
+            for g in range(3)
+        }
         tag = ("O", 0, 0, 0, 0)
         for g, net in enumerate(nets):
             net.post(tag, g, payloads[g])

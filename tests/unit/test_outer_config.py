@@ -102,13 +102,31 @@ def test_a_group_that_fits_no_memory_is_exit_2_at_plan_time(tmp_path: Path, caps
 
 
 def _table_file(tmp_path: Path, ms: tuple[int, ...], hs: tuple[int, ...]) -> Path:
-    rows = [{"replicas": m, "h": h, "fragments": f, "overlap": tau, "codec": c,
-             "rel_gap": 0.001 * m * (1 + h / 100)}
-            for m in ms for h in hs for c in ("none", "int8") for f in (1, 5)
-            for tau in range(5) if h % f == 0 and tau < h // f]  # fmt: skip
+    rows = [
+        {
+            "replicas": m,
+            "h": h,
+            "fragments": f,
+            "overlap": tau,
+            "codec": c,
+            "rel_gap": 0.001 * m * (1 + h / 100),
+        }
+        for m in ms
+        for h in hs
+        for c in ("none", "int8")
+        for f in (1, 5)
+        for tau in range(5)
+        if h % f == 0 and tau < h // f
+    ]
     path = tmp_path / "penalty.json"
-    doc = {"source": "test", "model": "toy", "steps": 1, "tokens_per_step": 1,
-           "sync_noise": 0.001, "rows": rows}  # fmt: skip
+    doc = {
+        "source": "test",
+        "model": "toy",
+        "steps": 1,
+        "tokens_per_step": 1,
+        "sync_noise": 0.001,
+        "rows": rows,
+    }
     path.write_text(json.dumps(doc))
     return path
 
@@ -136,8 +154,9 @@ def test_a_pipeline_cluster_prints_no_strategy(capsys) -> None:
     assert "strategy" not in json.loads(capsys.readouterr().out)
 
 
-def test_worldwide_chooses_a_busy_plan_with_a_table_of_m_2_4_8(tmp_path: Path, capsys,
-                                                               monkeypatch) -> None:  # fmt: skip
+def test_worldwide_chooses_a_busy_plan_with_a_table_of_m_2_4_8(
+    tmp_path: Path, capsys, monkeypatch
+) -> None:
     """The issue's check with a table written here (the shipped one's numbers may move):
     the outer loop keeps worldwide-64's devices at least 80 % busy (the pipeline: ~21 %)."""
     monkeypatch.setenv(ENV_VAR, str(_table_file(tmp_path, (2, 4, 8), (1, 10, 25, 50, 100))))

@@ -53,8 +53,9 @@ def test_outer_step_equals_torch_sgd_nesterov(fragments: int) -> None:
     ref = [torch.nn.Parameter(t.clone()) for t in _theta()]
     sgd = torch.optim.SGD(ref, lr=0.7, momentum=0.9, nesterov=True)
     for r in range(5):
-        local = [t + _randn(*t.shape, seed=100 * r + i, scale=0.1)
-                 for i, t in enumerate(outer.theta)]  # fmt: skip
+        local = [
+            t + _randn(*t.shape, seed=100 * r + i, scale=0.1) for i, t in enumerate(outer.theta)
+        ]
         for p, loc in zip(ref, local, strict=True):
             p.grad = pseudo_gradient(p.detach(), loc)
         sgd.step()
@@ -96,9 +97,11 @@ def _model() -> torch.nn.Module:
     ~1e-5 within a few steps whatever the outer loop does."""
     torch.manual_seed(3)
     return torch.nn.Sequential(
-        torch.nn.Embedding(VOCAB, 16), torch.nn.Linear(16, 32), torch.nn.GELU(),
+        torch.nn.Embedding(VOCAB, 16),
+        torch.nn.Linear(16, 32),
+        torch.nn.GELU(),
         torch.nn.Linear(32, VOCAB),
-    )  # fmt: skip
+    )
 
 
 def _replicas() -> list[tuple[torch.nn.Module, torch.optim.Optimizer]]:
@@ -139,8 +142,10 @@ def test_lr1_momentum0_codec_none_equals_averaging_replicas() -> None:
                     for p in ps:
                         p.copy_(mean)
             locals_ = [list(m.parameters()) for m, _ in run]
-            payloads = [encode_delta(outer.pseudo_gradient(loc), c)
-                        for loc, c in zip(locals_, codecs, strict=True)]  # fmt: skip
+            payloads = [
+                encode_delta(outer.pseudo_gradient(loc), c)
+                for loc, c in zip(locals_, codecs, strict=True)
+            ]
             outer.step(average_encoded(payloads, outer.fragment_numel(0)))
             for loc in locals_:
                 outer.copy_to(loc)
@@ -172,8 +177,10 @@ def test_theta_global_digest_equal_across_groups(codec_name: str) -> None:
             continue
         payloads = []
         for g, (outer, codec) in enumerate(zip(outers, codecs, strict=True)):
-            local = [t + _randn(*t.shape, seed=1000 * step + 10 * g + i, scale=0.05)
-                     for i, t in enumerate(outer.theta)]  # fmt: skip
+            local = [
+                t + _randn(*t.shape, seed=1000 * step + 10 * g + i, scale=0.05)
+                for i, t in enumerate(outer.theta)
+            ]
             payloads.append(encode_delta(outer.pseudo_gradient(local, f), codec, key=f"outer/{f}"))
         for outer in outers:
             outer.step(average_encoded(payloads, outer.fragment_numel(f)), f)
@@ -234,10 +241,17 @@ def test_schedule_matches_torchft(h: int, fragments: int, tau: int) -> None:
 def test_schedule_example() -> None:
     sched = StreamingSchedule(h=8, fragments=4, overlap=1)
     assert sched.events(10) == [
-        (1, "send", 0), (2, "apply", 0), (3, "send", 1), (4, "apply", 1),
-        (5, "send", 2), (6, "apply", 2), (7, "send", 3), (8, "apply", 3),
-        (9, "send", 0), (10, "apply", 0),
-    ]  # fmt: skip
+        (1, "send", 0),
+        (2, "apply", 0),
+        (3, "send", 1),
+        (4, "apply", 1),
+        (5, "send", 2),
+        (6, "apply", 2),
+        (7, "send", 3),
+        (8, "apply", 3),
+        (9, "send", 0),
+        (10, "apply", 0),
+    ]
 
 
 @pytest.mark.parametrize(

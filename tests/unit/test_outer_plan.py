@@ -18,10 +18,17 @@ LOCAL = Path(__file__).resolve().parents[2] / "clusters" / "local-2dc.yaml"
 
 
 def _table(gap: float = 0.001) -> PenaltyModel:
-    rows = [{"replicas": 2, "h": h, "fragments": 1, "codec": "none", "rel_gap": gap}
-            for h in (1, 5, 10)]  # fmt: skip
-    doc = {"source": "test", "model": "test", "steps": 600, "tokens_per_step": 1,
-           "sync_noise": 0.0, "rows": rows}  # fmt: skip
+    rows = [
+        {"replicas": 2, "h": h, "fragments": 1, "codec": "none", "rel_gap": gap} for h in (1, 5, 10)
+    ]
+    doc = {
+        "source": "test",
+        "model": "test",
+        "steps": 600,
+        "tokens_per_step": 1,
+        "sync_noise": 0.0,
+        "rows": rows,
+    }
     return PenaltyModel(parse_table(doc), "test.json")
 
 
@@ -39,8 +46,15 @@ def test_the_chosen_outer_loop_runs_as_groups_on_their_own_sites() -> None:
     assert rp.outer is not None and rp.outer_refused is None, rp.outer_refused
     plan = rp.plan
     assert plan is rp.outer.plan and plan.num_groups == 2 and rp.outer.h == 5
-    sites = {g: {plan.site_of(k, r) for r in range(plan.pipelines) if plan.group_of(r) == g
-                 for k in range(plan.depth(r))} for g in range(2)}  # fmt: skip
+    sites = {
+        g: {
+            plan.site_of(k, r)
+            for r in range(plan.pipelines)
+            if plan.group_of(r) == g
+            for k in range(plan.depth(r))
+        }
+        for g in range(2)
+    }
     assert sites[0].isdisjoint(sites[1]) and all(len(s) == 1 for s in sites.values())
     # one contiguous slice of the global batch per group, covering it once
     per_group = [plan.group_microbatches(g) for g in range(2)]
@@ -86,20 +100,30 @@ def test_groups_of_different_layouts_and_split_tied_embeddings_are_refused() -> 
     chosen = plan_run(spec, penalty=_table()).strategy.chosen
     e0, e1 = chosen.evaluations
     other = replace(e1, plan=replace(e1.plan, micro_batch_size=e1.plan.micro_batch_size + 1))
-    odd = SimpleNamespace(**{**chosen.__dict__, "evaluations": (e0, other),
-                             "label": chosen.label})  # fmt: skip
+    odd = SimpleNamespace(**{**chosen.__dict__, "evaluations": (e0, other), "label": chosen.label})
     with pytest.raises(PlanningError, match=r"group 1's plan .* differs from group 0's"):
         outer_run(spec, odd)
     two = [
-        replace(e.plan, stage_sites=e.plan.stage_sites * 2, partition=((0, 2), (2, 4)),
-                delta_n=(0, 0), codecs=("none", "none"), pipelines=1)
+        replace(
+            e.plan,
+            stage_sites=e.plan.stage_sites * 2,
+            partition=((0, 2), (2, 4)),
+            delta_n=(0, 0),
+            codecs=("none", "none"),
+            pipelines=1,
+        )
         for e in (e0, e1)
-    ]  # fmt: skip
+    ]
     tied_spec = spec.model_copy(
         update={"model": spec.model.model_copy(update={"tie_embeddings": True})}
     )
-    split = SimpleNamespace(**{**chosen.__dict__, "label": chosen.label, "evaluations": tuple(
-        replace(e, plan=p) for e, p in zip((e0, e1), two, strict=True))})  # fmt: skip
+    split = SimpleNamespace(
+        **{
+            **chosen.__dict__,
+            "label": chosen.label,
+            "evaluations": tuple(replace(e, plan=p) for e, p in zip((e0, e1), two, strict=True)),
+        }
+    )
     with pytest.raises(PlanningError, match="tie_embeddings"):
         outer_run(tied_spec, split)
     assert outer_run(spec, split).plan.num_stages == 2  # untied: the same layout runs

@@ -38,9 +38,14 @@ TIGHT = _with_memory(LOCAL, 0.013)
 
 def _mem(spec: ClusterSpec, plan: Plan, k: int, in_flight: float) -> float:
     return stage_memory(
-        spec.model, spec.training.precision, plan.partition[k], plan.pipelines,
-        plan.micro_batch_size, plan.seq_len, in_flight,
-    ).total  # fmt: skip
+        spec.model,
+        spec.training.precision,
+        plan.partition[k],
+        plan.pipelines,
+        plan.micro_batch_size,
+        plan.seq_len,
+        in_flight,
+    ).total
 
 
 @pytest.mark.parametrize("gb", [0.011, 0.013, 0.05, 2.0])
@@ -104,10 +109,13 @@ def test_split_with_w_right_after_i_is_never_slower_than_lookahead() -> None:
         shares = [0.0] + [rng.uniform(0.1, 0.9) for _ in range(p - 1)]  # I + W = B exactly
         parts = [(x * b, (1 - x) * b) for x, b in zip(shares, bwd, strict=True)]
         c = PipelineCosts(
-            fwd, bwd, (0.0,) * p,
+            fwd,
+            bwd,
+            (0.0,) * p,
             *(tuple(rng.uniform(0, 5) for _ in range(nb)) for _ in range(4)),
-            tuple(i for i, _ in parts), tuple(w for _, w in parts),
-        )  # fmt: skip
+            tuple(i for i, _ in parts),
+            tuple(w for _, w in parts),
+        )
         dn = [rng.choice([0, 1, 2, 5]) for _ in range(nb)]
         la = simulate(lookahead(p, m, dn), c).iteration_time_s
         zb = simulate(lookahead_zb(p, m, dn, [1] * p), c).iteration_time_s

@@ -25,9 +25,16 @@ from geopipe.pipeline.schedule import (
 def _costs(p: int, f: float, i: float, w: float, ser: float = 0.0, lat: float = 0.0):
     nb = p - 1
     return PipelineCosts(
-        (f,) * p, (i + w,) * p, (0.0,) * p, (ser,) * nb, (lat,) * nb, (ser,) * nb, (lat,) * nb,
-        (i,) * p, (w,) * p,
-    )  # fmt: skip
+        (f,) * p,
+        (i + w,) * p,
+        (0.0,) * p,
+        (ser,) * nb,
+        (lat,) * nb,
+        (ser,) * nb,
+        (lat,) * nb,
+        (i,) * p,
+        (w,) * p,
+    )
 
 
 @pytest.mark.parametrize("t", [1.0, 0.25, 3e-3])
@@ -66,9 +73,16 @@ def _random_costs(rng: random.Random, p: int) -> PipelineCosts:
     inp = draw(0.01, 2, p)
     wgt = draw(0.01, 2, p)
     return PipelineCosts(
-        draw(0.01, 2, p), tuple(a + b for a, b in zip(inp, wgt, strict=True)), draw(0, 1, p),
-        draw(0, 3, nb), draw(0, 10, nb), draw(0, 3, nb), draw(0, 10, nb), inp, wgt,
-    )  # fmt: skip
+        draw(0.01, 2, p),
+        tuple(a + b for a, b in zip(inp, wgt, strict=True)),
+        draw(0, 1, p),
+        draw(0, 3, nb),
+        draw(0, 10, nb),
+        draw(0, 3, nb),
+        draw(0, 10, nb),
+        inp,
+        wgt,
+    )
 
 
 def _split_schedules(rng: random.Random, p: int, m: int) -> list[Schedule]:

@@ -42,9 +42,14 @@ def _costs(rng: random.Random, p: int, zeros: bool = True) -> PipelineCosts:
 
     nb = p - 1
     return PipelineCosts(
-        draw(0.01, 2, p), draw(0.01, 4, p), draw(0, 1, p),
-        draw(0, 3, nb), draw(0, 10, nb), draw(0, 3, nb), draw(0, 10, nb),
-    )  # fmt: skip
+        draw(0.01, 2, p),
+        draw(0.01, 4, p),
+        draw(0, 1, p),
+        draw(0, 3, nb),
+        draw(0, 10, nb),
+        draw(0, 3, nb),
+        draw(0, 10, nb),
+    )
 
 
 def _assert_same(got, want) -> None:
@@ -132,8 +137,9 @@ def test_long_runs_cost_a_short_replay(monkeypatch) -> None:
         return real(name, p, m, dn, costs)
 
     monkeypatch.setattr(steady, "fast_replay", spy)
-    costs = PipelineCosts((1.0, 1.2, 0.9), (2.0, 2.1, 1.9), (0.5,) * 3,
-                          (0.1, 0.3), (4.0, 0.1), (0.1, 0.3), (4.0, 0.1))  # fmt: skip
+    costs = PipelineCosts(
+        (1.0, 1.2, 0.9), (2.0, 2.1, 1.9), (0.5,) * 3, (0.1, 0.3), (4.0, 0.1), (0.1, 0.3), (4.0, 0.1)
+    )
     dn = (2, 0)
     for m in (10**3, 10**4, 10**5):
         t = predict("lookahead", 3, m, dn, costs).iteration_time_s
@@ -178,8 +184,14 @@ def test_generic_path_matches_for_an_unknown_family(monkeypatch) -> None:
     for _ in range(40):
         p = rng.randint(2, 5)
         cases.append((p, _costs(rng, p), tuple(rng.choice([0, 1, 3]) for _ in range(p - 1))))
-    new = schedule.Family("lookahead-replayed", lambda p, m, dn, caps: schedule.lookahead(p, m, dn),
-                          "replayed", True, False, False)  # fmt: skip
+    new = schedule.Family(
+        "lookahead-replayed",
+        lambda p, m, dn, caps: schedule.lookahead(p, m, dn),
+        "replayed",
+        True,
+        False,
+        False,
+    )
     monkeypatch.setitem(schedule.FAMILIES, new.name, new)
     steady._structure.cache_clear()
     steady._window.cache_clear()

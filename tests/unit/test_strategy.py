@@ -29,19 +29,38 @@ MODEL = {"n_layer": 4, "n_embd": 128, "n_head": 4, "vocab_size": 256, "max_seq_l
 
 
 def _site(name: str, tflops: float = 0.05) -> dict:
-    return {"name": name, "nodes": 1, "devices_per_node": 1, "device_memory_gb": 2,
-            "device_tflops": tflops, "device_efficiency": 0.5, "device_mem_bw_gb_per_s": 10,
-            "intra_bandwidth_gbps": 20}  # fmt: skip
+    return {
+        "name": name,
+        "nodes": 1,
+        "devices_per_node": 1,
+        "device_memory_gb": 2,
+        "device_tflops": tflops,
+        "device_efficiency": 0.5,
+        "device_mem_bw_gb_per_s": 10,
+        "intra_bandwidth_gbps": 20,
+    }
 
 
 def _doc(sites: list[dict], links: list[dict], **plan: Any) -> dict:
     return {
-        "name": "t", "sites": sites, "links": links, "model": dict(MODEL),
-        "training": {"global_batch_size": 8, "steps": 100, "lr": 0.001,
-                     "checkpoint": {"every_steps": 0}},
-        "plan": {"micro_batch_size": 1, "seq_len": 128, "delta_n": {"min": 0, "max": 8},
-                 "ga": {"population": 8, "generations": 2}, **plan},
-    }  # fmt: skip
+        "name": "t",
+        "sites": sites,
+        "links": links,
+        "model": dict(MODEL),
+        "training": {
+            "global_batch_size": 8,
+            "steps": 100,
+            "lr": 0.001,
+            "checkpoint": {"every_steps": 0},
+        },
+        "plan": {
+            "micro_batch_size": 1,
+            "seq_len": 128,
+            "delta_n": {"min": 0, "max": 8},
+            "ga": {"population": 8, "generations": 2},
+            **plan,
+        },
+    }
 
 
 def _two_sites(gbps: float = 0.1, **plan: Any) -> ClusterSpec:
@@ -50,10 +69,17 @@ def _two_sites(gbps: float = 0.1, **plan: Any) -> ClusterSpec:
 
 
 def _table(rows: list[tuple[int, int, float]], codec: str = "none") -> PenaltyModel:
-    listed = [{"replicas": m, "h": h, "fragments": 1, "codec": codec, "rel_gap": g}
-              for m, h, g in rows]  # fmt: skip
-    doc = {"source": "test", "model": "toy", "steps": 10, "tokens_per_step": 8,
-           "sync_noise": 0.0, "rows": listed}  # fmt: skip
+    listed = [
+        {"replicas": m, "h": h, "fragments": 1, "codec": codec, "rel_gap": g} for m, h, g in rows
+    ]
+    doc = {
+        "source": "test",
+        "model": "toy",
+        "steps": 10,
+        "tokens_per_step": 8,
+        "sync_noise": 0.0,
+        "rows": listed,
+    }
     return PenaltyModel(parse_table(doc), "test.json")
 
 
@@ -77,8 +103,7 @@ def test_balanced_shares_follow_speed_in_grains_and_sum_to_the_batch() -> None:
 
 
 def test_the_round_matches_a_hand_computation() -> None:
-    spec = _two_sites(gbps=0.05, strategy="outer",
-                      outer={"h": 8, "fragments": 2, "overlap": 1})  # fmt: skip
+    spec = _two_sites(gbps=0.05, strategy="outer", outer={"h": 8, "fragments": 2, "overlap": 1})
     groups = (("a",), ("b",))
     evals = [plan_cluster(group_spec(spec, g, 4)).best for g in groups]
     assert all(e.feasible and e.plan.pipelines == 1 and e.plan.num_stages == 1 for e in evals)
@@ -120,12 +145,17 @@ def test_the_planners_row_length_is_the_runtimes() -> None:
 
 
 def test_a_ring_without_a_closing_link_routes_back_along_the_chain() -> None:
-    links = [{"from": "a", "to": "b", "bandwidth_gbps": 1, "latency_ms": 5},
-             {"from": "b", "to": "c", "bandwidth_gbps": 2, "latency_ms": 7}]  # fmt: skip
+    links = [
+        {"from": "a", "to": "b", "bandwidth_gbps": 1, "latency_ms": 5},
+        {"from": "b", "to": "c", "bandwidth_gbps": 2, "latency_ms": 7},
+    ]
     spec = parse_cluster(_doc([_site("a"), _site("b"), _site("c")], links))
     hops = ring_hops(spec, [("a",), ("b",), ("c",)])
     assert [(h.src, h.dst, h.routed) for h in hops] == [
-        ("a", "b", False), ("b", "c", False), ("c", "a", True)]  # fmt: skip
+        ("a", "b", False),
+        ("b", "c", False),
+        ("c", "a", True),
+    ]
     assert hops[2].latency_s == pytest.approx(0.012) and hops[2].bandwidth_bps == 1e9
 
 
@@ -166,8 +196,7 @@ def test_auto_takes_the_outer_loop_when_it_wins_after_its_penalty() -> None:
 
 
 def test_a_tie_goes_to_the_synchronous_pipeline() -> None:
-    spec = _two_sites(gbps=0.01, strategy="auto", outer={"h": [10, 20]},
-                      min_gain={"outer": 1.0})  # fmt: skip
+    spec = _two_sites(gbps=0.01, strategy="auto", outer={"h": [10, 20]}, min_gain={"outer": 1.0})
     report = _strategy(spec, _table([(2, 10, 0.01), (2, 20, 0.02)]))
     best_outer = min((c for c in report.candidates[1:]), key=lambda c: c.score)
     assert best_outer.score < report.candidates[0].score  # faster, but not 2x
@@ -197,8 +226,11 @@ def test_without_a_table_auto_keeps_the_pipeline_and_outer_says_the_penalty_is_u
 def test_outer_with_no_group_that_fits_is_a_config_error() -> None:
     # Each device holds half the model beside its activations, not the whole model with
     # the outer state (16 B per parameter more): the pipeline fits, no group does.
-    doc = _doc([_site("a"), _site("b")], [{"from": "a", "to": "b", "bandwidth_gbps": 1,
-                                           "latency_ms": 5}], strategy="outer")  # fmt: skip
+    doc = _doc(
+        [_site("a"), _site("b")],
+        [{"from": "a", "to": "b", "bandwidth_gbps": 1, "latency_ms": 5}],
+        strategy="outer",
+    )
     for s in doc["sites"]:
         s["device_memory_gb"] = 0.025
     spec = parse_cluster(copy.deepcopy(doc))

@@ -37,9 +37,18 @@ def small_spec(
     mem = 2.0
     if mem_factor is not None:
         total, _ = param_totals(
-            type("M", (), {"n_layer": n_layer, "n_embd": 64, "n_head": 4, "vocab_size": 256,
-                           "max_seq_len": 16})
-        )  # fmt: skip
+            type(
+                "M",
+                (),
+                {
+                    "n_layer": n_layer,
+                    "n_embd": 64,
+                    "n_head": 4,
+                    "vocab_size": 256,
+                    "max_seq_len": 16,
+                },
+            )
+        )
         mem = mem_factor * 16 * total / GIB
     sites = [
         {
@@ -62,12 +71,21 @@ def small_spec(
             {"from": f"s{a}", "to": f"s{b}", "bandwidth_gbps": 0.2, "latency_ms": 20 + 5 * a}
             for a, b in pairs
         ],
-        "model": {"n_layer": n_layer, "n_embd": 64, "n_head": 4, "vocab_size": 256,
-                  "max_seq_len": 16},
+        "model": {
+            "n_layer": n_layer,
+            "n_embd": 64,
+            "n_head": 4,
+            "vocab_size": 256,
+            "max_seq_len": 16,
+        },
         "training": {"global_batch_size": global_batch, "steps": 1, "lr": 0.001},
-        "plan": {"micro_batch_size": 1, "seq_len": 16, "delta_n": {"min": 0, "max": 4},
-                 "codecs": ["none"]},
-    }  # fmt: skip
+        "plan": {
+            "micro_batch_size": 1,
+            "seq_len": 16,
+            "delta_n": {"min": 0, "max": 4},
+            "codecs": ["none"],
+        },
+    }
     return parse_cluster(doc, "small")
 
 
@@ -201,9 +219,13 @@ def test_predictions_agree_with_the_planners_evaluator() -> None:
             pr = ts.predict(v, d, m)
             wan = shape.wan_boundaries
             c = Candidate(
-                d, ts.micro_batch_size, ts.seq_len, tuple(pr.delta_n[j] for j in wan),
-                tuple(pr.codecs[j] for j in wan), ts.schedule,
-            )  # fmt: skip
+                d,
+                ts.micro_batch_size,
+                ts.seq_len,
+                tuple(pr.delta_n[j] for j in wan),
+                tuple(pr.codecs[j] for j in wan),
+                ts.schedule,
+            )
             e = ev.evaluate(c)
             assert e.feasible == pr.feasible
             assert pr.iteration_time_s == pytest.approx(e.iteration_time_s, rel=1e-9)
@@ -240,8 +262,9 @@ def test_plan_for_builds_the_runtime_plan() -> None:
     assert plan.partition[0][0] == 0 and plan.partition[-1][1] == ts.num_layers
     assert plan.pipelines * plan.num_microbatches * plan.micro_batch_size == 4
     assert len(plan.delta_n) == len(plan.codecs) == plan.num_stages - 1
-    assert all(plan.delta_n[j] == 0 for j in range(plan.num_stages - 1)
-               if j not in plan.wan_boundaries)  # fmt: skip
+    assert all(
+        plan.delta_n[j] == 0 for j in range(plan.num_stages - 1) if j not in plan.wan_boundaries
+    )
 
 
 def test_template_set_rejects_other_micro_batch_sizes() -> None:

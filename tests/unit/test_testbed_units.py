@@ -74,8 +74,19 @@ def test_direction_serialises_in_order_and_drops_beyond_the_buffer():
 
 def _packet(dst: str, payload: bytes) -> bytes:
     """A vnet header (no GSO) and a minimal IPv4 header addressed to ``dst``."""
-    ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(payload), 0, 0, 64, 17, 0,
-                     socket.inet_aton("10.231.0.1"), socket.inet_aton(dst))  # fmt: skip
+    ip = struct.pack(
+        "!BBHHHBBH4s4s",
+        0x45,
+        0,
+        20 + len(payload),
+        0,
+        0,
+        64,
+        17,
+        0,
+        socket.inet_aton("10.231.0.1"),
+        socket.inet_aton(dst),
+    )
     return VNET_HDR.pack(0, 0, 0, 0, 0, 0) + ip + payload
 
 
