@@ -17,7 +17,14 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from geopipe.model.hfarch import CONFIG_DEFAULTS, SUPPORTED_FAMILIES, tensor_shapes
+from geopipe.model.hfarch import (
+    ATTENTION_KINDS,
+    CONFIG_DEFAULTS,
+    FAMILIES,
+    ROPE_REQUIRED,
+    SUPPORTED_FAMILIES,
+    tensor_shapes,
+)
 
 __all__ = ["HFDirError", "read_hf_dir", "safetensors_header"]
 
@@ -85,8 +92,9 @@ def _check_decoder_only(config: dict[str, Any]) -> str:
             "(architectures must end in ForCausalLM)"
         )
     if family not in SUPPORTED_FAMILIES:
+        hint = " (for Gemma 3's text model save its gemma3_text part)" if family == "gemma3" else ""
         raise HFDirError(
-            f"config.json: model_type {family!r} is not supported (supported decoder-only "
+            f"config.json: model_type {family!r} is not supported{hint} (supported decoder-only "
             f"families: {', '.join(SUPPORTED_FAMILIES)})"
         )
     return family
@@ -103,7 +111,7 @@ def _shape_fields(config: dict[str, Any], family: str) -> dict[str, Any]:
             f"config.json: num_attention_heads ({heads}) must be a multiple of "
             f"num_key_value_heads ({kv})"
         )
-    head_dim = config.get("head_dim")
+    head_dim = config.get("head_dim", CONFIG_DEFAULTS[family].get("head_dim"))
     if head_dim is None:
         if hidden % heads:
             raise HFDirError(
@@ -116,7 +124,7 @@ def _shape_fields(config: dict[str, Any], family: str) -> dict[str, Any]:
     eps = config.get("rms_norm_eps", CONFIG_DEFAULTS[family]["rms_norm_eps"])
     if isinstance(eps, bool) or not isinstance(eps, int | float) or not 0 < eps < 1:
         raise HFDirError(f"config.json: rms_norm_eps must be a number in (0, 1) (got {eps!r})")
-    llama = family == "llama"
+    biases = FAMILIES[family].biases
     return {
         "family": family,
         "n_layer": _int_field(config, "num_hidden_layers", family),
@@ -127,13 +135,128 @@ def _shape_fields(config: dict[str, Any], family: str) -> dict[str, Any]:
         "intermediate_size": _int_field(config, "intermediate_size", family),
         "vocab_size": _int_field(config, "vocab_size", family, low=2),
         "tie_embeddings": _bool_field(config, "tie_word_embeddings", family),
-        # Qwen2's q/k/v biases are fixed by the family; Llama's come from its config.
-        "attention_bias": True if family == "qwen2" else llama and _bool_field(
-            config, "attention_bias", family),
-        "mlp_bias": llama and _bool_field(config, "mlp_bias", family),
+        # Qwen2's q/k/v biases are fixed by the family; Llama's, Qwen3's, Gemma's and
+        # OLMo 2's come from the config; Mistral and Phi-3 have none.
+        "attention_bias": biases == "qkv" or (biases in ("llama", "config") and _bool_field(
+            config, "attention_bias", family)),
+        "mlp_bias": biases == "llama" and _bool_field(config, "mlp_bias", family),
         "rms_norm_eps": float(eps),
         "max_position_embeddings": _int_field(config, "max_position_embeddings", family, low=2),
     }  # fmt: skip
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _check_attention(config: dict[str, Any], fields: dict[str, Any]) -> None:
+    """The limits of a family's attention and embedding that `transformers` (or torch) would
+    only hit when a stage is built, in its actor: refused here, so the YAML's validation
+    (and `geopipe plan`) names them. The sequence length needs no check against a sliding
+    window: stages build the family's own window masks (:mod:`geopipe.model.hf`)."""
+    family, fam = fields["family"], FAMILIES[fields["family"]]
+    vocab, heads = fields["vocab_size"], fields["n_head"]
+    pad = config.get("pad_token_id", CONFIG_DEFAULTS[family]["pad_token_id"])
+    if pad is not None and (isinstance(pad, bool) or not isinstance(pad, int)
+                            or not -vocab <= pad < vocab):  # fmt: skip
+        raise HFDirError(
+            f"config.json: pad_token_id {pad!r} is not a row of the embedding (vocab_size "
+            f"{vocab}): the embedding's padding index must be one of its rows, or null"
+        )
+    if fam.heads_divide_hidden and fields["n_embd"] % heads:
+        raise HFDirError(
+            f"config.json: hidden_size ({fields['n_embd']}) must be divisible by "
+            f"num_attention_heads ({heads}): {family}'s config requires it even with head_dim"
+        )
+    if config.get("use_bidirectional_attention"):
+        raise HFDirError(
+            "config.json: use_bidirectional_attention is true: geopipe trains causal LMs"
+        )
+    window = config.get("sliding_window")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                               or window < 1):  # fmt: skip
+        raise HFDirError(f"config.json: sliding_window must be null or an integer >= 1 "
+                         f"(got {window!r})")  # fmt: skip
+    types = config.get("layer_types")
+    if fam.masks == "layer_types" and types is not None:
+        n = fields["n_layer"]
+        if not isinstance(types, list) or len(types) != n or any(
+                t not in ATTENTION_KINDS for t in types):  # fmt: skip
+            raise HFDirError(
+                f"config.json: layer_types must list {n} attention kinds, one per layer, each "
+                f"{' or '.join(ATTENTION_KINDS)} (got {types!r})"
+            )
+        off = ("sliding_window" in config and window is None) or config.get(
+            "use_sliding_window") is False  # fmt: skip
+        if "sliding_attention" in types and off:
+            raise HFDirError(
+                "config.json: layer_types has sliding_attention layers but no sliding window "
+                "(sliding_window is null or use_sliding_window false)"
+            )
+    for key in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
+        value = config.get(key)
+        if fam.final_softcap and value is not None and not (_is_number(value) and value > 0):
+            raise HFDirError(f"config.json: {key} must be null or a number > 0 (got {value!r})")
+
+
+def _rope_entries(config: dict[str, Any], family: str) -> list[tuple[str, Any]]:
+    """(config.json key, RoPE parameters) of each rotary table: ``rope_parameters`` (or a
+    legacy config's ``rope_scaling``), one per attention kind where the family nests them."""
+    key = "rope_parameters"
+    rope = config.get(key)
+    if rope is None and config.get("rope_scaling") is not None:
+        key, rope = "rope_scaling", config["rope_scaling"]
+    if rope is None:
+        return []
+    if not isinstance(rope, dict):
+        raise HFDirError(f"config.json: {key} must be an object (got {rope!r})")
+    if FAMILIES[family].rope_per_layer_type and rope and set(rope) <= set(ATTENTION_KINDS):
+        return [(f"{key}.{kind}", entry) for kind, entry in rope.items() if entry is not None]
+    return [(key, rope)]
+
+
+def _check_rope(config: dict[str, Any], fields: dict[str, Any]) -> None:
+    """Each rotary table's variant is one the stage supports (:data:`ROPE_REQUIRED`, and the
+    family's own list) with the keys `transformers` requires of it, and its numbers have the
+    shapes its rotary embedding computes with; the rotary dimension is even."""
+    family, fam = fields["family"], FAMILIES[fields["family"]]
+    head_dim = fields["head_dim"]
+    if family == "phi3":  # Phi-3's rotary dimension ignores head_dim
+        head_dim = fields["n_embd"] // fields["n_head"]
+    for key, rope in _rope_entries(config, family):
+        if not isinstance(rope, dict):
+            raise HFDirError(f"config.json: {key} must be an object (got {rope!r})")
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if family == "phi3" and kind in ("su", "yarn"):
+            kind = "longrope"  # Phi-3's config renames its old names so
+        if kind not in fam.rope_types:
+            raise HFDirError(
+                f"config.json: {key}.rope_type {kind!r} is not a RoPE variant geopipe's "
+                f"{family} stages support (supported: {', '.join(fam.rope_types)})"
+            )
+        missing = [k for k in ROPE_REQUIRED[kind] if k not in rope]
+        if missing:
+            raise HFDirError(f"config.json: {key} of rope_type {kind!r} lacks "
+                             f"{', '.join(missing)}")  # fmt: skip
+        factor = rope.get("factor")
+        if factor is not None and not (_is_number(factor) and factor > 0):
+            raise HFDirError(f"config.json: {key}.factor must be a number > 0 (got {factor!r})")
+        partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+        if not (_is_number(partial) and 0 < partial <= 1):
+            raise HFDirError(f"config.json: partial_rotary_factor must be a number in (0, 1] "
+                             f"(got {partial!r})")  # fmt: skip
+        dim = int(head_dim * partial)
+        if head_dim > 4 and head_dim % 2 and dim == head_dim:
+            raise HFDirError(f"config.json: RoPE needs an even rotary dimension; head_dim is "
+                             f"{head_dim}")  # fmt: skip
+        for name in ("short_factor", "long_factor") if kind == "longrope" else ():
+            value = rope[name]
+            if not (isinstance(value, list) and len(value) == dim // 2
+                    and all(_is_number(v) for v in value)):  # fmt: skip
+                raise HFDirError(
+                    f"config.json: {key}.{name} must be a list of {dim // 2} numbers (half "
+                    f"the rotary dimension {dim})"
+                )
 
 
 def safetensors_header(path: Path) -> dict[str, tuple[int, ...]]:
@@ -256,6 +379,8 @@ def read_hf_dir(directory: Path) -> dict[str, Any]:
     config, raw = _read_config(directory)
     family = _check_decoder_only(config)
     fields = _shape_fields(config, family)
+    _check_attention(config, fields)
+    _check_rope(config, fields)
     shapes = _weights(directory)
     if shapes is not None:
         _check_tensors(shapes, fields)

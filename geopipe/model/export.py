@@ -6,9 +6,12 @@ them) and its manifest's ``model`` entry into a ``config.json`` dict, a
 ``AutoModelForCausalLM.from_pretrained`` expects; :func:`write_model_dir` writes them
 (safetensors, sharded with an index past ``max_shard_bytes``, atomically).
 
-* A `transformers` family (llama, mistral, qwen2) already trains under its own names: the
-  config is the run's config.json, and a tied ``lm_head.weight`` (the head stage's copy of
-  the embedding) is dropped — `transformers` ties it back.
+* A `transformers` family (:data:`geopipe.model.hfarch.SUPPORTED_FAMILIES`) already trains
+  under its own names: the config is the run's config.json (a config built in code gets the
+  family's ``*ForCausalLM`` as its architecture), and a tied ``lm_head.weight`` (the head
+  stage's copy of the embedding) is dropped — `transformers` ties it back. Nothing a family
+  does in its model's forward (Gemma's embedding scale and soft-capping, sliding windows) is
+  baked into the weights, so the exported model computes what the stages computed.
 * The built-in GPT becomes ``GPT2LMHeadModel``: the same architecture (learned positions,
   pre-LayerNorm blocks, exact GELU, fused qkv, untied head), with GPT-2's Conv1D weights
   stored transposed.
@@ -81,7 +84,9 @@ def _hf(
 
 
 _CAUSAL_LM = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-              "qwen2": "Qwen2ForCausalLM"}  # fmt: skip
+              "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+              "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+              "phi3": "Phi3ForCausalLM", "olmo2": "Olmo2ForCausalLM"}  # fmt: skip
 
 # geopipe GPT name -> GPT-2 name; ``T``: a Linear stored as GPT-2's Conv1D (transposed).
 _GPT2_BLOCK = {

@@ -20,6 +20,7 @@ from torch import nn
 
 from geopipe.model.gpt import GPTConfig, GPTStage
 from geopipe.model.hf import HEAD, HFStage, hf_layer_of, hf_meta_model, load_stage_weights
+from geopipe.model.hfarch import CONFIG_DEFAULTS
 
 __all__ = ["DTYPES", "ModelDesc", "build_stage", "stage_param_names"]
 
@@ -67,7 +68,8 @@ class ModelDesc:
             n_layer=int(config["num_hidden_layers"]),
             hidden=int(config["hidden_size"]),
             vocab_size=int(config["vocab_size"]),
-            tie=bool(config.get("tie_word_embeddings", False)),
+            # Gemma ties by default: an absent key means what its config class assumes.
+            tie=bool(config.get("tie_word_embeddings", _tie_default(config))),
             hf_config=dict(config),
             weights_dir=weights_dir,
         )
@@ -82,6 +84,11 @@ class ModelDesc:
         return {"family": self.family, "n_layer": self.n_layer, "n_embd": self.hidden,
                 "vocab_size": self.vocab_size, "tie_embeddings": self.tie,
                 "hf_config": json.loads(json.dumps(self.hf_config))}  # fmt: skip
+
+
+def _tie_default(config: dict[str, Any]) -> bool:
+    defaults = CONFIG_DEFAULTS.get(str(config.get("model_type")), {})
+    return bool(defaults.get("tie_word_embeddings", False))
 
 
 def build_stage(

@@ -1,8 +1,9 @@
 """Pipeline stages of a Hugging Face decoder-only causal LM, built from `transformers`' modules.
 
 Any family laid out as ``model.embed_tokens / model.layers[i] / model.norm / lm_head`` with a
-rotary-embedding module (Llama, Qwen2, Mistral; the config layer refuses the others by name)
-is cut into geopipe's global layers exactly like the built-in GPT:
+rotary-embedding module (:data:`geopipe.model.hfarch.SUPPORTED_FAMILIES`: Llama, Mistral,
+Qwen2, Qwen3, Gemma 2, Gemma 3's text model, Phi-3, OLMo 2; the config layer refuses the others
+by name) is cut into geopipe's global layers exactly like the built-in GPT:
 
 * layer ``0`` is ``model.embed_tokens``,
 * layers ``1 .. n`` are ``model.layers.0 .. model.layers.{n-1}`` (the family's decoder layer),
@@ -15,8 +16,19 @@ in every pipeline layout, so checkpoints re-shard by name and export is a copy.
     The stage deep-copies each piece from the family's own model built on the meta device
     (no memory, no init): the decoder layer, norm, embedding and head come with exactly the
     constructor arguments `transformers` uses (biases, eps, padding index, GQA shapes), so a
-    family's quirks need no code here. Only the rotary embedding is built afresh: its
-    frequencies are buffers computed in ``__init__``, which the meta copy lacks.
+    family's quirks inside its modules need no code here. Only the rotary embedding is built
+    afresh: its frequencies are buffers computed in ``__init__``, which the meta copy lacks;
+    the one other buffer, Gemma's embedding scale, is set from the value its module keeps.
+
+[Note: what the model's forward does, redone per stage]
+    The model's own forward does a few things around its modules, and each stage redoes
+    them as it does (:class:`geopipe.model.hfarch.Family` says which, per family): the
+    attention mask of each layer, made by `transformers`' own mask functions from the same
+    config (causal, or the sliding window of Mistral, Phi-3 and the sliding layers of
+    Qwen2/Qwen3/Gemma), the rotary tables (Gemma 3: one per attention kind), and Gemma's
+    soft-capping of the logits after the head. Attention runs as the model runs it: SDPA,
+    or eager where the family's class offers no SDPA (Gemma 2, whose attention scores are
+    soft-capped, which SDPA cannot do).
 
 [Note: tied embeddings across stages]
     With ``tie_word_embeddings`` a stage holding both ends shares one parameter, as
@@ -30,6 +42,7 @@ in every pipeline layout, so checkpoints re-shard by name and export is a copy.
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 from collections.abc import Mapping
 from functools import lru_cache
@@ -39,7 +52,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from geopipe.model.hfarch import SUPPORTED_FAMILIES
+from geopipe.model.hfarch import FAMILIES, SUPPORTED_FAMILIES, Family
 
 __all__ = [
     "EMBED",
@@ -58,8 +71,11 @@ HEAD = "lm_head.weight"
 
 def hf_config(config: Mapping[str, Any]) -> Any:
     """A `transformers` config object from a ``config.json`` dict, with SDPA attention (the
-    fused kernel the planner's activation model assumes; causal when given no mask)."""
+    fused kernel the planner's activation model assumes) — or eager attention where the
+    family's class offers no SDPA (Gemma 2: SDPA cannot soft-cap attention scores), the
+    choice `transformers` itself makes for the model."""
     from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     family = config.get("model_type")
     if family not in SUPPORTED_FAMILIES:
@@ -68,7 +84,8 @@ def hf_config(config: Mapping[str, Any]) -> Any:
             f"(supported: {', '.join(SUPPORTED_FAMILIES)})"
         )
     cfg = CONFIG_MAPPING[family].from_dict(dict(config))
-    cfg._attn_implementation = "sdpa"
+    sdpa = getattr(MODEL_FOR_CAUSAL_LM_MAPPING[type(cfg)], "_supports_sdpa", False)
+    cfg._attn_implementation = "sdpa" if sdpa else "eager"
     return cfg
 
 
@@ -102,10 +119,11 @@ def _layer_seed(seed: int, index: int) -> int:
 
 
 @torch.no_grad()
-def _init_layer(module: nn.Module, std: float, seed: int, index: int) -> None:
+def _init_layer(module: nn.Module, std: float, seed: int, index: int, norm: float = 1.0) -> None:
     """`transformers`' init for these families (normal(0, initializer_range) for Linear and
-    Embedding weights, zero biases, unit norms), drawn from the layer's own generator so any
-    stage equals the same layer of the full model."""
+    Embedding weights, zero biases, neutral norms: ``norm`` is 1, or 0 for Gemma's
+    ``1 + weight`` RMSNorm), drawn from the layer's own generator so any stage equals the
+    same layer of the full model."""
     gen = torch.Generator(device="cpu").manual_seed(_layer_seed(seed, index))
     for sub in module.modules():
         if isinstance(sub, nn.Linear | nn.Embedding):
@@ -116,12 +134,24 @@ def _init_layer(module: nn.Module, std: float, seed: int, index: int) -> None:
             if isinstance(sub, nn.Linear) and sub.bias is not None:
                 sub.bias.zero_()
         elif isinstance(getattr(sub, "weight", None), nn.Parameter):  # RMSNorm and kin
-            sub.weight.fill_(1.0)
+            sub.weight.fill_(norm)
 
 
+@torch.no_grad()
 def _materialise(template: nn.Module) -> nn.Module:
-    """A CPU copy of a meta module (storage allocated, values set by the caller)."""
-    return copy.deepcopy(template).to_empty(device="cpu")
+    """A CPU copy of a meta module (storage allocated, parameter values set by the caller).
+    Its buffers are set here: Gemma's embedding scale from the float its module keeps; any
+    other buffer would hold garbage, so it is refused rather than used."""
+    module = copy.deepcopy(template).to_empty(device="cpu")
+    for name, sub in module.named_modules():
+        for key, buf in sub.named_buffers(recurse=False):
+            if key == "embed_scale" and hasattr(sub, "scalar_embed_scale"):
+                buf.fill_(float(sub.scalar_embed_scale))
+            else:
+                where = f"{name}.{key}" if name else key
+                raise ValueError(f"{type(template).__name__} holds a buffer {where} that "
+                                 "geopipe cannot rebuild")  # fmt: skip
+    return module
 
 
 class HFStage(nn.Module):
@@ -152,8 +182,15 @@ class HFStage(nn.Module):
         if not start <= self.active[0] < self.active[1] <= end:
             raise ValueError(f"active layers {self.active} are not within [{start}, {end})")
         self.tied = bool(cfg.tie_word_embeddings)
+        self._cfg, self._family = cfg, FAMILIES[str(config["model_type"])]
+        self._build(cfg, seed)
+
+    def _build(self, cfg: Any, seed: int) -> None:
+        """This stage's modules, copied from the meta model and initialised per layer."""
+        start, end, last = self.start, self.end, self.n_layer + 1
         meta = hf_meta_model(self.config_dict)
         std = float(cfg.initializer_range)
+        norm = 0.0 if self._family.norm_offset else 1.0
         self.model = nn.Module()
         if start == 0:
             self.model.embed_tokens = _materialise(meta.model.embed_tokens)
@@ -161,13 +198,13 @@ class HFStage(nn.Module):
         self.model.layers = nn.ModuleDict()
         for index in range(max(start, 1), min(end, last)):
             layer = _materialise(meta.model.layers[index - 1])
-            _init_layer(layer, std, seed, index)
+            _init_layer(layer, std, seed, index, norm)
             self.model.layers[str(index - 1)] = layer
         if max(start, 1) < min(end, last):
             self.model.rotary_emb = type(meta.model.rotary_emb)(config=cfg)
         if end == last + 1:
             self.model.norm = _materialise(meta.model.norm)
-            _init_layer(self.model.norm, std, seed, last)
+            _init_layer(self.model.norm, std, seed, last, norm)
             self.lm_head = _materialise(meta.lm_head)
             if self.tied and start == 0:
                 self.lm_head.weight = self.model.embed_tokens.weight
@@ -175,7 +212,9 @@ class HFStage(nn.Module):
                 _init_layer(self.lm_head, std, seed, 0)
             else:
                 _init_layer(self.lm_head, std, seed, last)
-        self._windows = [getattr(cfg, "sliding_window", None)] if _uses_window(cfg) else []
+        self._softcap = getattr(cfg, "final_logit_softcapping", None)
+        if not self._family.final_softcap:
+            self._softcap = None
 
     @property
     def has_embed(self) -> bool:
@@ -215,18 +254,32 @@ class HFStage(nn.Module):
             h = x
         blocks = range(max(a, 1), min(z, self.n_layer + 1))
         if len(blocks):
-            t = h.size(1)
-            for window in self._windows:
-                if window is not None and t > window:
-                    raise ValueError(f"sequence length {t} exceeds the sliding window {window}")
-            pos = torch.arange(t, device=h.device).unsqueeze(0)
-            rope = self.model.rotary_emb(h, pos)
-            for index in blocks:
-                h = self.model.layers[str(index - 1)](
-                    h, attention_mask=None, position_ids=pos, position_embeddings=rope
-                )
+            h = self._blocks(h, blocks)
         if self.has_head:
             h = self.lm_head(self.model.norm(h))
+            if self._softcap is not None:  # as the family's ForCausalLM.forward does
+                h = h / self._softcap
+                h = torch.tanh(h)
+                h = h * self._softcap
+        return h
+
+    def _blocks(self, h: Tensor, blocks: range) -> Tensor:
+        """The decoder layers ``blocks`` (global indices), each given the mask and rotary
+        table of its attention kind as the model's forward gives them ([Note: what the
+        model's forward does, redone per stage])."""
+        pos = torch.arange(h.size(1), device=h.device).unsqueeze(0)
+        kinds = {index: _attention_kind(self._cfg, self._family, index - 1) for index in blocks}
+        masks = {kind: _mask(self._cfg, kind, h, pos) for kind in set(kinds.values())}
+        if self._family.rope_per_layer_type:
+            rope = {kind: self.model.rotary_emb(h, pos, kind) for kind in masks}
+        else:
+            table = self.model.rotary_emb(h, pos)
+            rope = dict.fromkeys(masks, table)
+        for index in blocks:
+            kind = kinds[index]
+            h = self.model.layers[str(index - 1)](
+                h, attention_mask=masks[kind], position_ids=pos, position_embeddings=rope[kind]
+            )
         return h
 
     def extra_repr(self) -> str:
@@ -234,15 +287,35 @@ class HFStage(nn.Module):
         return f"layers=[{self.start}, {self.end}){runs}, seed={self.seed}"
 
 
-def _uses_window(cfg: Any) -> bool:
-    """Whether some layer attends within a sliding window (then sequences must fit in it:
-    the stage runs SDPA's causal kernel without a mask)."""
-    if getattr(cfg, "sliding_window", None) is None:
-        return False
-    types = getattr(cfg, "layer_types", None)
-    if types is not None:
-        return "sliding_attention" in types
-    return bool(getattr(cfg, "use_sliding_window", True))
+def _attention_kind(cfg: Any, family: Family, layer: int) -> str:
+    """``full_attention`` or ``sliding_attention``: the mask the model's forward gives decoder
+    layer ``layer`` (its ``layer_types``; Mistral and Phi-3: every layer slides when the config
+    has a window)."""
+    if family.masks == "layer_types":
+        return str(cfg.layer_types[layer])
+    if family.masks == "window" and getattr(cfg, "sliding_window", None) is not None:
+        return "sliding_attention"
+    return "full_attention"
+
+
+def _mask(cfg: Any, kind: str, h: Tensor, pos: Tensor) -> Any:
+    """The attention mask `transformers`' own mask function makes for ``kind`` with no
+    padding and no cache (None where SDPA's causal kernel does it alone), called with the
+    arguments this version of `transformers` takes."""
+    from transformers import masking_utils
+
+    fn = (masking_utils.create_sliding_window_causal_mask if kind == "sliding_attention"
+          else masking_utils.create_causal_mask)  # fmt: skip
+    offered = {"config": cfg, "inputs_embeds": h, "input_embeds": h, "attention_mask": None,
+               "cache": None, "past_key_values": None, "position_ids": pos,
+               "cache_position": pos[0]}  # fmt: skip
+    params = _parameters(fn)
+    return fn(**{k: v for k, v in offered.items() if k in params})
+
+
+@lru_cache(maxsize=4)
+def _parameters(fn: Any) -> frozenset[str]:
+    return frozenset(inspect.signature(fn).parameters)
 
 
 def _weight_files(directory: Path) -> dict[str, Path]:

@@ -11,7 +11,8 @@ LM head) — :func:`num_layers` pipeline layers in all.
 Two architectures: the built-in GPT (``family == "gpt"``: learned positions, LayerNorm, a 4h
 GELU MLP, biases everywhere, untied head) and the Llama-like `transformers` families
 (:data:`geopipe.model.hfarch.SUPPORTED_FAMILIES`: rotary positions, RMSNorm, grouped-query
-attention, a gated MLP of ``intermediate_size``, the family's own biases, maybe a tied head).
+attention, a gated MLP of ``intermediate_size``, the family's own biases, q/k norms and
+extra norms, maybe a tied head).
 Every function dispatches on ``family``; the GPT formulas are unchanged.
 
 [Note: a tied head's copy]
@@ -24,9 +25,10 @@ Every function dispatches on ``family``; the GPT formulas are unchanged.
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
-from geopipe.model.hfarch import attention_biases
+from geopipe.model.hfarch import block_shapes
 
 __all__ = [
     "ModelShape",
@@ -91,24 +93,19 @@ def _gated_block_matmul_params(m) -> int:
 
 
 def gated_embed_block_head_params(m) -> tuple[int, int, int]:
-    """Parameters of a Llama-like family's embedding, one block and head (with its own copy
-    of a tied embedding: [Note: a tied head's copy]).
+    """Parameters of a `transformers` family's embedding, one block and head (with its own
+    copy of a tied embedding: [Note: a tied head's copy]).
 
-    embed ``V·h`` (rotary positions have no parameters); block: q ``h·(H·hd)``, k and v
-    ``h·(kv·hd)`` each, o ``(H·hd)·h``, the family's attention biases, the gated MLP
-    ``3·h·I`` (+ biases with Llama's ``mlp_bias``) and two RMSNorm weights ``h``; head: the
-    final RMSNorm ``h`` + ``lm_head`` ``V·h`` (no bias).
+    embed ``V·h`` (rotary positions have no parameters); block: every tensor of
+    :func:`geopipe.model.hfarch.block_shapes` — q ``h·(H·hd)``, k and v ``h·(kv·hd)`` each
+    (Phi-3 fuses them into one matrix of the same size), o ``(H·hd)·h``, the family's
+    attention biases, q/k norms (Qwen3 and Gemma 3: ``hd`` each; OLMo 2: ``H·hd`` and
+    ``kv·hd``), the gated MLP ``3·h·I`` (+ biases with Llama's ``mlp_bias``) and its RMSNorm
+    weights (``h`` each: two, Gemma's four); head: the final RMSNorm ``h`` + ``lm_head``
+    ``V·h`` (no bias).
     """
-    h, heads, kv, hd, inter = _gated_dims(m)
-    qkv_bias, o_bias = attention_biases(m.family, m.attention_bias)
-    block = _gated_block_matmul_params(m) + 2 * h
-    if qkv_bias:
-        block += heads * hd + 2 * kv * hd
-    if o_bias:
-        block += h
-    if m.mlp_bias and m.family == "llama":
-        block += 2 * inter + h
-    return m.vocab_size * h, block, h + m.vocab_size * h
+    block = sum(math.prod(shape) for shape in block_shapes(m).values())
+    return m.vocab_size * m.n_embd, block, m.n_embd + m.vocab_size * m.n_embd
 
 
 def _embed_block_head(m) -> tuple[int, int, int]:
@@ -160,7 +157,9 @@ def layer_forward_flops(m: ModelShape, seq_len: int) -> list[float]:
 
     Matmuls cost 2 FLOPs per multiply-add; attention adds QK^T and AV (4·s·h per token,
     ``h = heads · head_dim``). The embedding is a lookup; we charge it one add per element so
-    it is not free. Biases and norms are not counted.
+    it is not free. Biases, norms (q/k norms too), Gemma's embedding scale and soft-capping
+    are not counted. A sliding-window layer is charged the full ``s`` too: the stage runs
+    attention with a mask, which computes the masked scores as well.
     """
     h, v = m.n_embd, m.vocab_size
     if is_gated(m):

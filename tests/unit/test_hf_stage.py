@@ -145,8 +145,14 @@ def test_missing_tensor_and_unsupported_family_are_named(tmp_path: Path) -> None
         HFStage({**_config(path), "model_type": "bert"}, 0, 1)
 
 
-def test_sequences_longer_than_a_sliding_window_are_refused(tmp_path: Path) -> None:
-    _, path = _saved(tmp_path, "mistral")
-    stage = HFStage(_config(path), 0, 2)
-    with pytest.raises(ValueError, match="sliding window 32"):
-        stage(torch.zeros(1, 40, dtype=torch.long))
+def test_sequences_longer_than_a_sliding_window_equal_transformers(tmp_path: Path) -> None:
+    """Mistral's window is 32: a 40-token sequence gets the model's own sliding-window mask
+    in every stage, so the logits are the model's (before, such sequences were refused)."""
+    model, path = _saved(tmp_path, "mistral")
+    stages = [HFStage(_config(path), a, b) for a, b in [(0, 2), (2, 5)]]
+    for s in stages:
+        load_stage_weights(s, path)
+    x = torch.randint(0, SMALL["vocab_size"], (2, 40))
+    with torch.no_grad():
+        got, ref = stages[1](stages[0](x)), model(input_ids=x).logits
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-6)
