@@ -218,8 +218,8 @@ class ModelSpec(Spec):
     With ``hf``: ``family`` is config.json's ``model_type`` (one of
     :data:`geopipe.model.hfarch.SUPPORTED_FAMILIES`); ``n_layer``, ``n_embd``, ``n_head``,
     ``vocab_size``, ``n_kv_head``, ``head_dim``, ``intermediate_size``, ``tie_embeddings``,
-    ``attention_bias`` (Qwen2: always true, its q/k/v biases; Llama: config's; Mistral:
-    false), ``mlp_bias`` (Llama's; else false), ``rms_norm_eps`` come from it (the family's
+    ``attention_bias`` and ``mlp_bias`` (each family's rule: :mod:`geopipe.model.hfarch`),
+    ``rms_norm_eps`` come from it (the family's
     defaults for absent keys, as `transformers` fills them); ``max_seq_len`` may be given, at
     most (and by default) ``max_position_embeddings``; ``hf_weights`` says the directory has
     safetensors weights (checked to hold every tensor the family needs), and
@@ -229,8 +229,9 @@ class ModelSpec(Spec):
 
     hf: str | None = Field(
         None,
-        description="a save_pretrained directory of a llama, mistral or qwen2 model "
-        "(relative to the YAML file); its config.json gives the shape",
+        description="a save_pretrained directory of a decoder-only model of a supported family "
+        "(geopipe.model.hfarch.SUPPORTED_FAMILIES; relative to the YAML file); its "
+        "config.json gives the shape",
     )
     family: str = Field("gpt", description="'gpt' (built in) or config.json's model_type")
     n_layer: int = Field(ge=1, le=MAX_LAYERS)
