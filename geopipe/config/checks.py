@@ -299,12 +299,15 @@ def _known_codec(codec: str) -> bool:
 
 class OuterSetting(NamedTuple):
     """One outer-loop candidate's knobs: ``h`` inner steps per round, ``fragments`` synced
-    on staggered steps, each send overlapping ``overlap`` inner steps, in ``codec``."""
+    on staggered steps, each send overlapping ``overlap`` inner steps, in ``codec``, and the
+    outer Nesterov SGD's ``lr`` and ``momentum`` (the loss penalty depends on them all)."""
 
     h: int
     fragments: int
     overlap: int
     codec: str
+    lr: float = 0.7
+    momentum: float = 0.9
 
 
 def outer_settings(spec: ClusterSpec) -> list[OuterSetting]:
@@ -325,10 +328,12 @@ def outer_settings(spec: ClusterSpec) -> list[OuterSetting]:
             if f < 1 or h % f:
                 continue
             out += [
-                OuterSetting(h, f, tau, c)
+                OuterSetting(h, f, tau, c, lr, mu)
                 for tau in choice_values(o.overlap, default=[])
                 if 0 <= tau < h // f
                 for c in o.codecs
+                for lr in o.lrs
+                for mu in o.momenta
             ]
     return out
 

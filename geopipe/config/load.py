@@ -18,9 +18,12 @@ __all__ = ["load_cluster", "parse_cluster", "parse_yaml"]
 
 
 def _is_branch(part: Any) -> bool:
-    """Is this location part a union-branch marker pydantic inserts for `Choice`?"""
+    """Is this location part a union-branch marker pydantic inserts for `Choice` (or for a
+    bounded number that may also be a list of them, like ``plan.outer.lr``)?"""
     return isinstance(part, str) and (
-        part in ("int", "list[int]", "Range") or part.endswith((", Range]", ", int]", ", int]]"))
+        part in ("int", "list[int]", "Range")
+        or part.endswith((", Range]", ", int]", ", int]]"))
+        or part.startswith(("function-after[", "list[function-after["))
     )
 
 

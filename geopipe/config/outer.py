@@ -40,6 +40,8 @@ def _listed(v: object) -> object:
 
 
 CodecList = Annotated[list[str], BeforeValidator(_listed)]
+OuterLr = bounded(0.0, 10.0, lo_open=True)
+OuterMomentum = bounded(0.0, 1.0)
 
 
 class OuterSpec(Spec):
@@ -57,15 +59,37 @@ class OuterSpec(Spec):
     codec: CodecList = Field(
         ["none"], description="the pseudo-gradient's codec, or a list for the planner"
     )
-    lr: bounded(0.0, 10.0, lo_open=True) = Field(0.7, description="outer learning rate")
-    momentum: bounded(0.0, 1.0) = Field(0.9, description="outer Nesterov momentum, in [0, 1)")
+    lr: OuterLr | list[OuterLr] = Field(
+        0.7, description="outer learning rate, or a list for the planner"
+    )
+    momentum: OuterMomentum | list[OuterMomentum] = Field(
+        0.9, description="outer Nesterov momentum in [0, 1), or a list for the planner"
+    )
 
     @field_validator("momentum")
     @classmethod
-    def _momentum_below_one(cls, v: float) -> float:
-        if v >= 1.0:
+    def _momentum_below_one(cls, v: float | list[float]) -> float | list[float]:
+        if any(x >= 1.0 for x in (v if isinstance(v, list) else [v])):
             raise ValueError("must be in [0, 1): the outer momentum buffer would never decay")
         return v
+
+    @field_validator("lr", "momentum")
+    @classmethod
+    def _some(cls, v: float | list[float]) -> float | list[float]:
+        if isinstance(v, list) and not v:
+            raise ValueError("the list is empty: give at least one value (or omit the key)")
+        return v
+
+    @property
+    def lrs(self) -> tuple[float, ...]:
+        """The outer learning rates the planner may choose, each once."""
+        return tuple(dict.fromkeys(self.lr if isinstance(self.lr, list) else [self.lr]))
+
+    @property
+    def momenta(self) -> tuple[float, ...]:
+        """The outer momenta the planner may choose, each once."""
+        v = self.momentum
+        return tuple(dict.fromkeys(v if isinstance(v, list) else [v]))
 
     @property
     def codecs(self) -> tuple[str, ...]:

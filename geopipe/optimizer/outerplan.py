@@ -107,8 +107,8 @@ def outer_run(spec: ClusterSpec, chosen: object) -> OuterRun:
         mix=tuple(mix),
         groups=tuple(groups),
     )
-    o = spec.plan.outer
-    return OuterRun(plan, chosen.setting, o.lr, o.momentum, chosen.round.round_s)
+    s = chosen.setting
+    return OuterRun(plan, s, s.lr, s.momentum, chosen.round.round_s)
 
 
 def _layout(p: Plan) -> tuple:

@@ -16,7 +16,10 @@ synchronous run (what a gap must exceed to mean anything).
 
 The model, and why:
 
-* rows are grouped by ``(M, codec, F)``; repeated rows of one ``H`` (seeds) are averaged;
+* rows are grouped by ``(M, codec, F, outer lr, outer momentum)`` — a row may say the outer
+  optimizer it ran (``outer_lr``, ``outer_momentum``; DiLoCo's 0.7 and 0.9 if it does not),
+  and a candidate is priced only by rows of its own outer optimizer; repeated rows of one
+  ``H`` (seeds) are averaged;
 * between two measured ``H`` the gap is linear in ``log H`` (the published sweeps space
   ``H`` geometrically and the gap grows about evenly per doubling);
 * outside the measured ``H`` there is no price: above the largest ``H`` measured (or below
@@ -67,7 +70,9 @@ DEFAULT_TABLE = Path(__file__).with_name("loss_penalty.json")
 ENV_VAR = "GEOPIPE_LOSS_PENALTY"
 MAX_TABLE_BYTES = 1 << 22  # a table is a few KiB; refuse a stray large file before parsing
 
-Key = tuple[int, str, int]  # (replicas M, codec, fragments F)
+Key = tuple[int, str, int, float, float]  # (replicas M, codec, fragments F, outer lr, momentum)
+# A row that does not say its outer optimizer ran DiLoCo's (the first tables did not say).
+DEFAULT_OUTER = (0.7, 0.9)
 
 
 class PenaltyTableError(PlanningError):
@@ -100,15 +105,22 @@ class PenaltyTable:
     overlaps: Mapping[Key, int] = field(default_factory=dict)  # the largest measured per key
 
     def predict(
-        self, replicas: int, h: int, fragments: int, codec: str, overlap: int = 0
+        self,
+        replicas: int,
+        h: int,
+        fragments: int,
+        codec: str,
+        overlap: int = 0,
+        outer: tuple[float, float] = DEFAULT_OUTER,
     ) -> Penalty:
         """The penalty of ``M`` groups meeting every ``h`` steps in ``fragments`` with
-        ``codec``, each send overlapping ``overlap`` steps (module docstring: the rules)."""
-        where = f"M={replicas}, {codec}, F={fragments}"
-        miss = self._missing(replicas, fragments, codec)
+        ``codec``, each send overlapping ``overlap`` steps, under the outer optimizer
+        ``outer`` = (lr, momentum) (module docstring: the rules)."""
+        where = f"M={replicas}, {codec}, F={fragments}, outer lr {outer[0]:g}/{outer[1]:g}"
+        miss = self._missing(replicas, fragments, codec, outer)
         if miss:
             return Penalty(None, miss)
-        key = (replicas, codec, fragments)
+        key = (replicas, codec, fragments, *outer)
         if overlap > self.overlaps.get(key, 0):
             return Penalty(
                 None,
@@ -134,20 +146,27 @@ class PenaltyTable:
             f"interpolated in log H between H={h0} ({g0:.2%}) and H={h1} ({g1:.2%}) ({where})",
         )
 
-    def _missing(self, replicas: int, fragments: int, codec: str) -> str:
-        """Why ``(M, codec, F)`` has no measured rows (empty if it has)."""
-        if (replicas, codec, fragments) in self.points:
+    def _missing(
+        self, replicas: int, fragments: int, codec: str, outer: tuple[float, float]
+    ) -> str:
+        """Why ``(M, codec, F, outer)`` has no measured rows (empty if it has)."""
+        if (replicas, codec, fragments, *outer) in self.points:
             return ""
-        codecs = sorted({c for _, c, _ in self.points})
+        outers = sorted({(lr, mu) for *_, lr, mu in self.points})
+        if outer not in outers:
+            shown = ", ".join(f"{lr:g}/{mu:g}" for lr, mu in outers)
+            return f"outer lr/momentum {outer[0]:g}/{outer[1]:g} not measured (measured: {shown})"
+        points = {k[:3] for k in self.points if k[3:] == outer}
+        codecs = sorted({c for _, c, _ in points})
         if codec not in codecs:
             return f"codec {codec} not measured (measured: {', '.join(codecs) or 'no rows'})"
-        ms = sorted({m for m, c, _ in self.points if c == codec})
+        ms = sorted({m for m, c, _ in points if c == codec})
         if replicas not in ms:
             return (
                 f"M={replicas} not measured for codec {codec} (measured: "
                 f"{', '.join(f'M={m}' for m in ms)})"
             )
-        fs = sorted({f for m, c, f in self.points if (m, c) == (replicas, codec)})
+        fs = sorted({f for m, c, f in points if (m, c) == (replicas, codec)})
         return (
             f"F={fragments} not measured for M={replicas}, {codec} (measured: "
             f"{', '.join(f'F={f}' for f in fs)})"
@@ -174,11 +193,17 @@ class PenaltyModel:
     path: str
 
     def predict(
-        self, replicas: int, h: int, fragments: int, codec: str, overlap: int = 0
+        self,
+        replicas: int,
+        h: int,
+        fragments: int,
+        codec: str,
+        overlap: int = 0,
+        outer: tuple[float, float] = DEFAULT_OUTER,
     ) -> Penalty:
         if self.table is None:
             return Penalty(None, "no measured loss-penalty table")  # where: self.path
-        return self.table.predict(replicas, h, fragments, codec, overlap)
+        return self.table.predict(replicas, h, fragments, codec, overlap, outer)
 
 
 def load_penalty(
@@ -232,6 +257,8 @@ def parse_table(doc: Any, path: str = "<table>") -> PenaltyTable:
             tau = _field({"overlap": 0, **row}, "overlap", int, where)
             codec = _field(row, "codec", str, where)
             gap = _field(row, "rel_gap", float, where)
+            lr = _field({"outer_lr": DEFAULT_OUTER[0], **row}, "outer_lr", float, where)
+            mu = _field({"outer_momentum": DEFAULT_OUTER[1], **row}, "outer_momentum", float, where)
             if h < 1 or f < 1 or h % f or not 0 <= tau < h // f:
                 raise ValueError(
                     f"{where[:-1]}: needs h >= 1, fragments >= 1, h a multiple of fragments "
@@ -241,8 +268,9 @@ def parse_table(doc: Any, path: str = "<table>") -> PenaltyTable:
                 raise ValueError(f"{where}codec: unknown codec {codec!r}")
             if m < 2:
                 continue
-            sums.setdefault((m, codec, f), {}).setdefault(h, []).append(gap)
-            overlaps[(m, codec, f)] = max(overlaps.get((m, codec, f), 0), tau)
+            key = (m, codec, f, lr, mu)
+            sums.setdefault(key, {}).setdefault(h, []).append(gap)
+            overlaps[key] = max(overlaps.get(key, 0), tau)
         points = {
             k: tuple((h, sum(g) / len(g)) for h, g in sorted(v.items())) for k, v in sums.items()
         }

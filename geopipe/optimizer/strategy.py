@@ -169,6 +169,8 @@ class Candidate:
             "fragments": s.fragments if s else None,
             "overlap": s.overlap if s else None,
             "codec": s.codec if s else None,
+            "outer_lr": s.lr if s else None,
+            "outer_momentum": s.momentum if s else None,
             "tokens_per_s": self.tokens_per_s,
             "effective_tokens_per_s": self.effective_tokens_per_s,
             "device_utilization": self.device_utilization,
@@ -310,7 +312,12 @@ def _price(
     for setting in outer_settings(spec):
         cost = price_round(spec, grouping, evals, setting)
         p = penalty.predict(
-            len(grouping), setting.h, setting.fragments, setting.codec, setting.overlap
+            len(grouping),
+            setting.h,
+            setting.fragments,
+            setting.codec,
+            setting.overlap,
+            (setting.lr, setting.momentum),
         )
         reason = "" if p.priced else f"loss penalty not priced: {p.basis}"
         if p.priced and bound is not None and p.value > bound:
@@ -387,7 +394,10 @@ def _describe(c: Candidate) -> str:
     s = c.setting
     if s is None:
         return c.label
-    return f"{c.label}, H={s.h}, F={s.fragments}, overlap {s.overlap}, codec {s.codec}"
+    return (
+        f"{c.label}, H={s.h}, F={s.fragments}, overlap {s.overlap}, codec {s.codec}, "
+        f"outer lr {s.lr:g} momentum {s.momentum:g}"
+    )
 
 
 def _choose_auto(

@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
+import yaml
 
 from geopipe.optimizer.penalty import (
     ENV_VAR,
@@ -15,6 +16,8 @@ from geopipe.optimizer.penalty import (
     load_penalty,
     parse_table,
 )
+
+LOCAL = Path(__file__).resolve().parents[2] / "clusters" / "local-2dc.yaml"
 
 
 def _row(m: int, h: int, gap: float, codec: str = "none", f: int = 1, **extra) -> dict:
@@ -144,3 +147,33 @@ def test_a_table_that_is_not_json_is_an_error(tmp_path: Path) -> None:
     path.write_text("{not json")
     with pytest.raises(PenaltyTableError, match="not JSON"):
         load_penalty(path)
+
+
+def test_rows_price_only_candidates_of_their_own_outer_optimizer() -> None:
+    """The gap depends on the outer lr and momentum as much as on H: a row counts only for
+    the outer optimizer it ran (rows that do not say ran DiLoCo's 0.7 / 0.9)."""
+    from geopipe.optimizer.penalty import PenaltyModel, parse_table
+
+    rows = [
+        {"replicas": 2, "h": 10, "fragments": 1, "codec": "none", "rel_gap": 0.14},
+        {"replicas": 2, "h": 10, "fragments": 1, "codec": "none", "rel_gap": 0.04,
+         "outer_lr": 1.0, "outer_momentum": 0.0},
+    ]  # fmt: skip
+    doc = {"source": "t", "model": "t", "steps": 1, "tokens_per_step": 1, "sync_noise": 0.0}
+    model = PenaltyModel(parse_table({**doc, "rows": rows}), "t.json")
+    assert model.predict(2, 10, 1, "none").value == 0.14
+    assert model.predict(2, 10, 1, "none", outer=(0.7, 0.9)).value == 0.14
+    assert model.predict(2, 10, 1, "none", outer=(1.0, 0.0)).value == 0.04
+    miss = model.predict(2, 10, 1, "none", outer=(0.5, 0.5))
+    assert not miss.priced and "outer lr/momentum 0.5/0.5 not measured" in miss.basis
+    assert "0.7/0.9" in miss.basis and "1/0" in miss.basis
+
+
+def test_outer_lr_and_momentum_lists_are_planner_knobs() -> None:
+    from geopipe.config import outer_settings, parse_cluster
+
+    doc = yaml.safe_load(LOCAL.read_text())
+    doc["plan"].update(strategy="outer", outer={"h": 10, "lr": [0.7, 1.0], "momentum": [0.9, 0]})
+    doc["training"]["checkpoint"] = {"every_steps": 10}
+    got = {(s.lr, s.momentum) for s in outer_settings(parse_cluster(doc, "t"))}
+    assert got == {(0.7, 0.9), (0.7, 0.0), (1.0, 0.9), (1.0, 0.0)}
