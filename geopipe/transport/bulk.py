@@ -11,11 +11,14 @@ while the store writes, and pacing stays with the reader. This module knows noth
 the runtime exchanges the server's address over Ray calls.
 
 Every connection first passes the run's handshake (:mod:`.security`: a shared-secret
-challenge–response, inside TLS when the run encrypts); a client that fails it is closed
-before a request is read. Wire format (little endian): a request is ``u32 length`` + JSON
-``{"step", "file", "offset", "size"}``; the reply is ``u8 status`` (0 ok, 1 error) +
-``u64 length`` + that many bytes (the data, or a UTF-8 error message). Nothing read from
-the network is unpickled.
+challenge–response, inside TLS when the run encrypts) at the listener's gate
+(:mod:`.gate`, which no stranger can starve); a client that fails it is closed before a
+request is read, and a client shed by the gate tries again (:mod:`.dial`).
+
+Wire format (little endian): a request is ``u32 length`` + JSON ``{"step", "file",
+"offset", "size"}``; the reply is ``u8 status`` (0 ok, 1 error) + ``u64 length`` + that
+many bytes (the data, or a UTF-8 error message); the client checks the length against what
+it asked before reading the reply. Nothing read from the network is unpickled.
 """
 
 from __future__ import annotations
@@ -28,14 +31,9 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 
-from geopipe.transport.security import (
-    HandshakeError,
-    RejectLog,
-    RunCredentials,
-    client_handshake,
-    link_id,
-    server_handshake,
-)
+from geopipe.transport.dial import DialError, dial
+from geopipe.transport.gate import Gate
+from geopipe.transport.security import RejectLog, RunCredentials, link_id
 from geopipe.transport.sockets import advertised_host, set_congestion, shutdown_socket
 
 __all__ = ["ChunkClient", "ChunkError", "ChunkServer"]
@@ -43,7 +41,7 @@ __all__ = ["ChunkClient", "ChunkError", "ChunkServer"]
 _REQ = struct.Struct("<I")
 _REP = struct.Struct("<BQ")
 _MAX_REQUEST = 4096
-_MAX_REPLY = 1 << 30
+_MAX_ERROR = 4096  # an error reply's message, at most
 
 Reader = Callable[[int, str, int, int], bytes]  # (step, file, offset, size) -> bytes
 
@@ -56,103 +54,95 @@ class ChunkServer:
     """Serves ``read(step, file, offset, size)`` to any number of authenticated clients, one
     thread each (``creds``: the run's; None only for tests inside one process)."""
 
-    MAX_PENDING = 32  # connections in their handshake at once (more are closed at once)
-
     def __init__(
         self, read: Reader, host: str = "127.0.0.1", creds: RunCredentials | None = None
     ) -> None:
         self._read = read
         self._creds = creds
-        self._sock = socket.create_server((host, 0))
-        self.address = (advertised_host(host), self._sock.getsockname()[1])
+        listener = socket.create_server((host, 0), backlog=128)
+        self.address = (advertised_host(host), listener.getsockname()[1])
         self._link = link_id(self.address)
         self.rejected = RejectLog("checkpoint chunk server")
-        self._pending = 0
         self._lock = threading.Lock()
+        self._conns: set[socket.socket] = set()
         self._closed = False
-        threading.Thread(target=self._accept, name="chunk-server", daemon=True).start()
+        self.gate = Gate(listener, creds, self._link, self._start, self.rejected,
+                         name="chunk-server")  # fmt: skip
 
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                conn, peer = self._sock.accept()
-            except OSError:
-                return
-            with self._lock:
-                full = self._pending >= self.MAX_PENDING
-                self._pending += not full
-            if full:
+    def _start(self, conn: socket.socket, peer: tuple) -> None:
+        """The gate's hand-over (on its thread): one serving thread per client."""
+        with self._lock:
+            if self._closed:
                 conn.close()
-                self.rejected.reject(peer, "too many connections in their handshake")
-                continue
-            threading.Thread(target=self._serve, args=(conn, peer), daemon=True).start()
+                return
+            self._conns.add(conn)
+        threading.Thread(target=self._serve, args=(conn,), name="chunk-serve",
+                         daemon=True).start()  # fmt: skip
 
-    def _authenticate(self, conn: socket.socket, peer: object) -> socket.socket | None:
+    def _serve(self, conn: socket.socket) -> None:
         try:
-            return conn if self._creds is None else server_handshake(conn, self._creds,
-                                                                      self._link)  # fmt: skip
-        except (HandshakeError, OSError, ValueError) as exc:
-            self.rejected.reject(peer, exc)
-            conn.close()
-            return None
+            with conn:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                # This side sends the bulk. TCP-LP yields to other flows (it backs off as
+                # soon as one-way delay grows), so copies would fill only the link's idle
+                # time; where the kernel lacks it (here: reno, bbr, cubic) cubic, fair to
+                # the training stream, with the reader's pacing leaving the activations
+                # their share.
+                set_congestion(conn, "lp") or set_congestion(conn, "cubic")
+                while self._answer(conn):
+                    pass
+        except OSError:
+            pass  # the client went away, or close() dropped it
         finally:
             with self._lock:
-                self._pending -= 1
+                self._conns.discard(conn)
 
-    def _serve(self, raw: socket.socket, peer: object) -> None:
-        conn = self._authenticate(raw, peer)
-        if conn is None:
-            return
-        with conn:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            # This side sends the bulk. TCP-LP yields to other flows (it backs off as soon
-            # as one-way delay grows), so copies would fill only the link's idle time; where
-            # the kernel lacks it (here: reno, bbr, cubic) cubic, fair to the training
-            # stream, with the reader's pacing leaving the activations their share.
-            set_congestion(conn, "lp") or set_congestion(conn, "cubic")
-            while True:
-                head = _recv(conn, _REQ.size)
-                if head is None:
-                    return
-                (n,) = _REQ.unpack(head)
-                body = _recv(conn, n) if 0 < n <= _MAX_REQUEST else None
-                if body is None:
-                    return  # a broken or hostile request: drop the connection
-                try:
-                    req = json.loads(body)
-                    data = self._read(int(req["step"]), str(req["file"]), int(req["offset"]),
-                                      int(req["size"]))  # fmt: skip
-                    status, payload = 0, bytes(data)
-                except Exception as exc:  # any reason: the client gets it as a message
-                    status, payload = 1, f"{type(exc).__name__}: {exc}".encode()[:4096]
-                try:
-                    conn.sendall(_REP.pack(status, len(payload)) + payload)
-                except OSError:
-                    return
+    def _answer(self, conn: socket.socket) -> bool:
+        """Read one request and send its reply; False once the connection is done."""
+        head = _recv(conn, _REQ.size)
+        if head is None:
+            return False
+        (n,) = _REQ.unpack(head)
+        body = _recv(conn, n) if 0 < n <= _MAX_REQUEST else None
+        if body is None:
+            return False  # a broken or hostile request: drop the connection
+        try:
+            req = json.loads(body)
+            data = self._read(int(req["step"]), str(req["file"]), int(req["offset"]),
+                              int(req["size"]))  # fmt: skip
+            status, payload = 0, bytes(data)
+        except Exception as exc:  # any reason: the client gets it as a message
+            status, payload = 1, f"{type(exc).__name__}: {exc}".encode()[:_MAX_ERROR]
+        conn.sendall(_REP.pack(status, len(payload)) + payload)
+        return True
 
     def close(self) -> None:
-        """Stop accepting (connections being served finish their current reply)."""
-        self._closed = True
-        shutdown_socket(self._sock)  # wakes the thread blocked in accept()
+        """Stop accepting and drop every connection, those being served included (a reply
+        being sent is cut off: its client gets a `ChunkError`)."""
+        with self._lock:
+            self._closed = True
+            conns = list(self._conns)
+        self.gate.close()
+        for c in conns:
+            shutdown_socket(c)
 
 
 class ChunkClient:
-    """One connection to a :class:`ChunkServer`; :meth:`read_all` pipelines requests."""
+    """One connection to a :class:`ChunkServer`; :meth:`read_all` pipelines requests.
+
+    Connecting tries again within ``connect_timeout_s`` when the server's gate sheds the
+    handshake (`dial`), but not when nothing listens: the caller then falls back at once."""
 
     def __init__(
         self, address: tuple[str, int], timeout_s: float = 120.0,
-        creds: RunCredentials | None = None,
+        creds: RunCredentials | None = None, connect_timeout_s: float = 30.0,
     ) -> None:  # fmt: skip
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.settimeout(timeout_s)
         try:
-            sock.connect(tuple(address))
-            if creds is not None:
-                sock = client_handshake(sock, creds, link_id(address))
-                sock.settimeout(timeout_s)
-        except (HandshakeError, OSError) as exc:
-            sock.close()
+            sock, _ = dial(address, creds, min(timeout_s, connect_timeout_s),
+                           retry_refused=False)  # fmt: skip
+        except DialError as exc:
             raise ChunkError(f"cannot reach the chunk server at {address}: {exc}") from None
+        sock.settimeout(timeout_s)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock = sock
 
@@ -170,21 +160,26 @@ class ChunkClient:
                 except OSError as exc:
                     raise ChunkError(f"chunk request failed: {exc}") from None
                 asked.append(n)
-            n = asked.popleft()
-            head = _recv(self._sock, _REP.size)
-            if head is None:
-                raise ChunkError("the chunk server closed the connection")
-            status, length = _REP.unpack(head)
-            if length > _MAX_REPLY:
-                raise ChunkError(f"chunk reply of {length} bytes is out of bounds")
-            data = _recv(self._sock, length)
-            if data is None:
-                raise ChunkError("the chunk server closed the connection mid-reply")
-            if status:
-                raise ChunkError(data.decode(errors="replace"))
-            if len(data) != n:
-                raise ChunkError(f"{file}: got {len(data)} bytes, asked {n}")
-            yield data
+            yield self._reply(file, asked.popleft())
+
+    def _reply(self, file: str, n: int) -> bytes:
+        """The reply to a request for ``n`` bytes; its length is checked against what was
+        asked before anything is allocated for it (a short piece: the file ends there)."""
+        head = _recv(self._sock, _REP.size)
+        if head is None:
+            raise ChunkError("the chunk server closed the connection")
+        status, length = _REP.unpack(head)
+        if length > (_MAX_ERROR if status else n):
+            what = "error message" if status else f"reply to a request for {n} bytes"
+            raise ChunkError(f"{file}: a {what} of {length} bytes is out of bounds")
+        data = _recv(self._sock, length)
+        if data is None:
+            raise ChunkError("the chunk server closed the connection mid-reply")
+        if status:
+            raise ChunkError(data.decode(errors="replace"))
+        if len(data) != n:
+            raise ChunkError(f"{file}: got {len(data)} bytes, asked {n}")
+        return data
 
     def close(self) -> None:
         with contextlib.suppress(OSError):

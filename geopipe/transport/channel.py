@@ -94,6 +94,12 @@ class Inbox:
     def deliver_error(self, key: Hashable, error: BaseException) -> None:
         self._box.put(key, _Failure(error), 0.0)
 
+    def refuse(self, key: Hashable, error: BaseException) -> None:
+        """File ``error`` for ``key`` in place of anything held for it: the consumer gets the
+        error, never a message the transport could not vouch for (e.g. one of two frames
+        that came under the same key)."""
+        self._box.put(key, _Failure(error), 0.0, replace=True)
+
     def get(self, key: Hashable, timeout: float | None = None) -> torch.Tensor:
         called = time.monotonic()
         try:

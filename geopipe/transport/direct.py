@@ -4,7 +4,9 @@ A `DirectSender` writes frames on one TCP connection to the peer's `DirectReceiv
 runtime exchanges the receiver's ``address`` over Ray): one-way, pipelined (nothing waits
 for an acknowledgement), in order, checksummed, coded. Not Ray's actor calls: above
 100 KiB their arguments go through the object store, ~7 one-way latencies per transfer
-over a real link. This module knows nothing of Ray.
+over a real link. This module knows nothing of Ray. It holds the sending end; the
+receiving end is :mod:`.receiver` (re-exported here), whose listener is :mod:`.gate`, and
+a sender connects through :mod:`.dial` (retries while a listener is not up or sheds it).
 
 [Note: why one TCP stream, plain sockets]
 One stream with kernel buffer autotuning fills 95.9 % of a 200 Mbit/s, 80 ms-RTT link with
@@ -45,7 +47,6 @@ never pickle: nothing read from the network is unpickled.
 from __future__ import annotations
 
 import contextlib
-import errno
 import socket
 import threading
 import time
@@ -55,47 +56,28 @@ from typing import Any
 
 import torch
 
-from geopipe.transport.channel import Inbox
 from geopipe.transport.codec import (
-    CorruptPayloadError,
     Encoded,
-    Sealed,
     decode,
     make_codec,
     seal,
 )
+from geopipe.transport.dial import DialError, dial
 from geopipe.transport.frames import (
-    StreamCorruptError,
     encode_frame,
     key_to_json,
-    read_frame,
     send_without_waiting,
     sendmsg_all,
 )
 from geopipe.transport.link import LinkEmulator, LinkParams
-from geopipe.transport.security import (
-    HandshakeError,
-    RejectLog,
-    RunCredentials,
-    TlsSealer,
-    client_handshake_sealed,
-    link_id,
-    server_handshake,
-)
-from geopipe.transport.sockets import (
-    advertised_host,
-    set_congestion,
-    shutdown_socket,
-    tune_stream,
-)
+from geopipe.transport.receiver import USER_TIMEOUT_S, DirectReceiver
+from geopipe.transport.security import ClockSkew, RunCredentials, TlsSealer
+from geopipe.transport.sockets import shutdown_socket, tune_stream
 from geopipe.transport.wire import direction_codec, wire_bytes
 
-__all__ = ["DirectReceiver", "DirectSender", "PeerLostError"]
+__all__ = ["CONGESTION", "DirectReceiver", "DirectSender", "PeerLostError"]
 
-# Sends that take longer than this without the peer acknowledging anything fail the
-# connection (TCP_USER_TIMEOUT): a vanished host must not block flush() for ~15 minutes of
-# TCP retransmissions.
-_USER_TIMEOUT_S = 30.0
+_USER_TIMEOUT_S = USER_TIMEOUT_S  # the receiver's (:mod:`.receiver`), for the sender too
 
 
 def relative_error(t: torch.Tensor, enc: Encoded) -> float:
@@ -123,144 +105,6 @@ class PeerLostError(ConnectionError):
 # link with 4 MiB messages against BBR's 96 % (`benchmarks/direct_channel.py`). "" keeps
 # the host's choice.
 CONGESTION = "cubic"
-
-
-# --------------------------------------------------------------------------- receiver
-
-
-class DirectReceiver:
-    """Listens for a peer's `DirectSender` and files its messages in ``inbox``.
-
-    One thread accepts; one thread per connection reads frames in order, verifies them and
-    calls ``inbox.deliver_sealed``, which never blocks: with link emulation the inbox holds
-    a message back until its stamped delivery time while this thread keeps reading. A
-    replaced sender simply connects again. ``inbox`` may be swapped between iterations.
-    """
-
-    # Connections still in their handshake at once; more are closed on arrival (a stranger
-    # opening sockets in a loop must not pile up threads).
-    MAX_PENDING = 32
-
-    def __init__(
-        self,
-        inbox: Inbox,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        advertise_host: str | None = None,
-        creds: RunCredentials | None = None,
-        max_payload: int | None = None,
-        user_timeout_s: float = _USER_TIMEOUT_S,
-    ) -> None:
-        self.inbox = inbox
-        self.user_timeout_s = user_timeout_s  # keep-alive failure: longer than an outage
-        # Stream-level problems (a peer lost mid-frame, a corrupt header), for diagnostics.
-        self.errors: list[BaseException] = []
-        self.messages = 0
-        self.creds = creds  # None: no handshake (tests and benchmarks inside one process)
-        self.max_payload = max_payload
-        self.rejected = RejectLog("data-plane receiver")
-        self._pending = 0
-        self._lock = threading.Lock()
-        self._conns: set[socket.socket] = set()
-        self._closed = False
-        self._listener = socket.create_server((host, port), backlog=8)
-        bound_host, bound_port = self._listener.getsockname()[:2]
-        self.address: tuple[str, int] = (advertise_host or advertised_host(bound_host), bound_port)
-        self.link = link_id(self.address)
-        self._accepter = threading.Thread(target=self._accept, name="direct-accept", daemon=True)
-        self._accepter.start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, peer = self._listener.accept()
-            except OSError:
-                return  # closed
-            with self._lock:
-                if self._closed:
-                    conn.close()
-                    return
-                if self._pending >= self.MAX_PENDING:
-                    conn.close()
-                    self.rejected.reject(peer, "too many connections in their handshake")
-                    continue
-                self._pending += 1
-                self._conns.add(conn)
-            threading.Thread(
-                target=self._serve, args=(conn, peer), name="direct-recv", daemon=True
-            ).start()
-
-    def _authenticate(self, conn: socket.socket, peer: object) -> socket.socket | None:
-        """The connection to read frames from, or None (refused and closed) — a peer that
-        fails the handshake never reaches the inbox."""
-        try:
-            if self.creds is not None:
-                conn = server_handshake(conn, self.creds, self.link)
-            tune_stream(conn, self.user_timeout_s)
-            return conn
-        except (HandshakeError, OSError, ValueError) as exc:
-            self.rejected.reject(peer, exc)
-            return None
-        finally:
-            with self._lock:
-                self._pending -= 1
-
-    def _serve(self, raw: socket.socket, peer: object) -> None:
-        conn = self._authenticate(raw, peer)
-        if conn is None:
-            with self._lock:
-                self._conns.discard(raw)
-            raw.close()
-            return
-        with self._lock:  # close() must reach the TLS socket, not only the raw one
-            self._conns.discard(raw)
-            self._conns.add(conn)
-        expect = 0
-        try:
-            while True:
-                frame = read_frame(conn, self.max_payload)
-                if frame is None:
-                    return  # the sender closed cleanly
-                key, seq, sealed, deliver_at, sent_at = frame
-                if seq != expect:
-                    raise StreamCorruptError(f"frame {seq} arrived, expected {expect}")
-                expect += 1
-                self._file(key, sealed, deliver_at, sent_at)
-        except StreamCorruptError as exc:
-            # From an authenticated peer of this run: a real fault of the link or the peer.
-            self.errors.append(exc)
-            self.inbox.fail(exc)  # nothing after this point can be attributed or trusted
-        except OSError as exc:  # peer lost mid-frame, or close(): the runtime decides
-            with self._lock:
-                if not self._closed:
-                    self.errors.append(exc)
-        finally:
-            with self._lock:
-                self._conns.discard(conn)
-            conn.close()
-
-    def _file(self, key: Hashable, sealed: Sealed, deliver_at: float, sent_at: float) -> None:
-        inbox = self.inbox
-        try:
-            # files a CorruptPayloadError itself
-            inbox.deliver_sealed(key, sealed, deliver_at, sent_at)
-            self.messages += 1
-        except Exception as exc:  # e.g. metadata the codec cannot decode, a duplicate key
-            self.errors.append(exc)
-            try:
-                inbox.deliver_error(key, CorruptPayloadError(f"message {key!r}: {exc}"))
-            except Exception as again:  # a duplicate key cannot be filed twice
-                self.errors.append(again)
-
-    def close(self) -> None:
-        """Stop listening and drop every connection (the inbox is the caller's to close)."""
-        with self._lock:
-            self._closed = True
-            conns = list(self._conns)
-        shutdown_socket(self._listener)
-        for c in conns:
-            shutdown_socket(c)
-        self._accepter.join(timeout=5)
 
 
 # --------------------------------------------------------------------------- sender
@@ -309,6 +153,9 @@ class DirectSender:
         seed: int = 0,
     ) -> None:
         self._creds = creds
+        # The receiver's wall clock minus ours, as the latest handshake measured it (None
+        # without credentials): for the runtime to report, certificates to be checked by.
+        self.clock_skew: ClockSkew | None = None
         codec = direction_codec(codec, direction)  # a boundary's "forward/backward" setting
         self._codec_name = codec
         # seed: the link's Hadamard rotation (int4h, int2h), stable across runs and resumes
@@ -348,30 +195,18 @@ class DirectSender:
             t.start()
 
     def _connect(self, address: tuple[str, int]) -> tuple[socket.socket, TlsSealer | None]:
-        deadline = time.monotonic() + self._connect_timeout_s
-        while True:
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            set_congestion(sock, CONGESTION)  # before connect: the handshake starts it
-            sock.settimeout(self._connect_timeout_s)
-            try:
-                sock.connect(tuple(address))
-                break
-            except OSError as exc:
-                sock.close()
-                retry = exc.errno in (errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH)
-                if not retry or time.monotonic() >= deadline:
-                    raise PeerLostError(f"cannot connect to {address}: {exc}") from exc
-                time.sleep(0.05)
-        tls = None
-        if self._creds is not None:
-            try:
-                sock, tls = client_handshake_sealed(sock, self._creds, link_id(address))
-            except (HandshakeError, OSError) as exc:
-                sock.close()
-                raise PeerLostError(f"cannot authenticate to {address}: {exc}") from exc
-        sock.settimeout(None)
+        """Connect and authenticate, trying again within ``connect_timeout_s`` while the
+        receiver is not listening yet or sheds the connection (`dial`)."""
+        try:
+            sock, tls = dial(address, self._creds, self._connect_timeout_s, sealed=True,
+                             congestion=CONGESTION, on_skew=self._measured)  # fmt: skip
+        except DialError as exc:
+            raise PeerLostError(str(exc)) from exc
         tune_stream(sock, self._user_timeout_s)
         return sock, tls
+
+    def _measured(self, skew: ClockSkew) -> None:
+        self.clock_skew = skew
 
     def send(self, key: Hashable, tensor: torch.Tensor, stream: str) -> int:
         """Queue one message; returns its bytes on the wire. ``stream`` names the top-k

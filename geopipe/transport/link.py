@@ -23,6 +23,7 @@ from typing import Any
 __all__ = [
     "PACKET_BYTES",
     "DelayedMailbox",
+    "DuplicateKeyError",
     "LinkEmulator",
     "LinkParams",
     "MailboxClosedError",
@@ -128,6 +129,10 @@ class MailboxClosedError(RuntimeError):
     """Raised by `DelayedMailbox.get` once the mailbox is closed (shutdown)."""
 
 
+class DuplicateKeyError(ValueError):
+    """A message was put under a key that already holds one."""
+
+
 class DelayedMailbox:
     """Receiving side: holds delivered messages until their emulated delivery time.
 
@@ -140,20 +145,21 @@ class DelayedMailbox:
         self._items: dict[Any, tuple[Any, float]] = {}
         self._closed = False
 
-    def put(self, key: Any, payload: Any, deliver_at: float) -> None:
+    def put(self, key: Any, payload: Any, deliver_at: float, replace: bool = False) -> None:
         """Store a message that becomes visible at `deliver_at` (monotonic clock).
 
         Returns immediately so the transport keeps draining. Messages put after `close()` are
         dropped: at shutdown nobody will read them. `None` payloads are rejected because
-        `poll` uses `None` to mean "not ready".
+        `poll` uses `None` to mean "not ready". A key already held raises
+        `DuplicateKeyError`, unless ``replace`` (a failure filed in place of a message).
         """
         if payload is None:
             raise ValueError("payload must not be None")
         with self._cond:
             if self._closed:
                 return
-            if key in self._items:
-                raise ValueError(f"duplicate message key {key!r}")
+            if key in self._items and not replace:
+                raise DuplicateKeyError(f"duplicate message key {key!r}")
             self._items[key] = (payload, deliver_at)
             self._cond.notify_all()
 

@@ -19,10 +19,16 @@ run's secret:
        server -> client   HMAC(secret, "server" | run | link | cn | sn)
 
    Fixed sizes, nothing to allocate from a length field; a deadline on the whole exchange.
-   The client proves itself first, so a stranger learns nothing but a random nonce. A
-   replayed client answer fails (the server's nonce is fresh), a server answer cannot be
-   replayed as a client's (the label differs), and a handshake relayed to another listener
-   fails (the link identity differs).
+   The client proves itself first, so a stranger learns nothing but a nonce. A replayed
+   client answer fails (the server's nonce is fresh), a server answer cannot be replayed as
+   a client's (the label differs), and a handshake relayed to another listener fails (the
+   link identity differs). Each nonce is the sender's wall clock (f64) and 24 random bytes:
+   192 random bits keep it fresh, and the clock lets a client measure the server's skew
+   (`ClockSkew`) from an exchange both ends authenticate (the MACs cover the nonces).
+
+The server's half is a state machine over whole messages (`ServerExchange`, no I/O), so
+the listener (:mod:`.gate`) can run every pending handshake from one thread. A client tells
+a refusal from a server shedding load by how the connection ended (`HandshakeInterrupted`).
 
 The secret and the TLS key travel from the driver to the actors inside Ray actor-call
 arguments (Ray's own control plane, token-authenticated); :class:`RunCredentials` never
@@ -36,25 +42,33 @@ import datetime
 import hashlib
 import hmac
 import logging
+import math
 import os
 import secrets
 import socket
 import ssl
+import struct
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 __all__ = [
     "HANDSHAKE_TIMEOUT_S",
+    "ClockSkew",
     "HandshakeError",
+    "HandshakeInterrupted",
     "RejectLog",
     "RunCredentials",
+    "ServerExchange",
     "TlsSealer",
     "client_handshake",
     "client_handshake_sealed",
     "make_credentials",
+    "server_context",
     "server_handshake",
+    "tls_reason",
 ]
 
 log = logging.getLogger(__name__)
@@ -64,10 +78,44 @@ _HELLO = b"GPAU"
 _VERSION = 1
 _NONCE = 32
 _MAC = 32
+_CLOCK = struct.Struct("<d")  # the wall clock at the head of each nonce
+_HELLO_BYTES = len(_HELLO) + 1 + _NONCE  # the client's first message
+# Certificates start this long before the driver made them: a node whose clock is behind the
+# driver's by less than this still accepts them (NTP-less nodes drift by minutes to hours).
+CERT_BACKDATE = datetime.timedelta(days=1)
 
 
 class HandshakeError(ConnectionError):
     """The peer did not prove it holds the run's secret (or spoke something else)."""
+
+
+class HandshakeInterrupted(HandshakeError):
+    """The connection was reset or timed out during the handshake: nothing says the peer
+    refused. A listener shedding load resets the connections it drops (`gate`) and closes
+    the ones it refuses normally, so a client tries again after this error, not after a
+    plain `HandshakeError` (a wrong secret or certificate stays wrong)."""
+
+
+@dataclass(frozen=True)
+class ClockSkew:
+    """The server's wall clock minus the client's, measured over one handshake round trip:
+    the true offset lies within ``offset_s ± error_s`` (half the round trip)."""
+
+    offset_s: float
+    error_s: float
+
+
+def _nonce() -> bytes:
+    return _CLOCK.pack(time.time()) + secrets.token_bytes(_NONCE - _CLOCK.size)
+
+
+def _skew(sent: float, received: float, peer_nonce: bytes) -> ClockSkew | None:
+    """The skew a nonce read at ``received`` (answering a message sent at ``sent``, both on
+    this wall clock) shows; None when its clock field is not a plausible time."""
+    (peer,) = _CLOCK.unpack_from(peer_nonce)
+    if not math.isfinite(peer) or abs(peer - received) > 10 * 365 * 86400:
+        return None
+    return ClockSkew(peer - (sent + received) / 2, max(received - sent, 0.0) / 2)
 
 
 @dataclass(frozen=True)
@@ -99,10 +147,19 @@ class RunCredentials:
                                  self.key_pem))  # fmt: skip
 
 
-def make_credentials(run_id: str, encrypt: bool, days: int = 30) -> RunCredentials:
-    """A fresh secret and, with ``encrypt``, a CA (EC P-256, valid ``days``) and one
-    certificate it signs, shared by the run's actors: they are one trust domain, and a
-    certificate per actor would add issuance to every recovery for no isolation gained."""
+def make_credentials(
+    run_id: str, encrypt: bool, days: float = 400.0,
+    backdate: datetime.timedelta = CERT_BACKDATE, now: datetime.datetime | None = None,
+) -> RunCredentials:  # fmt: skip
+    """A fresh secret and, with ``encrypt``, a CA (EC P-256) and one certificate it signs,
+    shared by the run's actors: they are one trust domain, and a certificate per actor would
+    add issuance to every recovery for no isolation gained.
+
+    Both are valid from ``backdate`` before ``now`` (the driver's clock) to ``days`` after
+    it: a certificate that expires mid-run fails every later connection (a recovery's
+    rewiring included), so ``days`` is the run's planned length plus a margin (the default
+    covers a year's run); the back-dating lets a node whose clock is hours behind the
+    driver's accept them. ``now`` exists for tests (a driver whose clock is off)."""
     secret = secrets.token_bytes(32)
     if not encrypt:
         return RunCredentials(run_id, secret)
@@ -111,8 +168,8 @@ def make_credentials(run_id: str, encrypt: bool, days: int = 30) -> RunCredentia
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-    now = datetime.datetime.now(datetime.timezone.utc)
-    start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=days)
+    now = now or datetime.datetime.now(datetime.timezone.utc)
+    start, end = now - backdate, now + datetime.timedelta(days=days)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"geopipe run {run_id} CA")])
     ca = (
@@ -177,6 +234,11 @@ def _context(creds: RunCredentials, server: bool) -> ssl.SSLContext:
         return ctx
 
 
+def server_context(creds: RunCredentials) -> ssl.SSLContext:
+    """The run's TLS server context (for a listener that drives its own TLS handshakes)."""
+    return _context(creds, True)
+
+
 # ------------------------------------------------------------------------------- handshake
 
 
@@ -185,22 +247,42 @@ def _mac(creds: RunCredentials, label: bytes, link: str, cn: bytes, sn: bytes) -
     return hmac.new(creds.secret, msg, hashlib.sha256).digest()
 
 
+def tls_reason(exc: ssl.SSLError) -> str:
+    """Why TLS failed, in words: a certificate's own reason when verifying it failed, with
+    the likely cause when it is its validity period (the certificates are the driver's)."""
+    why = getattr(exc, "verify_message", None) or exc.reason or str(exc)
+    if "not yet valid" in why or "expired" in why:
+        why += (
+            " (this node's clock and the driver's differ by more than the run's"
+            " certificates allow, or the run outlived them: see make_credentials)"
+        )
+    return why
+
+
+def _lost(exc: BaseException) -> HandshakeError:
+    """The error a failed handshake read or write becomes: a TLS failure or alert is a
+    refusal; a reset, a timeout or any other socket error is an interruption."""
+    if isinstance(exc, HandshakeError):  # from a TlsSealer's own reads: already classified
+        return exc
+    if isinstance(exc, ssl.SSLError):
+        return HandshakeError(f"TLS: {tls_reason(exc)}")
+    if isinstance(exc, TimeoutError):
+        return HandshakeInterrupted("handshake deadline passed")
+    return HandshakeInterrupted(f"connection lost during the handshake: {exc}")
+
+
 def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
     buf = bytearray()
     while len(buf) < n:
         left = deadline - time.monotonic()
         if left <= 0:
-            raise HandshakeError("handshake deadline passed")
+            raise HandshakeInterrupted("handshake deadline passed")
         sock.settimeout(left)
         try:
             chunk = sock.recv(n - len(buf))
-        except TimeoutError:
-            raise HandshakeError("handshake deadline passed") from None
-        except ssl.SSLError as exc:
-            raise HandshakeError(f"TLS: {exc.reason or exc}") from None
         except OSError as exc:
-            raise HandshakeError(f"connection lost during the handshake: {exc}") from None
-        if not chunk:
+            raise _lost(exc) from None
+        if not chunk:  # a clean close: how a listener refuses (it resets what it sheds)
             raise HandshakeError("peer closed during the handshake")
         buf += chunk
     return bytes(buf)
@@ -210,10 +292,8 @@ def _send(sock: socket.socket, data: bytes, deadline: float) -> None:
     sock.settimeout(max(deadline - time.monotonic(), 0.001))
     try:
         sock.sendall(data)
-    except TimeoutError:
-        raise HandshakeError("handshake deadline passed") from None
     except OSError as exc:
-        raise HandshakeError(f"connection lost during the handshake: {exc}") from None
+        raise _lost(exc) from None
 
 
 def _wrap(sock: socket.socket, creds: RunCredentials, server: bool, deadline: float,
@@ -227,50 +307,86 @@ def _wrap(sock: socket.socket, creds: RunCredentials, server: bool, deadline: fl
     sock.settimeout(max(deadline - time.monotonic(), 0.001))
     try:
         return _context(creds, server).wrap_socket(sock, server_side=server)
-    except (ssl.SSLError, OSError) as exc:
-        reason = getattr(exc, "reason", None) or exc
-        raise HandshakeError(f"TLS handshake failed: {reason}") from None
+    except ssl.SSLError as exc:
+        raise HandshakeError(f"TLS handshake failed: {tls_reason(exc)}") from None
+    except OSError as exc:  # a reset or the deadline: the peer may have shed the connection
+        raise _lost(exc) from None
+
+
+class ServerExchange:
+    """The server's half of the run handshake over whole messages, without I/O: the
+    listener (:mod:`.gate`) drives every pending connection's from one thread, so a stranger
+    that connects and sends nothing holds no thread. ``wanted`` is the size of the client's
+    next message; ``take`` checks it and returns the reply; ``done`` once the client proved
+    the secret and the reply that proves ours is out."""
+
+    def __init__(self, creds: RunCredentials, link: str) -> None:
+        self._creds, self._link = creds, link
+        self._cn = self._sn = b""
+        self.done = False
+
+    @property
+    def wanted(self) -> int:
+        return 0 if self.done else _MAC if self._sn else _HELLO_BYTES
+
+    def take(self, msg: bytes) -> bytes:
+        """Check the client's next message (``wanted`` bytes); the reply. Raises
+        `HandshakeError`."""
+        if not self._sn:
+            if msg[:4] != _HELLO:
+                raise HandshakeError("not a geopipe handshake")
+            if msg[4] != _VERSION:
+                raise HandshakeError(f"handshake version {msg[4]}, this end speaks {_VERSION}")
+            self._cn, self._sn = msg[5:], _nonce()
+            return self._sn
+        if self.done or not hmac.compare_digest(
+            msg, _mac(self._creds, b"client", self._link, self._cn, self._sn)
+        ):
+            raise HandshakeError("the peer does not hold the run's secret")
+        self.done = True
+        return _mac(self._creds, b"server", self._link, self._cn, self._sn)
 
 
 def server_handshake(
     sock: socket.socket, creds: RunCredentials, link: str,
     timeout_s: float = HANDSHAKE_TIMEOUT_S,
 ) -> socket.socket:  # fmt: skip
-    """Authenticate an accepted connection (TLS first when the run encrypts); returns the
-    socket to use (TLS-wrapped or ``sock``), in blocking mode. Raises HandshakeError."""
+    """Authenticate an accepted connection on the calling thread (TLS first when the run
+    encrypts); returns the socket to use (TLS-wrapped or ``sock``), in blocking mode.
+    Raises HandshakeError. The data plane's listeners use `gate` instead."""
     deadline = time.monotonic() + timeout_s
     sock = _wrap(sock, creds, True, deadline)
-    hello = _recv_exact(sock, len(_HELLO) + 1 + _NONCE, deadline)
-    if hello[:4] != _HELLO:
-        raise HandshakeError("not a geopipe handshake")
-    if hello[4] != _VERSION:
-        raise HandshakeError(f"handshake version {hello[4]}, this end speaks {_VERSION}")
-    cn, sn = hello[5:], secrets.token_bytes(_NONCE)
-    _send(sock, sn, deadline)
-    answer = _recv_exact(sock, _MAC, deadline)
-    if not hmac.compare_digest(answer, _mac(creds, b"client", link, cn, sn)):
-        raise HandshakeError("the peer does not hold the run's secret")
-    _send(sock, _mac(creds, b"server", link, cn, sn), deadline)
+    exchange = ServerExchange(creds, link)
+    while not exchange.done:
+        _send(sock, exchange.take(_recv_exact(sock, exchange.wanted, deadline)), deadline)
     sock.settimeout(None)
     return sock
 
 
+SkewSink = Callable[[ClockSkew], None]
+
+
 def client_handshake(
     sock: socket.socket, creds: RunCredentials, link: str,
-    timeout_s: float = HANDSHAKE_TIMEOUT_S,
+    timeout_s: float = HANDSHAKE_TIMEOUT_S, on_skew: SkewSink | None = None,
 ) -> socket.socket:  # fmt: skip
     """Authenticate a connected socket to a server of the run (``link``: the address
-    dialled, ``host:port``); returns the socket to use, in blocking mode."""
+    dialled, ``host:port``); returns the socket to use, in blocking mode. ``on_skew`` gets
+    the server's clock skew, measured over the exchange."""
     deadline = time.monotonic() + timeout_s
     sock = _wrap(sock, creds, False, deadline)
-    _client_exchange(sock, creds, link, deadline)
+    try:
+        _client_exchange(sock, creds, link, deadline, on_skew)
+    except BaseException:
+        sock.close()  # the TLS socket owns the descriptor now
+        raise
     sock.settimeout(None)
     return sock
 
 
 def client_handshake_sealed(
     sock: socket.socket, creds: RunCredentials, link: str,
-    timeout_s: float = HANDSHAKE_TIMEOUT_S,
+    timeout_s: float = HANDSHAKE_TIMEOUT_S, on_skew: SkewSink | None = None,
 ) -> tuple[socket.socket, TlsSealer | None]:  # fmt: skip
     """`client_handshake` for a connection that only sends: returns the plain socket and,
     when the run encrypts, the `TlsSealer` that turns frames into TLS records for it."""
@@ -279,20 +395,25 @@ def client_handshake_sealed(
     sealer = None
     if creds.encrypt:
         sealer = TlsSealer(sock, _context(creds, False), deadline)
-    _client_exchange(sealer or sock, creds, link, deadline)  # type: ignore[arg-type]
+    _client_exchange(sealer or sock, creds, link, deadline, on_skew)  # type: ignore[arg-type]
     sock.settimeout(None)
     return sock, sealer
 
 
-def _client_exchange(sock: socket.socket, creds: RunCredentials, link: str, deadline: float
-                     ) -> None:  # fmt: skip
-    cn = secrets.token_bytes(_NONCE)
+def _client_exchange(sock: socket.socket, creds: RunCredentials, link: str, deadline: float,
+                     on_skew: SkewSink | None = None) -> None:  # fmt: skip
+    cn = _nonce()
+    sent = time.time()
     _send(sock, _HELLO + bytes([_VERSION]) + cn, deadline)
     sn = _recv_exact(sock, _NONCE, deadline)
+    received = time.time()
     _send(sock, _mac(creds, b"client", link, cn, sn), deadline)
     if not hmac.compare_digest(_recv_exact(sock, _MAC, deadline),
                                _mac(creds, b"server", link, cn, sn)):  # fmt: skip
         raise HandshakeError(f"the server at {link} does not hold the run's secret")
+    skew = _skew(sent, received, sn)  # only now: the server's answer covered its nonce
+    if on_skew is not None and skew is not None:
+        on_skew(skew)
 
 
 class TlsSealer:
@@ -321,8 +442,11 @@ class TlsSealer:
             except ssl.SSLWantReadError:
                 self._pump()
             except ssl.SSLError as exc:
-                raise HandshakeError(f"TLS handshake failed: {exc.reason or exc}") from None
-        self._flush()
+                raise HandshakeError(f"TLS handshake failed: {tls_reason(exc)}") from None
+        try:
+            self._flush()
+        except OSError as exc:
+            raise _lost(exc) from None
 
     def seal(self, bufs: list[memoryview]) -> list[memoryview]:
         """The TLS records carrying ``bufs``, in order (the GIL is released while sealing)."""
@@ -338,7 +462,7 @@ class TlsSealer:
 
     def sendall(self, data: bytes) -> None:
         self._tls.write(data)
-        self._flush()
+        self._flush()  # OSError: _send makes it a handshake error
 
     def recv(self, n: int) -> bytes:
         while True:
@@ -353,15 +477,13 @@ class TlsSealer:
             self._sock.sendall(self._out.read())
 
     def _pump(self) -> bool:
-        """Send what TLS wrote, read what the peer sent; False on the peer's EOF."""
-        self._flush()
+        """Send what TLS wrote, read what the peer sent; raises on the peer's EOF."""
         self._sock.settimeout(max(self._deadline - time.monotonic(), 0.001))
         try:
+            self._flush()
             data = self._sock.recv(1 << 16)
-        except TimeoutError:
-            raise HandshakeError("handshake deadline passed") from None
         except OSError as exc:
-            raise HandshakeError(f"connection lost during the handshake: {exc}") from None
+            raise _lost(exc) from None
         if not data:
             raise HandshakeError("peer closed during the TLS handshake")
         self._in.write(data)

@@ -18,6 +18,7 @@ import torch
 
 from geopipe.transport.channel import Inbox, P2PReceiver, P2PSender
 from geopipe.transport.direct import DirectReceiver, DirectSender
+from geopipe.transport.frames import Admit
 from geopipe.transport.link import LinkParams
 from geopipe.transport.security import RunCredentials
 
@@ -72,14 +73,19 @@ class StageLinks:
         # run's seed and the stage, so a resumed run rotates as the first one did.
         self.codec_seed = 0
 
-    def listen(self, host: str) -> tuple[str, int]:
-        """Open this replica's WAN receiver; its address goes to the WAN neighbours."""
+    def listen(self, host: str, expect: Admit | None = None) -> tuple[str, int]:
+        """Open this replica's WAN receiver; its address goes to the WAN neighbours.
+        ``expect`` (e.g. a `transport.expect.ExpectedFrames` built from the plan): the
+        frames the receiver accepts, anything else refused before allocation; None keeps
+        every well-formed frame within the payload bound."""
         if self.wan_recv is None:
             self.wan_recv = DirectReceiver(
                 self.inbox, host="0.0.0.0" if self.listen_all else host, advertise_host=host,
                 creds=self.creds, max_payload=self.max_payload,
-                user_timeout_s=self.user_timeout_s,
+                user_timeout_s=self.user_timeout_s, expect=expect,
             )  # fmt: skip
+        elif expect is not None:
+            self.wan_recv.expect = expect
         return self.wan_recv.address
 
     def connect_up_p2p(self, rank: int) -> None:
