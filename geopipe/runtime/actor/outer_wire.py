@@ -21,7 +21,6 @@ verified payload encoded instead of decoding it.
 
 from __future__ import annotations
 
-import errno
 import socket
 import threading
 import time
@@ -32,6 +31,7 @@ from typing import Any
 from geopipe.outer import ROW_LEN
 from geopipe.transport import wire
 from geopipe.transport.codec import CorruptPayloadError, Encoded, Sealed, open_sealed, seal
+from geopipe.transport.dial import DialError, dial
 from geopipe.transport.direct import CONGESTION, DirectReceiver, PeerLostError
 from geopipe.transport.frames import encode_frame, key_to_json, sendmsg_all
 from geopipe.transport.link import DelayedMailbox, LinkEmulator, LinkParams, MailboxClosedError
@@ -39,10 +39,8 @@ from geopipe.transport.security import (
     HandshakeError,
     RunCredentials,
     TlsSealer,
-    client_handshake_sealed,
-    link_id,
 )
-from geopipe.transport.sockets import set_congestion, shutdown_socket, tune_stream
+from geopipe.transport.sockets import shutdown_socket, tune_stream
 
 __all__ = [
     "CHUNK_ELEMS",
@@ -192,28 +190,13 @@ class EncodedSender:
 def _connect(
     address: tuple[str, int], creds: RunCredentials | None, timeout_s: float
 ) -> tuple[socket.socket, TlsSealer | None]:
-    """Connect (retrying while the listener is not up yet) and pass the run's handshake."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        set_congestion(sock, CONGESTION)
-        sock.settimeout(timeout_s)
-        try:
-            sock.connect(address)
-            break
-        except OSError as exc:
-            sock.close()
-            retry = exc.errno in (errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH)
-            if not retry or time.monotonic() >= deadline:
-                raise PeerLostError(f"cannot connect to outer peer {address}: {exc}") from exc
-            time.sleep(0.05)
-    tls = None
-    if creds is not None:
-        try:
-            sock, tls = client_handshake_sealed(sock, creds, link_id(address))
-        except (HandshakeError, OSError) as exc:
-            sock.close()
-            raise PeerLostError(f"cannot authenticate to outer peer {address}: {exc}") from exc
+    """Connect and pass the run's handshake through the data plane's one dialer
+    (:func:`geopipe.transport.dial.dial`: tried again with backoff while the listener is not
+    up yet or sheds the connection, never after a refusal)."""
+    try:
+        sock, tls = dial(address, creds, timeout_s, sealed=True, congestion=CONGESTION)
+    except (DialError, HandshakeError, OSError) as exc:
+        raise PeerLostError(f"cannot connect to outer peer {address}: {exc}") from exc
     sock.settimeout(None)
     return sock, tls
 
