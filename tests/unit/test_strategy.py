@@ -5,6 +5,7 @@ the pipeline across sites and the outer loop (geopipe.optimizer.strategy, .outer
 from __future__ import annotations
 
 import copy
+import json
 import math
 from typing import Any
 
@@ -238,3 +239,20 @@ def test_outer_with_no_group_that_fits_is_a_config_error() -> None:
     assert plan_cluster(as_pipeline(group_spec(spec, ("a",), 4))).best.feasible
     with pytest.raises(ConfigError, match=r"plan\.strategy: outer: no grouping .* fits"):
         _strategy(spec, _table([(2, 10, 0.01)]))
+
+
+def test_worldwide_64_chooses_a_strategy_that_keeps_its_devices_computing(capsys) -> None:
+    """The issue's check on the shipped cluster and the shipped, measured table: auto leaves
+    the pipeline across 8 regions (about a fifth of the devices' time computing) for an outer
+    loop that keeps at least 80 % busy, and says what loss penalty it assumed and from where."""
+    from geopipe.cli import main
+
+    assert main(["plan", "clusters/worldwide-64.yaml", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    chosen = doc["strategy"]["chosen"]
+    assert chosen["kind"] != "pipeline" and chosen["priced"]
+    assert chosen["device_utilization"] >= 0.80 > 0.5 > doc["best"]["device_utilization"]
+    assert chosen["loss_penalty"] is not None and "measured at" in chosen["loss_penalty_basis"]
+    assert main(["plan", "clusters/worldwide-64.yaml"]) == 0
+    text = capsys.readouterr().out
+    assert "assumed loss penalty" in text and "loss_penalty.json" in text
