@@ -41,7 +41,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from geopipe.optimizer.runplan import plan_run
     from geopipe.optimizer.strategy import as_pipeline
 
-    spec = load_cluster(args.cluster)
+    spec = load_cluster(args.cluster, args.set)
     record = bool(args.trace or args.plot)
     # The one planning function launch and --dry-run call: the pipeline across the sites,
     # the launch-time mix, and (strategy outer or auto) the strategy table.
@@ -94,7 +94,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_simulate(args: argparse.Namespace) -> int:
     from geopipe.optimizer.planner import evaluate_fixed
 
-    spec = load_cluster(args.cluster)
+    spec = load_cluster(args.cluster, args.set)
     dn = args.delta_n
     e = evaluate_fixed(
         spec,
@@ -120,7 +120,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 def cmd_launch(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    spec = load_cluster(args.cluster)
+    spec = load_cluster(args.cluster, args.set)
     if args.dry_run:
         return _dry_run(spec, args)
 

@@ -87,9 +87,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _set_option(parser: Any) -> None:
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY.PATH=VALUE",
+        help="override one YAML key (repeatable), validated as if written in the file: "
+        "--set training.lr=1e-4 --set plan.pipelines=2",
+    )
+
+
 def _planning_commands(sub: Any) -> None:
     pl = sub.add_parser("plan", help="choose micro-batch, seq len, ΔN and codec; predict speed")
     pl.add_argument("cluster", help="cluster YAML")
+    _set_option(pl)
     pl.add_argument("--json", action="store_true", help="print one JSON document")
     pl.add_argument("--exhaustive", action="store_true", help="also run exhaustive search")
     pl.add_argument("--trace", metavar="FILE", help="write the simulated Chrome trace")
@@ -101,6 +113,7 @@ def _planning_commands(sub: Any) -> None:
 
     sm = sub.add_parser("simulate", help="evaluate one fixed configuration")
     sm.add_argument("cluster")
+    _set_option(sm)
     sm.add_argument("--schedule", choices=SCHEDULES, default="lookahead")
     sm.add_argument("--micro-batch-size", type=_POSITIVE, required=True)
     sm.add_argument("--seq-len", type=_POSITIVE, required=True)
@@ -124,6 +137,7 @@ def _planning_commands(sub: Any) -> None:
 def _run_commands(sub: Any) -> None:
     la = sub.add_parser("launch", help="train on the cluster the YAML describes")
     la.add_argument("cluster")
+    _set_option(la)
     la.add_argument(
         "--steps",
         type=_int_in(1, MAX_STEPS),

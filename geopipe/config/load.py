@@ -4,7 +4,9 @@ did-you-mean for unknown keys."""
 
 from __future__ import annotations
 
+import copy
 import difflib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -235,8 +237,10 @@ MAX_DEPTH = 32
 MAX_NODES = 100_000  # YAML nodes after expanding aliases
 
 
-def load_cluster(path: str | Path) -> ClusterSpec:
-    """Read and validate a cluster YAML file (UTF-8; see the caps above)."""
+def load_cluster(path: str | Path, sets: Sequence[str] = ()) -> ClusterSpec:
+    """Read and validate a cluster YAML file (UTF-8; see the caps above), with the command
+    line's ``--set key.path=value`` overrides (:func:`apply_sets`) applied before validation,
+    so an override is checked exactly as the same value written in the file would be."""
     p = Path(path)
     source = str(path)
     try:
@@ -258,7 +262,55 @@ def load_cluster(path: str | Path) -> ClusterSpec:
             source,
             [("", f"not UTF-8 text: byte 0x{bad} at offset {exc.start} cannot be decoded")],
         ) from None
-    return parse_cluster(parse_yaml(text, source), source, base_dir=p.parent)
+    data = apply_sets(parse_yaml(text, source), sets, source)
+    return parse_cluster(data, source, base_dir=p.parent)
+
+
+def apply_sets(data: Any, sets: Sequence[str], source: str = "<cluster>") -> Any:
+    """``data`` (a parsed YAML document) with each ``key.path=value`` of ``sets`` applied:
+    the value is read as YAML (``1e-4``, ``[1, 2]``, ``{min: 1, max: 4}``, ``true``); the path's
+    sections are made where the file omits them; a list item is addressed by its index
+    (``sites.0.devices_per_node=4``). Errors name the ``--set`` at fault."""
+    if not sets:
+        return data
+    if not isinstance(data, dict):
+        return data  # parse_cluster names the problem
+    data = copy.deepcopy(data)
+    for item in sets:
+        key, eq, text = item.partition("=")
+        parts = key.strip().split(".")
+        if not eq or not all(parts):
+            raise ConfigError(source, [(f"--set {item}", "expected KEY.PATH=VALUE")])
+        value = parse_yaml(text, f"--set {key}")
+        node: Any = data
+        for i, part in enumerate(parts[:-1]):
+            node = _descend(node, part, parts[: i + 1], source, item)
+        last = parts[-1]
+        if isinstance(node, list):
+            node[_index(node, last, source, item)] = value
+        elif isinstance(node, dict):
+            node[last] = value
+        else:
+            raise ConfigError(source, [(f"--set {item}", f"{'.'.join(parts[:-1])} is a value")])
+    return data
+
+
+def _descend(node: Any, part: str, path: list[str], source: str, item: str) -> Any:
+    if isinstance(node, list):
+        return node[_index(node, part, source, item)]
+    if not isinstance(node, dict):
+        raise ConfigError(source, [(f"--set {item}", f"{'.'.join(path[:-1])} is a value")])
+    if node.get(part) is None:
+        node[part] = {}
+    return node[part]
+
+
+def _index(node: list, part: str, source: str, item: str) -> int:
+    if not part.isdigit() or int(part) >= len(node):
+        raise ConfigError(
+            source, [(f"--set {item}", f"{part!r} is not an index of a list of {len(node)}")]
+        )
+    return int(part)
 
 
 def parse_yaml(text: str, source: str = "<cluster>") -> Any:
