@@ -5,8 +5,9 @@ step and continued 6 s later: from the driver that is what a WAN outage or parti
 like — every actor of the site silent, the east side alive. The step waits (status.json:
 ``waiting``, naming the link), the run continues where it was with the losses of an
 undisturbed run (to 1e-6) and no step lost; the console and metrics say when the link went
-silent and when it healed. Past ``health.wan_outage_s`` the site-loss path re-forms the
-job without west instead.
+silent and when it healed. (Past ``health.wan_outage_s`` the site-loss path re-forms the
+job without west instead: tests/unit/test_controller_states.py, against the fake worker
+group.)
 """
 
 from __future__ import annotations
@@ -94,28 +95,3 @@ def test_a_short_outage_is_waited_out_with_the_same_losses(tmp_path: Path) -> No
     assert len(healed) == 1 and 3.0 <= healed[0]["silent_s"] <= 20.0
     waits = [w for w in seen[1:] if isinstance(w, dict)]
     assert waits and waits[-1]["link"] == "east→west" and waits[-1]["limit_s"] == 30.0
-
-
-def test_an_outage_past_the_deadline_takes_the_site_loss_path(tmp_path: Path) -> None:
-    doc = tiny_doc(1, 1, steps=STEPS)
-    doc["name"] = "partition"
-    # West's layers have no other replica: a checkpoint is what the re-formed job needs.
-    # Saved every 10 steps, so the freeze (after the first) finds steps between saves: with
-    # a save every 2 steps its every attempt could land in a save until the run was over.
-    doc["training"]["checkpoint"] = {"every_steps": 10, "keep": 2}
-    health = HealthSpec(heartbeat_s=0.5, unresponsive_s=2.0, wan_outage_s=4.0)
-    seen: list = []
-    try:
-        freeze = freezer(tmp_path / "cut", 15.0, seen, after_checkpoint=True)
-        _, state = run(doc, tmp_path / "cut", steps=STEPS, health=health, kill=freeze)
-        assert seen, "west was never frozen inside a step"
-        failure = events(tmp_path / "cut", "failure")
-        assert len(failure) == 1 and failure[0]["dead"][0].split("/")[-2] == "stage1"
-        assert events(tmp_path / "cut", "link_silent")
-        (rec,) = events(tmp_path / "cut", "recovered")
-        assert rec["source"] == "checkpoint"
-        assert state["step"] == STEPS
-    finally:
-        for pid in seen[:1]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)

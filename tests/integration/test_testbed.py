@@ -44,7 +44,7 @@ try:
     ips = [ray.get(row[0].__ray_call__.remote(lambda self: ray.util.get_node_ip_address()))
            for row in ctl.actors]
     bound = [ray.get(row[0].__ray_call__.remote(
-                 lambda self: self.links.wan_recv._listener.getsockname()[0]))
+                 lambda self: self.links.wan_recv.gate._listener.getsockname()[0]))
              for row in ctl.actors]
     print("RESULT " + json.dumps({
         "losses": [m.loss for m in res.steps], "ips": ips,

@@ -9,13 +9,17 @@ import time
 from typing import Any
 
 from geopipe.runtime.control.reporting import Reporter
+from geopipe.runtime.control.workers import Workers
 
 __all__ = ["ChaosMonkey"]
 
 
 class ChaosMonkey:
-    def __init__(self, every: int | None, seed: int, first_step: int, reporter: Reporter) -> None:
+    def __init__(
+        self, every: int | None, seed: int, first_step: int, reporter: Reporter, workers: Workers
+    ) -> None:
         self.every = every
+        self.workers = workers
         self.seed = seed
         self.first_step = first_step  # never the run's (or resume's) first step
         self.reporter = reporter
@@ -26,8 +30,6 @@ class ChaosMonkey:
         n = self.every
         if not n or step == self.first_step or step % n or step in self._done:
             return
-        import ray
-
         self._done.add(step)
         rng = random.Random(self.seed * 7919 + step)
         k = rng.randrange(len(rows))
@@ -37,6 +39,6 @@ class ChaosMonkey:
         def kill() -> None:
             self.reporter.say(f"chaos: killing stage {k} replica {r} at step {step}")
             self.reporter.event("chaos_kill", step=step, stage=k, replica=r, time=time.time())
-            ray.kill(victim, no_restart=True)
+            self.workers.kill(victim)
 
         threading.Timer(0.4 * step_s, kill).start()

@@ -37,6 +37,7 @@ from geopipe.runtime.control.health import quiet_get, ref_failed
 from geopipe.runtime.control.models import model_shape
 from geopipe.runtime.control.reporting import Reporter
 from geopipe.runtime.control.sitecopies import SiteCopies
+from geopipe.runtime.control.workers import Workers, ask, call_all
 
 __all__ = ["CheckpointCoordinator", "RestoreFrom", "ResumePoint"]
 
@@ -95,7 +96,7 @@ class _Pending:
 
 class CheckpointCoordinator:
     """Saves of one run; ``actors()`` gives the current layout's rows, ``manifest(step)`` the
-    run's manifest fields."""
+    run's manifest fields; ``workers`` calls the actors."""
 
     def __init__(
         self,
@@ -109,8 +110,11 @@ class CheckpointCoordinator:
         actor_sites: Callable[[], list[tuple[Any, str]]] | None = None,
         creds: Any = None,
         link: Callable[[str, str], Any] | None = None,
+        *,
+        workers: Workers,
     ) -> None:
         self.spec = spec  # the run's settings: directories, keep, replication, clocks
+        self.workers = workers
         self.root = Path(spec.training.checkpoint.dir or run_dir / "checkpoints")
         self.reporter = reporter
         self._actors = actors
@@ -121,7 +125,7 @@ class CheckpointCoordinator:
         self.copies: SiteCopies | None = None
         if spec.training.checkpoint.per_site:
             self.copies = SiteCopies(spec, reporter, actors, stage_sites, manifest, actor_sites,
-                                     creds, link)  # fmt: skip
+                                     creds, link, workers=workers)  # fmt: skip
         # Which checkpoints are this run's (set by the controller at launch): its id, and
         # its lineage (checkpoint.store.accepts); fresh: a launch without --resume, which
         # moves another run's checkpoints aside before saving any of its own.
@@ -144,8 +148,6 @@ class CheckpointCoordinator:
         """At launch: make the site stores (per-site copies), or check that every site sees
         the shared directory (``site_actors``: one actor per site). Returns a warning for
         storage that a lost site would take its checkpoints with, else None."""
-        import ray
-
         ck = self.spec.training.checkpoint
         if self.copies is not None:
             try:
@@ -172,7 +174,7 @@ class CheckpointCoordinator:
         token = f"{time.time_ns()}"
         marker.write_text(token)
         try:
-            seen = ray.get([a.sees_file.remote(str(marker), token) for a in site_actors.values()])
+            seen = ask(self.workers, list(site_actors.values()), "sees_file", str(marker), token)
         finally:
             marker.unlink(missing_ok=True)
         blind = [s for s, ok in zip(site_actors, seen, strict=True) if not ok]
@@ -212,8 +214,6 @@ class CheckpointCoordinator:
     # -- save ----------------------------------------------------------------------------------
     def save(self, step: int) -> None:
         """Start the save of step boundary ``step`` (finishing the previous save first)."""
-        import ray
-
         if self.copies is not None:
             self.copies.save(step)
             if self.synchronous:
@@ -224,20 +224,18 @@ class CheckpointCoordinator:
         writer = CheckpointWriter(self.root, step)
         flat = self._flat()
         try:
-            stalls = ray.get([a.save_shard.remote(str(writer.tmp_dir), step) for a in flat])
+            stalls = ask(self.workers, flat, "save_shard", str(writer.tmp_dir), step)
         except BaseException:
             writer.abort()
             raise
         # Every replica's background thread takes part in the gather; replica 0's writes.
-        refs = [a.shard_written.remote() for a in flat]
+        refs = call_all(self.workers, flat, "shard_written")
         self._pending = _Pending(writer, refs, t0, max(stalls))
         if self.synchronous:
             self.poll(wait=True)
 
     def poll(self, wait: bool = False, final: bool = False) -> None:
         """Commit the save in flight if its shards are written (``wait``: until they are)."""
-        import ray
-
         if self.copies is not None:  # ``final``: the run's last save must commit
             self.copies.poll(wait, strict=final)
             return
@@ -245,7 +243,7 @@ class CheckpointCoordinator:
         if pending is None:
             return
         if not wait:
-            ready, _ = ray.wait(pending.refs, num_returns=len(pending.refs), timeout=0)
+            ready, _ = self.workers.wait(pending.refs, num_returns=len(pending.refs), timeout=0)
             if len(ready) < len(pending.refs):
                 return
         self._pending = None
@@ -255,8 +253,8 @@ class CheckpointCoordinator:
         except BaseException:
             writer.abort()  # the previous checkpoint stays the newest complete one
             raise
-        for a in self._flat():  # the stand-in copies are no longer needed
-            a.release_shard.remote(writer.step)
+        # the stand-in copies are no longer needed
+        call_all(self.workers, self._flat(), "release_shard", writer.step)
         deleted = prune(self.root, self.spec.training.checkpoint.keep, own=self.run_id)
         self.reporter.checkpoint = {"step": writer.step, "copies": {"shared": str(path)}}
         self.reporter.event(
@@ -270,15 +268,13 @@ class CheckpointCoordinator:
         )
 
     def _commit(self, pending: _Pending) -> Path:
-        import ray
-
         writer = pending.writer
         # A replica that failed after its stage's shard was written (by replica 0) does not
         # spoil the checkpoint: commit() checks that every stage's shard is there.
         errors = []
         for ref in pending.refs:
             try:
-                info = ray.get(ref)
+                info = self.workers.get([ref])[0]
             except Exception as exc:
                 errors.append(exc)
                 continue
@@ -301,9 +297,10 @@ class CheckpointCoordinator:
             if k in writer.stages_written:
                 continue
             for a in row[1:]:
-                if ref_failed(refs_of[id(a)]):
+                if ref_failed(self.workers, refs_of[id(a)]):
                     continue
-                info = quiet_get([a.write_shard_instead.remote(writer.step)], 60)[0]
+                ref = self.workers.call(a, "write_shard_instead", writer.step)
+                info = quiet_get(self.workers, [ref], 60)[0]
                 if info is not None:
                     writer.add_shard(info)
                     self.reporter.event("checkpoint_stand_in", step=writer.step, stage=k)
@@ -312,15 +309,13 @@ class CheckpointCoordinator:
     def settle(self) -> None:
         """After a failure (the frozen already killed): commit the save in flight if every
         shard made it, else drop it (the previous complete checkpoint stays the newest)."""
-        import ray
-
         if self.copies is not None:
             self.copies.settle()
             return
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        ready, _ = ray.wait(
+        ready, _ = self.workers.wait(
             pending.refs, num_returns=len(pending.refs), timeout=self.spec.health.settle_s
         )
         if len(ready) == len(pending.refs):  # poll() stands in for writers that died

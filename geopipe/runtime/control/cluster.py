@@ -14,11 +14,14 @@ import socket
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from geopipe.config import RAY_KILL_WORKER_TIMEOUT_MS, ClusterSpec
 from geopipe.plan import Plan
 from geopipe.runtime.control.reaper import start_reaper
+
+if TYPE_CHECKING:
+    from geopipe.runtime.control.workers import Workers
 
 __all__ = [
     "ClusterInfo", "LaunchError", "check_sites", "connect", "kill_actors", "site_resource",
@@ -169,14 +172,12 @@ def shutdown(info: ClusterInfo | None) -> None:
         ray.shutdown()
 
 
-def kill_actors(actors: dict[str, Any]) -> list[str]:
-    """Ask Ray to kill ``{name: handle}`` (each for good); returns the names, to be waited
-    for with :func:`wait_released`."""
-    import ray
-
+def kill_actors(workers: Workers, actors: dict[str, Any]) -> list[str]:
+    """Kill ``{name: handle}`` (each for good); returns the names, to be waited for with
+    :func:`wait_released` (Ray frees a name only once the process has exited)."""
     for handle in actors.values():
         with contextlib.suppress(Exception):
-            ray.kill(handle, no_restart=True)
+            workers.kill(handle)
     return list(actors)
 
 

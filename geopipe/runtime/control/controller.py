@@ -49,8 +49,6 @@ from geopipe.runtime.control.cluster import (
     auth_env,
     check_precision,
     check_sites,
-    connect,
-    wait_released,
 )
 from geopipe.runtime.control.context import RunContext
 from geopipe.runtime.control.health import (
@@ -81,6 +79,14 @@ from geopipe.runtime.control.states import (
     Running,
     State,
     Waiting,
+)
+from geopipe.runtime.control.workers import (
+    RayWorkers,
+    WorkerFailed,
+    WorkerLost,
+    Workers,
+    ask,
+    call_all,
 )
 from geopipe.transport.security import make_credentials
 
@@ -129,8 +135,10 @@ def run_dir_for(spec: ClusterSpec, override: str | None) -> Path:
 
 
 class Controller:
-    """Owns one training run on one Ray cluster."""
+    """Owns one training run on one Ray cluster (or, in tests, on whatever ``workers``
+    stands for it: :mod:`geopipe.runtime.control.workers`)."""
 
+    workers: Workers  # every actor call and the cluster's resources go through it
     spec: ClusterSpec
     opts: LaunchOptions
     state: State
@@ -148,7 +156,12 @@ class Controller:
     start_step: int  # > 0 when resuming
     data_digest: str | None  # sha256 of the corpus every actor reads
 
-    def __init__(self, spec: ClusterSpec, options: LaunchOptions | None = None) -> None:
+    def __init__(
+        self,
+        spec: ClusterSpec,
+        options: LaunchOptions | None = None,
+        workers: Workers | None = None,
+    ) -> None:
         opts = options or LaunchOptions()
         # Stopping at N and resuming to 2N must follow the same LR schedule as running 2N in
         # one go, so the horizon is the YAML's, never --steps.
@@ -160,6 +173,7 @@ class Controller:
         self.ctx = RunContext(spec, self.overrides, opts.health, run_id=run_id,
                               lineage={run_id: None})  # fmt: skip
         auth_env(self.spec)  # before anything imports ray: it reads RAY_AUTH_MODE at import
+        self.workers = workers if workers is not None else RayWorkers()
         self.opts = opts
         self.state = Planning()
         self.run_dir = run_dir_for(self.spec, opts.run_dir)
@@ -176,12 +190,13 @@ class Controller:
             synchronous=opts.checkpoint_sync,
             stage_sites=lambda: list(self.plan.stage_sites) if self.plan else [],
             actor_sites=lambda: self.placement.actor_sites() if self.placement else [],
-            creds=self.creds, link=lambda a, b: self.ctx.priced.link(a, b),
+            creds=self.creds, link=lambda a, b: self.ctx.priced.link(a, b), workers=self.workers,
         )  # fmt: skip
         self.placement = self.recovery = self.calibrator = None
         self.cluster = self.plan = self.predicted = None
         self.start_step, self.data_digest = 0, None
-        self.chaos = ChaosMonkey(opts.chaos_kill_every, self.spec.training.seed, 0, self.reporter)
+        self.chaos = ChaosMonkey(opts.chaos_kill_every, self.spec.training.seed, 0, self.reporter,
+                                 self.workers)  # fmt: skip
         self._resume: Any = None
         self.links_measured: list = []  # the WAN links as probed at launch
         self.planned_with = Measurements()  # what the plan was made with (the plan event)
@@ -269,27 +284,25 @@ class Controller:
         """LAUNCHING: check what the plan needs, connect to Ray, place and wire the actors,
         probe the real links, and build the components that run the training from the
         context as measured."""
-        import ray
-
         check_data_source(self.spec)
-        self.cluster = connect(self.spec)
+        self.cluster = self.workers.connect(self.spec)
         self.reporter.dashboard_url = self.cluster.dashboard_url
         self.reporter.ray_address = self.cluster.address
-        check_sites(self.spec, self.plan, ray.cluster_resources())
-        use_gpu = ray.cluster_resources().get("GPU", 0) >= len(self.plan.actors())
+        check_sites(self.spec, self.plan, self.workers.resources())
+        use_gpu = self.workers.resources().get("GPU", 0) >= len(self.plan.actors())
         check_precision(self.spec.training.precision, use_gpu)
         if not self.spec.encrypted and not self.spec.ray.links_emulated:
             self.reporter.say("security.encrypt is off: activations, gradients and checkpoint "
                               "copies cross the network in clear (authenticated, not "
                               "encrypted)")  # fmt: skip
         # Placement reads settings only (names, data, the emulated links' YAML figures).
-        self.placement = Placement(self.spec, self.lr_horizon, use_gpu, self.creds)
+        self.placement = Placement(self.spec, self.lr_horizon, use_gpu, self.creds, self.workers)
         self.placement.place(self.plan)
         self.placement.wire()
         self.data_digest = self.placement.check_data(self._resume and self._resume.data_digest)
         if not self.spec.ray.links_emulated:  # emulated links are the YAML's by construction
             probed, self.links_measured = probe_links(
-                self.spec, self.plan, self.placement, self.reporter.say
+                self.workers, self.spec, self.plan, self.placement, self.reporter.say
             )
             self.ctx = self.ctx.measured(probed)
             if not self.plan.heterogeneous:  # a mix keeps its own prediction
@@ -305,8 +318,9 @@ class Controller:
         self.checkpoints.check_storage(first_actor)
         if self._resume is not None:
             paths = self.checkpoints.resume_paths(self._resume, list(sites))
-            steps = ray.get([a.load_checkpoint.remote(paths[sites[k]])
-                             for k, row in enumerate(self.actors) for a in row])  # fmt: skip
+            w = self.workers
+            steps = w.get([w.call(a, "load_checkpoint", paths[sites[k]])
+                           for k, row in enumerate(self.actors) for a in row])  # fmt: skip
             assert set(steps) == {self.start_step}
         from geopipe.optimizer.templates import build_templates
 
@@ -314,7 +328,7 @@ class Controller:
         # Pipeline templates for every device count are ready before anything fails.
         self.recovery = Recovery(priced, self.placement, self.checkpoints, self.reporter,
                                  priced.health, self.history,
-                                 build_templates(priced, plan=self.plan))  # fmt: skip
+                                 build_templates(priced, plan=self.plan), self.workers)  # fmt: skip
         self.calibrator = Calibrator(priced, self.opts.plan is not None,
                                      self.predicted.iteration_time_s,
                                      self.links_measured)  # fmt: skip
@@ -326,7 +340,7 @@ class Controller:
     def _opened_events(self) -> None:
         """Open the metrics and write the launch's security and plan events."""
         metrics = Path(self.opts.metrics_out) if self.opts.metrics_out else None
-        self.reporter.open(metrics or self.run_dir / "metrics.jsonl")
+        self.reporter.open(metrics or self.run_dir / "metrics.jsonl", self.workers.ray_metrics)
         self.reporter.event("security", encrypt=self.creds.encrypt, authenticated=True,
                             listen=self.spec.security.listen)  # fmt: skip
         self.reporter.event(
@@ -384,20 +398,17 @@ class Controller:
         if isinstance(state, Launching):
             return self._launch()
         if isinstance(state, Recovering):
-            from ray.exceptions import RayActorError
-
             self._status(state.step, state)
             grace_s = max(5.0, 2 * self.calibrator.predicted_s)
             try:
                 rec = self.recovery.recover(state.step, state.refs, state.error, grace_s)
-            except RayActorError as exc:
+            except WorkerLost as exc:
                 # A survivor died while the job was being re-formed around it: recover
                 # again from what is left now (a bounded number of times).
                 self._nested_failures += 1
                 if self._nested_failures > MAX_NESTED_RECOVERIES:
                     raise
-                pings = [a.ping.remote() for a in self.flat_actors()]
-                return Recovering(state.step, exc, pings)
+                return Recovering(state.step, exc, self._pings())
             self._nested_failures = 0
             self._relaid(rec.step)
             return Running(rec.step)
@@ -410,30 +421,32 @@ class Controller:
             return self._checkpoint(state)
         raise RuntimeError(f"no transition from {state}")
 
-    def _run(self, step: int) -> State:
-        from ray.exceptions import RayActorError, RayTaskError
+    def _pings(self) -> list:
+        """A ping to every actor: the calls a recovery watches when no step was running."""
+        return call_all(self.workers, self.flat_actors(), "ping")
 
+    def _run(self, step: int) -> State:
         total = self.spec.training.steps
         if step >= total:  # e.g. resumed at the end: nothing to run
             return Checkpointing(step, final=True) if self._result.steps else Finished()
         record = self.calibrator.wants(step) or (bool(self.opts.trace) and step == total - 1)
         flat = self.flat_actors()
-        refs = [a.run_iteration.remote(step, record) for a in flat]
+        refs = call_all(self.workers, flat, "run_iteration", step, record)
         self.chaos.maybe_strike(step, self._rows(), self.calibrator.predicted_s)
         hang_s = hang_timeout_s(self.calibrator.predicted_s, self.calibrator.calibrated,
                                 self.spec.health)  # fmt: skip
         site_of = {id(a): s for a, s in self.placement.actor_sites()}
         sites = [site_of.get(id(a), "?") for a in flat]
         try:
-            results = await_step(flat, refs, hang_s, self.spec.health, sites,
+            results = await_step(self.workers, flat, refs, hang_s, self.spec.health, sites,
                                  lambda *e: self._silence(step, sites, *e))  # fmt: skip
-        except (RayActorError, RayTaskError, StepHung, ActorsUnresponsive) as exc:
+        except (WorkerLost, WorkerFailed, StepHung, ActorsUnresponsive) as exc:
             return Recovering(step, exc, refs)
         nxt = step + 1
         try:
             self._record(step, results)
-        except (RayActorError, RayTaskError) as exc:  # an actor died between steps (ΔN)
-            return Recovering(nxt, exc, [a.ping.remote() for a in self.flat_actors()])
+        except (WorkerLost, WorkerFailed) as exc:  # an actor died between steps (ΔN)
+            return Recovering(nxt, exc, self._pings())
         if self._stop_requested:
             return Checkpointing(nxt, final=True, interrupted=True)
         if nxt == total:
@@ -451,10 +464,9 @@ class Controller:
         """One optimizer step outside the state machine (benchmarks): nothing is recorded
         and a failure raises instead of recovering."""
         flat = self.flat_actors()
-        refs = [a.run_iteration.remote(step, False) for a in flat]
-        return await_step(
-            flat, refs, hang_timeout_s(0.0, False, self.spec.health), self.spec.health
-        )
+        refs = call_all(self.workers, flat, "run_iteration", step, False)
+        hang_s = hang_timeout_s(0.0, False, self.spec.health)
+        return await_step(self.workers, flat, refs, hang_s, self.spec.health)
 
     def _record(self, step: int, results: list) -> None:
         """Metrics, calibration, status and progress of a finished step."""
@@ -477,10 +489,7 @@ class Controller:
         if cal.event is not None:
             self.reporter.event("calibrated", **cal.event)
         if cal.plan.delta_n != self.plan.delta_n:
-            import ray
-
-            delta_n = list(cal.plan.delta_n)
-            ray.get([a.set_delta_n.remote(delta_n) for a in self.flat_actors()])
+            ask(self.workers, self.flat_actors(), "set_delta_n", list(cal.plan.delta_n))
         self._set_plan(cal.plan)
 
     def _guard_codecs(self, step: int, results: list) -> None:
@@ -493,9 +502,7 @@ class Controller:
         fallbacks = codec_fallbacks(self.plan, samples, bound, searched_codecs(self.spec))
         if not fallbacks:
             return
-        import ray
-
-        ray.get([a.set_codecs.remote(fallbacks) for a in self.flat_actors()])
+        ask(self.workers, self.flat_actors(), "set_codecs", fallbacks)
         self._set_plan(apply_fallbacks(self.plan, fallbacks))
         for fb in fallbacks:
             self.reporter.event("codec_fallback", step=step, link=f"{fb.src}→{fb.dst}",
@@ -506,13 +513,11 @@ class Controller:
                               "from the next step")  # fmt: skip
 
     def _checkpoint(self, state: Checkpointing) -> State:
-        from ray.exceptions import RayActorError, RayTaskError
-
         if not state.final:
             try:
                 self.checkpoints.save(state.step)
-            except (RayActorError, RayTaskError) as exc:  # an actor died between steps
-                return Recovering(state.step, exc, [a.ping.remote() for a in self.flat_actors()])
+            except (WorkerLost, WorkerFailed) as exc:  # an actor died between steps
+                return Recovering(state.step, exc, self._pings())
             return Running(state.step)
         self.checkpoints.save(state.step)
         self.checkpoints.poll(wait=True, final=True)
@@ -563,8 +568,6 @@ class Controller:
     # -- shutdown -------------------------------------------------------------------------------
     def close(self, interrupted: bool = False) -> None:
         """Stop the actors (and the embedded Ray we started); safe to call twice."""
-        import ray
-
         if interrupted:
             self.state = Interrupted()
         elif not isinstance(self.state, (Finished, Planning)):
@@ -574,14 +577,14 @@ class Controller:
                 if not (self.run_dir / "status.json").exists():
                     self._status(self.start_step)
                 self.reporter.final_status(self.state.name)
-        if ray.is_initialized():
+        if self.workers.connected():
             names = self.checkpoints.close()
             if self.placement is not None:
                 names += self.placement.kill_all()
             if self.cluster is not None and self.cluster.started_here:
                 with contextlib.suppress(Exception):
-                    ray.shutdown()  # the names go with the cluster
-            elif names and (held := wait_released(names, self.spec.ray.namespace)):
+                    self.workers.shutdown()  # the names go with the cluster
+            elif names and (held := self.workers.wait_released(names, self.spec.ray.namespace)):
                 self.reporter.say(
                     f"Ray still holds {len(held)} actor name(s) of this run ({held[0]}, …): a "
                     "relaunch on this cluster may find them taken until their processes exit",

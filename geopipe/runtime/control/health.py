@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from geopipe.config import HealthSpec
+    from geopipe.runtime.control.workers import Actor, Pending, Workers
 
 __all__ = [
     "ActorsUnresponsive",
@@ -84,15 +85,15 @@ def silent_sites(stale: list[int], pending: list[int], sites: list[str]) -> set[
 
 
 def await_step(
-    actors: list[Any], refs: list, hang_s: float, cfg: HealthSpec,
+    workers: Workers, actors: list[Actor], refs: list[Pending], hang_s: float, cfg: HealthSpec,
     sites: list[str] | None = None, on_silence: OnSilence | None = None,
 ) -> list:  # fmt: skip
-    """The step's results (``refs[i]`` is ``actors[i]``'s, in site ``sites[i]``), failing
-    fast: an actor error as soon as one is known, :class:`ActorsUnresponsive` after
-    ``cfg.unresponsive_s`` of unanswered heartbeats (a whole silent site: after
-    ``cfg.wan_outage_s``), :class:`StepHung` after ``hang_s`` (not counting outages)."""
-    import ray
-
+    """The step's results (``refs[i]`` is ``actors[i]``'s call, in site ``sites[i]``), failing
+    fast: an actor error (:class:`~geopipe.runtime.control.workers.WorkerLost`,
+    :class:`~geopipe.runtime.control.workers.WorkerFailed`) as soon as one is known,
+    :class:`ActorsUnresponsive` after ``cfg.unresponsive_s`` of unanswered heartbeats (a
+    whole silent site: after ``cfg.wan_outage_s``), :class:`StepHung` after ``hang_s`` (not
+    counting outages)."""
     deadline = time.monotonic() + hang_s
     index = {ref: i for i, ref in enumerate(refs)}
     pending = list(refs)
@@ -102,8 +103,8 @@ def await_step(
     beat = time.monotonic() + cfg.heartbeat_s
     while pending:
         wait_s = max(0.0, beat - time.monotonic())
-        ready, pending = ray.wait(pending, num_returns=1, timeout=wait_s)
-        ray.get(ready)  # an actor error surfaces at once, not when the others finish
+        ready, pending = workers.wait(pending, num_returns=1, timeout=wait_s)
+        workers.get(ready)  # an actor error surfaces at once, not when the others finish
         now = time.monotonic()
         if now < beat or not pending:
             continue
@@ -118,12 +119,12 @@ def await_step(
         # silent site (and only an unfinished one can be lost)
         for i in range(len(actors)):
             ping, sent = pings.get(i, (None, now))
-            if ping is not None and not ray.wait([ping], timeout=0)[0]:
+            if ping is not None and not workers.wait([ping], timeout=0)[0]:
                 if now - sent > cfg.unresponsive_s:
                     stale.append(i)
                     sent_at[i] = sent
                 continue
-            pings[i] = (actors[i].ping.remote(), now)
+            pings[i] = (workers.call(actors[i], "ping"), now)
         silent = silent_sites(stale, waiting, sites) if sites else set()
         for s in list(silent_since):
             if s not in silent:  # it answers again: the link healed
@@ -148,37 +149,31 @@ def await_step(
     for s, since in silent_since.items():  # the step finished: every site answered
         if on_silence is not None:
             on_silence("healed", s, time.monotonic() - since)
-    return ray.get(refs)
+    return workers.get(refs)
 
 
-def alive(actors: list[Any], timeout: float) -> list[bool]:
+def alive(workers: Workers, actors: list[Actor], timeout: float) -> list[bool]:
     """Which actors answer a ping within ``timeout`` (all pinged at once)."""
-    import ray
-
-    refs = [a.ping.remote() for a in actors]
-    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
-    return [r in ready and quiet_get([r], 0)[0] is not None for r in refs]
+    refs = [workers.call(a, "ping") for a in actors]
+    ready, _ = workers.wait(refs, num_returns=len(refs), timeout=timeout)
+    return [r in ready and quiet_get(workers, [r], 0)[0] is not None for r in refs]
 
 
-def ref_failed(ref: Any) -> bool:
-    """Whether a finished task's result is an error."""
-    import ray
-
+def ref_failed(workers: Workers, ref: Pending) -> bool:
+    """Whether a finished call's result is an error."""
     try:
-        ray.get(ref, timeout=0)
+        workers.get([ref], timeout=0)
     except Exception:
         return True
     return False
 
 
-def quiet_get(refs: list, timeout: float) -> list:
-    """``ray.get`` that turns each failure into None (best-effort calls on survivors)."""
-    import ray
-
+def quiet_get(workers: Workers, refs: list[Pending], timeout: float) -> list:
+    """``get`` that turns each failure into None (best-effort calls on survivors)."""
     out = []
     for ref in refs:
         try:
-            out.append(ray.get(ref, timeout=timeout))
+            out.append(workers.get([ref], timeout=timeout)[0])
         except Exception:
             out.append(None)
     return out

@@ -33,6 +33,7 @@ from typing import Any
 from geopipe.config import ClusterSpec
 from geopipe.optimizer.measurements import LinkRate, Measurements
 from geopipe.runtime.actor.probe import burst_sizes
+from geopipe.runtime.control.workers import Workers
 
 __all__ = [
     "LinkMeasurement",
@@ -109,12 +110,14 @@ def clock_offset(up: dict, down: dict) -> float:
 
 
 def measure_links(
-    spec: ClusterSpec, rows: list[list[Any]], sites: tuple[str, ...], addresses: dict
+    workers: Workers,
+    spec: ClusterSpec,
+    rows: list[list[Any]],
+    sites: tuple[str, ...],
+    addresses: dict,
 ) -> list[LinkMeasurement]:
     """Probe every WAN boundary of the layout (``rows[stage][replica]``, ``sites[stage]``;
     ``addresses[(stage, replica)]`` are the replicas' receivers)."""
-    import ray
-
     out = []
     for k in range(len(rows) - 1):
         a, b = sites[k], sites[k + 1]
@@ -123,9 +126,10 @@ def measure_links(
         yaml_link = spec.link(a, b)
         sizes = burst_sizes(yaml_link.bandwidth_bps)
         up, down = rows[k][0], rows[k + 1][0]
-        echo_ref = down.probe_echo.remote(addresses[(k, 0)], None, sizes)
-        got_up = ray.get(up.probe_link.remote(addresses[(k + 1, 0)], None, sizes))
-        got_down = ray.get(echo_ref)
+        echo_ref = workers.call(down, "probe_echo", addresses[(k, 0)], None, sizes)
+        up_ref = workers.call(up, "probe_link", addresses[(k + 1, 0)], None, sizes)
+        got_up = workers.get([up_ref])[0]
+        got_down = workers.get([echo_ref])[0]
         bw = burst_rate(sizes, got_down["arrivals"]) or yaml_link.bandwidth_bps
         out.append(
             LinkMeasurement(
@@ -137,33 +141,32 @@ def measure_links(
 
 
 def measure_codec_speeds(
-    rows: list[list[Any]], sites: tuple[str, ...], codecs: list[str]
+    workers: Workers, rows: list[list[Any]], sites: tuple[str, ...], codecs: list[str]
 ) -> dict[str, dict[str, float]]:
     """Each site at a WAN boundary times ``codecs`` on one of its devices (all at once)."""
-    import ray
-
     first: dict[str, Any] = {}
     for k in range(len(rows) - 1):
         if sites[k] != sites[k + 1]:
             first.setdefault(sites[k], rows[k][0])
             first.setdefault(sites[k + 1], rows[k + 1][0])
-    refs = {site: actor.codec_speeds.remote(codecs) for site, actor in first.items()}
-    return {site: ray.get(ref) for site, ref in refs.items()}
+    refs = {site: workers.call(actor, "codec_speeds", codecs) for site, actor in first.items()}
+    return {site: workers.get([ref])[0] for site, ref in refs.items()}
 
 
 def probe_links(
-    spec: ClusterSpec, plan: Any, placement: Any, say: Callable[[str], None]
+    workers: Workers, spec: ClusterSpec, plan: Any, placement: Any, say: Callable[[str], None]
 ) -> tuple[Measurements, list[LinkMeasurement]]:
     """Measure the layout's WAN links and each boundary site's codec speeds, and warn where
     the YAML is off: the measurements (for the cost model) and the links' full readings
     (round trips, clock offsets: for calibration and the metrics)."""
     from geopipe.runtime.control.calibration import searched_codecs
 
-    measured = measure_links(spec, placement.rows, plan.stage_sites, placement.wan_addresses)
+    rows, sites = placement.rows, plan.stage_sites
+    measured = measure_links(workers, spec, rows, sites, placement.wan_addresses)
     warn_if_off(measured, say)
     links = tuple(LinkRate(m.src, m.dst, m.latency_s, m.bandwidth_bps) for m in measured)
     codecs = searched_codecs(spec)
-    speeds = measure_codec_speeds(placement.rows, plan.stage_sites, codecs) if codecs else {}
+    speeds = measure_codec_speeds(workers, rows, sites, codecs) if codecs else {}
     return Measurements(links=links, codecs=speeds), measured
 
 

@@ -25,6 +25,7 @@ from geopipe.config import ClusterSpec
 from geopipe.optimizer.outerplan import OuterRun
 from geopipe.outer.fragments import StreamingSchedule
 from geopipe.runtime.actor.outer_wire import OuterPeer, OuterSettings
+from geopipe.runtime.control.workers import Workers, ask
 from geopipe.transport.link import LinkParams
 
 __all__ = ["OuterRounds", "peers_of"]
@@ -49,11 +50,16 @@ class OuterRounds:
     """Sends and applies of one outer run; ``say``/``event`` report each applied fragment."""
 
     def __init__(
-        self, spec: ClusterSpec, run: OuterRun, say: Callable[[str], None],
+        self,
+        spec: ClusterSpec,
+        run: OuterRun,
+        workers: Workers,
+        say: Callable[[str], None],
         event: Callable[..., None],
-    ) -> None:  # fmt: skip
+    ) -> None:
         s = run.setting
         self.spec = spec
+        self.workers = workers
         self.run = run
         self.schedule = StreamingSchedule(s.h, s.fragments, s.overlap)
         self.settings = OuterSettings(
@@ -69,25 +75,22 @@ class OuterRounds:
     def begin(self, actors: list[Any], sites: list[str]) -> None:
         """theta_global from every replica's masters now (all groups hold the same weights:
         the start, or a loaded checkpoint), listeners up, peers connected."""
-        import ray
-
-        endpoints = ray.get([a.outer_begin.remote(self.settings) for a in actors])
+        endpoints = ask(self.workers, actors, "outer_begin", self.settings)
         self._partitions = [(ep["stage"], ep["partition"]) for ep in endpoints]
         peers = peers_of(endpoints, self._link, sites)
-        ray.get([a.outer_connect.remote(p) for a, p in zip(actors, peers, strict=True)])
+        w = self.workers
+        w.get([w.call(a, "outer_connect", p) for a, p in zip(actors, peers, strict=True)])
 
     def after_step(self, done: int, actors: list[Any]) -> None:
         """``done`` inner steps have run: start the send and do the apply they call for."""
-        import ray
-
         f = self.schedule.sends_at(done)
         if f is not None:
-            self._sent[f] = (time.perf_counter(), ray.get([a.outer_send.remote(f) for a in actors]))
+            self._sent[f] = (time.perf_counter(), ask(self.workers, actors, "outer_send", f))
         f = self.schedule.applies_at(done)
         if f is None:
             return
         t0 = time.perf_counter()
-        applied = ray.get([a.outer_apply.remote(f) for a in actors])
+        applied = ask(self.workers, actors, "outer_apply", f)
         sent_at, sent = self._sent.pop(f, (t0, []))
         self._record(done, f, time.perf_counter() - t0, t0 - sent_at, sent, applied)
 

@@ -8,7 +8,6 @@ group inside it, so no process group spans two sites.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 from geopipe.config import ClusterSpec
@@ -20,6 +19,7 @@ from geopipe.runtime.actor.sitegroups import grad_scale, site_worlds
 from geopipe.runtime.actor.stage import StageSpec, StageWorker
 from geopipe.runtime.control.cluster import LaunchError, kill_actors, site_resource
 from geopipe.runtime.control.models import model_desc
+from geopipe.runtime.control.workers import NameTaken, SpawnOptions, Workers, ask
 from geopipe.transport.link import LinkParams
 
 __all__ = ["Placement"]
@@ -46,23 +46,19 @@ __all__ = ["Placement"]
 ACTOR_ENV = {"OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "1", "TORCHDYNAMO_DISABLE": "1"}
 
 
-@functools.cache
-def _remote_worker() -> Any:
-    """:class:`StageWorker` as a Ray actor class, made once per process: ``ray.remote``
-    makes a new class that Ray exports again on first use, fingerprinting it by
-    disassembling every method (~0.1 s per actor, CPU the actors starting beside it need)."""
-    import ray
-
-    return ray.remote(max_concurrency=8)(StageWorker)
+# Calls a stage actor serves at once: a step, and beside it pings, recovery's questions and
+# checkpoint calls.
+STAGE_CONCURRENCY = 8
 
 
 class Placement:
     """The run's actors, ``rows[stage][replica]``, and how to make and wire more."""
 
     def __init__(
-        self, spec: ClusterSpec, lr_horizon: int, use_gpu: bool, creds: Any = None
+        self, spec: ClusterSpec, lr_horizon: int, use_gpu: bool, creds: Any, workers: Workers
     ) -> None:
         self.spec = spec
+        self.workers = workers  # makes, calls and kills the actors
         self.creds = creds  # the data plane's credentials, for every stage actor
         self.lr_horizon = lr_horizon  # the LR schedule's horizon (see Controller)
         self.use_gpu = use_gpu
@@ -108,27 +104,22 @@ class Placement:
 
     def create(self, k: int, r: int) -> Any:
         """A new actor for stage ``k`` replica ``r`` of the current plan."""
-        import ray
-
         plan, spec = self.plan, self.spec
         name = plan.actor_name(spec.name, k, r)
         if name in self.names:  # a replacement after a failure gets a fresh name
             name = f"{name}-{len(self.names)}"
         self.names.append(name)
+        opts = SpawnOptions(
+            name=name,
+            namespace=spec.ray.namespace,
+            resources={site_resource(plan.site_of(k, r)): 1},
+            num_gpus=1 if self.use_gpu else 0,
+            env=dict(ACTOR_ENV),
+            max_concurrency=STAGE_CONCURRENCY,
+        )
         try:
-            actor = (
-                _remote_worker()
-                .options(
-                    name=name,
-                    namespace=spec.ray.namespace,
-                    resources={site_resource(plan.site_of(k, r)): 1},
-                    num_cpus=0,
-                    num_gpus=1 if self.use_gpu else 0,
-                    runtime_env={"env_vars": dict(ACTOR_ENV)},
-                )
-                .remote(self.stage_spec(k, r))
-            )
-        except ray.exceptions.ActorAlreadyExistsError:
+            actor = self.workers.spawn(StageWorker, (self.stage_spec(k, r),), opts)
+        except NameTaken:
             raise LaunchError(
                 f"actor name {name} is taken in Ray namespace {spec.ray.namespace!r}: another "
                 f"launch of run {spec.name!r} is still running on this Ray cluster (or its "
@@ -139,14 +130,12 @@ class Placement:
         return actor
 
     def kill(self, actor: Any) -> None:
-        import ray
-
-        ray.kill(actor, no_restart=True)
+        self.workers.kill(actor)
 
     def kill_all(self) -> list[str]:
         """Stop every actor the run made; returns their names (Ray frees a name only once
         the process has exited: see :func:`~geopipe.runtime.control.cluster.wait_released`)."""
-        names = kill_actors(self._made)
+        names = kill_actors(self.workers, self._made)
         self.rows, self._made = [], {}
         return names
 
@@ -155,10 +144,8 @@ class Placement:
         resumed run the bytes its checkpoint was trained on (``want``): ``stdlib`` differs
         between Python versions, so nodes with different Pythons would silently disagree.
         Returns the corpus digest."""
-        import ray
-
         data = self.spec.training.data
-        got = ray.get([a.data_digest.remote() for a in self.flat()])
+        got = ask(self.workers, self.flat(), "data_digest")
         all_names = [n for row in self.current_names() for n in row]
         # Middle stages read no data (None): only the ends' digests are compared.
         names = [n for n, d in zip(all_names, got, strict=True) if d is not None]
@@ -250,9 +237,7 @@ class Placement:
 
     def wire(self) -> None:
         """Rendezvous each site's process group, then build engines and links."""
-        import ray
-
-        plan = self.plan
+        plan, w = self.plan, self.workers
         self.site_rank = {}
 
         # Receivers first: a sender connects to its WAN neighbour's address at setup.
@@ -264,14 +249,14 @@ class Placement:
             return self.ties(plan.pipeline(r)) and k in (0, plan.depth(r) - 1)
 
         crossing = [key for key in plan.actors() if crosses(*key) or tie_end(*key)]
-        got = ray.get([self.rows[k][r].listen.remote() for k, r in crossing])
+        got = ask(w, [self.rows[k][r] for k, r in crossing], "listen")
         self.wan_addresses = addr = dict(zip(crossing, got, strict=True))
         calls = []
         for world in site_worlds(plan):
             rank = {key: i for i, key in enumerate(world.members)}
             groups = [list(g) for g in world.groups]
             k0, r0 = world.members[0]
-            master = ray.get(self.rows[k0][r0].endpoint.remote())
+            master = ask(w, [self.rows[k0][r0]], "endpoint")[0]
             for (k, r), rk in rank.items():
                 self.site_rank[id(self.rows[k][r])] = rk
             for k, r in world.members:
@@ -281,12 +266,13 @@ class Placement:
                 down = addr[(k + 1, r)] if not last and down_rank is None else None
                 tie = addr[(plan.depth(r) - 1 - k, r)] if tie_end(k, r) else None
                 calls.append(
-                    self.rows[k][r].setup.remote(
-                        master, rank[(k, r)], len(world.members), groups,
-                        world.group_of[(k, r)], up_rank, down_rank, up, down, tie_addr=tie,
+                    w.call(
+                        self.rows[k][r], "setup", master, rank[(k, r)], len(world.members),
+                        groups, world.group_of[(k, r)], up_rank, down_rank, up, down,
+                        tie_addr=tie,
                     )
                 )  # fmt: skip
-        ray.get(calls)
+        w.get(calls)
 
     def gather_state(self) -> dict:
         """The whole model's unsharded parameters and Adam state, keyed by parameter name.
@@ -294,12 +280,10 @@ class Placement:
         ``full_state`` is collective inside each ZeRO-1 group, so every replica is asked;
         replica (pipeline) 0's copy of each stage is kept.
         """
-        import ray
-
         from geopipe.checkpoint.format import ADAM_STATE_GROUPS
 
         rows = self.rows
-        states = ray.get([a.full_state.remote() for row in rows for a in row])
+        states = ask(self.workers, self.flat(), "full_state")
         out: dict = {**{g: {} for g in ADAM_STATE_GROUPS}, "step": None}
         first = 0
         for row in rows:

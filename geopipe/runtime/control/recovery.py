@@ -41,6 +41,7 @@ from geopipe.runtime.control.health import ActorsUnresponsive, alive, quiet_get
 from geopipe.runtime.control.history import RunHistory
 from geopipe.runtime.control.placement import Placement
 from geopipe.runtime.control.reporting import Reporter
+from geopipe.runtime.control.workers import WorkerLost, Workers, ask, call_all
 
 __all__ = ["Recovered", "Recovery"]
 
@@ -67,8 +68,10 @@ class Recovery:
         health: HealthSpec,
         history: RunHistory,
         templates: Any,
+        workers: Workers,
     ) -> None:
         self.spec = spec
+        self.workers = workers  # calls the actors (Placement makes and kills them)
         self.placement = placement
         self.checkpoints = checkpoints
         self.reporter = reporter
@@ -104,7 +107,8 @@ class Recovery:
         self.reporter.say(f"step {step} failed ({len(dead)} actor(s) lost{lost}): recovering")
         survivors = {key: a for key, a in roles.items() if key not in dead}
         released = self._release(survivors, ref_of, grace_s)
-        have = {k: set(quiet_get([a.boundary_steps.remote()], 30)[0] or [])
+        w = self.workers
+        have = {k: set(quiet_get(w, [w.call(a, "boundary_steps")], 30)[0] or [])
                 for k, a in survivors.items()}  # fmt: skip
         boundary, holders = newest_common_boundary(have, self.plan.num_stages, step,
                                                    self._covers(list(have)))  # fmt: skip
@@ -155,18 +159,17 @@ class Recovery:
         self, roles: dict[Key, Any], ref_of: dict[Key, Any], exc: BaseException
     ) -> list[Key]:
         """The actors that died, froze or hung; the frozen and the hung are killed."""
-        import ray
-
         if isinstance(exc, ActorsUnresponsive):  # frozen: no ping would come back either
             keys = list(roles)
             dead = [keys[i] for i in exc.indices]
         else:
-            answers = alive(list(roles.values()), self.health.unresponsive_s)
+            answers = alive(self.workers, list(roles.values()), self.health.unresponsive_s)
             dead = [key for key, ok in zip(roles, answers, strict=True) if not ok]
             if dead:
                 return dead
             # a hang: whoever has not finished is presumed stuck
-            _, stuck = ray.wait(list(ref_of.values()), num_returns=len(ref_of), timeout=0)
+            refs = list(ref_of.values())
+            _, stuck = self.workers.wait(refs, num_returns=len(ref_of), timeout=0)
             dead = [key for key, ref in ref_of.items() if ref in stuck]
         for key in dead:
             self.placement.kill(roles[key])
@@ -201,21 +204,18 @@ class Recovery:
         killing a frozen actor] in geopipe.runtime.control.cluster), and that exit releases
         it.
         """
-        import ray
-
-        for a in survivors.values():
-            a.abort.remote()
+        call_all(self.workers, list(survivors.values()), "abort")
         released = self._wait_aborted(survivors, ref_of, grace_s)
         cov = self._covers(list(survivors))
         kept = set().union(*(cov[j] for j in survivors if j not in released))
         needed = [k for k in released if not cov[k] <= kept]  # holds state no one else does
         if needed:
-            done, _ = ray.wait([ref_of[k] for k in needed], num_returns=len(needed),
-                               timeout=self.health.stuck_release_s)  # fmt: skip
+            done, _ = self.workers.wait([ref_of[k] for k in needed], num_returns=len(needed),
+                                        timeout=self.health.stuck_release_s)  # fmt: skip
             released = [k for k in released if ref_of[k] not in done]
         for k in released:
             self.placement.kill(survivors.pop(k))
-        quiet_get([a.leave.remote() for a in survivors.values()], 30)
+        quiet_get(self.workers, call_all(self.workers, list(survivors.values()), "leave"), 30)
         return released
 
     def _wait_aborted(
@@ -226,8 +226,6 @@ class Recovery:
         group has returned from the step is stuck for sure (that partner will never join)
         and not waited for: recovery goes on without waiting out the grace. Those are
         remembered in :attr:`seen_reducing`."""
-        import ray
-
         pending = {k: ref_of[k] for k in survivors}
         group_of = {k: set(g) for groups in self.plan.shared_groups().values()
                     for g in groups for k in g}  # fmt: skip
@@ -236,11 +234,13 @@ class Recovery:
         deadline = time.monotonic() + grace_s
         while pending and time.monotonic() < deadline:
             poll = min(0.2, max(0.0, deadline - time.monotonic()))
-            ready, _ = ray.wait(list(pending.values()), num_returns=len(pending), timeout=poll)
+            waiting = list(pending.values())
+            ready, _ = self.workers.wait(waiting, num_returns=len(pending), timeout=poll)
             pending = {k: r for k, r in pending.items() if r not in ready}
             returned = set(survivors) - set(pending)
             asked = [k for k in pending if group_of.get(k, set()) & returned]
-            answers = quiet_get([survivors[k].reducing.remote() for k in asked], 1.0)
+            refs = call_all(self.workers, [survivors[k] for k in asked], "reducing")
+            answers = quiet_get(self.workers, refs, 1.0)
             found = {k for k, reducing in zip(asked, answers, strict=True) if reducing is True}
             for k in list(pending):
                 seen[k] = seen.get(k, 0) + 1 if k in found else 0
@@ -281,10 +281,8 @@ class Recovery:
     def grow_decision(self) -> GrowBack | Stay:
         """Whether devices that came back (a node returned or joined) allow a layout
         predicted at least 5 % faster."""
-        import ray
-
         plan, spec = self.plan, self.spec
-        avail = ray.available_resources()
+        avail = self.workers.available()
         used = {site.name: 0 for site in spec.sites}
         for _, site in self.placement.actor_sites():
             used[site] += 1
@@ -303,18 +301,17 @@ class Recovery:
     def grow(self, step: int, decision: GrowBack) -> float:
         """Switch to ``decision.plan`` at step boundary ``step``: new actors take the free
         devices and load their layers from the running replicas' snapshot of ``step``."""
-        import ray
-
+        w = self.workers
         t0 = time.perf_counter()
         flat = self.placement.flat()
         pool = list((a, key) for key, a in self.placement.roles().items())
         if not self.spec.training.recovery_snapshots:  # then none is kept between steps
-            ray.get([a.snapshot.remote(step) for a in flat])
+            ask(w, flat, "snapshot", step)
         for a in flat:  # the boundary snapshot of this step, complete everywhere
             deadline = time.time() + 60
-            while step not in ray.get(a.boundary_steps.remote()) and time.time() < deadline:
+            while step not in ask(w, [a], "boundary_steps")[0] and time.time() < deadline:
                 time.sleep(0.05)
-        ray.get([a.leave.remote() for a in flat])
+        ask(w, flat, "leave")
         moved = self.relayout(decision.plan, pool, step, pool)
         self.layout_s = decision.predicted_new_s
         seconds = time.perf_counter() - t0
@@ -341,17 +338,51 @@ class Recovery:
         layers; slots no pooled actor can take get new actors. Then restore every actor to
         step boundary ``step`` from ``holders`` — (actor, old key) pairs with that snapshot —
         or from ``ckpt``; pooled actors left over serve as sources until every load is done,
-        then stop. Returns the bytes moved per path (see :mod:`geopipe.runtime.actor.handoff`)."""
-        import ray
+        then stop. Returns the bytes moved per path (see :mod:`geopipe.runtime.actor.handoff`).
 
+        [Note: a death while re-forming] If an actor dies before the new layout holds its
+        state, the placement goes back to the layout the survivors' snapshots belong to
+        (the actors made for the new one are stopped) before the error leaves: the
+        controller's next recovery reads which layers each survivor holds from the plan,
+        and the new plan's keys would name layers they never held."""
+        pl, w = self.placement, self.workers
+        old_plan, old_rows = pl.plan, pl.rows
+        rows, keep, spares, made = self._lay_over(new_plan, pool)
+        pl.plan, pl.rows = new_plan, rows
+        try:
+            w.get([w.call(a, "reconfigure", pl.stage_spec(k, r)) for a, k, r in keep])
+            pl.wire()
+            if ckpt is not None:  # each site's actors read their own site's copy
+                w.get([w.call(a, "load_checkpoint", ckpt.paths[site])
+                       for a, site in pl.actor_sites()])  # fmt: skip
+                moved = {"checkpoint": len(pl.flat())}
+            else:
+                moved = self._handoff(step, holders, old_plan)
+            ask(w, pl.flat(), "drop_boundaries")
+        except WorkerLost:
+            for a in made:
+                pl.kill(a)
+            pl.plan, pl.rows = old_plan, old_rows
+            raise
+        for a in spares:
+            pl.kill(a)
+        return moved
+
+    def _lay_over(
+        self, new_plan: Plan, pool: list[tuple[Any, Key]]
+    ) -> tuple[list, list, list, list]:
+        """``new_plan``'s rows over ``pool``, per site preferring actors that keep their
+        layers, new actors where none is left: (rows, kept (actor, stage, pipeline),
+        spares, made)."""
         pl = self.placement
         old_plan = pl.plan
         by_site: dict[str, list[tuple[Any, Key]]] = {}
         for a, old in pool:
             by_site.setdefault(old_plan.site_of(*old), []).append((a, old))
-        pl.plan = new_plan
+        pl.plan = new_plan  # new actors are made for it
         rows: list[list[Any]] = []
         keep: list[tuple[Any, int, int]] = []
+        made: list[Any] = []
         for k in range(new_plan.num_stages):
             row = []
             for r in range(new_plan.replicas(k)):
@@ -364,36 +395,23 @@ class Recovery:
                     keep.append((a, k, r))
                 else:
                     a = pl.create(k, r)
+                    made.append(a)
                 row.append(a)
             rows.append(row)
         spares = [a for rest in by_site.values() for a, _ in rest]
-        pl.rows = rows
-        ray.get([a.reconfigure.remote(pl.stage_spec(k, r)) for a, k, r in keep])
-        pl.wire()
-        if ckpt is not None:  # each site's actors read their own site's copy
-            ray.get([a.load_checkpoint.remote(ckpt.paths[site])
-                     for a, site in pl.actor_sites()])  # fmt: skip
-            moved = {"checkpoint": len(pl.flat())}
-        else:
-            moved = self._handoff(step, holders, old_plan)
-        ray.get([a.drop_boundaries.remote() for a in pl.flat()])
-        for a in spares:
-            pl.kill(a)
-        return moved
+        return rows, keep, spares, made
 
     def _handoff(self, step: int, holders: list[tuple[Any, Key]], old_plan: Plan) -> dict:
         """Every actor of the (just wired) layout loads boundary ``step``, as planned by
         :func:`geopipe.runtime.actor.handoff.plan_handoff`."""
-        import ray
-
         from geopipe.model.hf import EMBED, HEAD
         from geopipe.runtime.actor.handoff import Holder, Receiver, Restore, plan_handoff
 
-        pl = self.placement
+        pl, w = self.placement, self.workers
         flat = pl.flat()
         site = {id(a): s for a, s in pl.actor_sites()}
-        shapes = ray.get([a.param_shapes.remote() for a in flat])
-        names = ray.get([a.boundary_names.remote(step) for a, _ in holders])
+        shapes = ask(w, flat, "param_shapes")
+        names = w.get([w.call(a, "boundary_names", step) for a, _ in holders])
         by_id = {id(a): a for a, _ in holders}
         hs = [
             Holder(id(a), old_plan.site_of(*key), pl.site_rank.get(id(a)), frozenset(n))
@@ -407,6 +425,6 @@ class Recovery:
         for a in flat:
             r = todo.get(id(a), Restore())
             fetch = [(by_id[key], n) for key, n in r.fetch]
-            calls.append(a.restore_boundary.remote(step, r, fetch))
-        stats = ray.get(calls)
+            calls.append(w.call(a, "restore_boundary", step, r, fetch))
+        stats = w.get(calls)
         return {key: sum(s[key] for s in stats) for key in ("p2p_bytes", "object_store_bytes")}

@@ -77,9 +77,11 @@ class Reporter:
         """Tell the user something (:func:`~geopipe.runtime.control.metrics.say`)."""
         say(message, warning)
 
-    def open(self, metrics_path: Path) -> None:
+    def open(self, metrics_path: Path, ray_metrics: bool = True) -> None:
+        """Start the metrics file (and TensorBoard; and Ray's gauges with ``ray_metrics``)."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.sink = MetricsSink(metrics_path, self.run, tensorboard=self.run_dir / "tensorboard")
+        tb = self.run_dir / "tensorboard"
+        self.sink = MetricsSink(metrics_path, self.run, use_ray=ray_metrics, tensorboard=tb)
 
     def silence(
         self, step: int, sites: list[str], event: str, site: str, secs: float, limit: float

@@ -27,7 +27,6 @@ site's copy.
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 import uuid
 from collections.abc import Callable
@@ -41,6 +40,7 @@ from geopipe.config import ClusterSpec
 from geopipe.runtime.control.cluster import kill_actors
 from geopipe.runtime.control.health import quiet_get, ref_failed
 from geopipe.runtime.control.reporting import Reporter
+from geopipe.runtime.control.workers import SpawnOptions, Workers, ask, call_all
 from geopipe.runtime.storage.sitestore import ShardSource, SiteStore
 
 __all__ = ["LINK_SHARE", "SiteCopies"]
@@ -77,13 +77,8 @@ class StoreUnusable(CheckpointError):
         self.site = site
 
 
-@functools.cache
-def _remote_store() -> Any:
-    """:class:`SiteStore` as a Ray actor class, made once per process (see
-    ``placement._remote_worker``: Ray re-exports every new class)."""
-    import ray
-
-    return ray.remote(max_concurrency=4)(SiteStore)
+# Calls a store serves at once: a save's pulls, and beside them pings, holdings, aborts.
+STORE_CONCURRENCY = 4
 
 
 class SiteCopies:
@@ -99,8 +94,11 @@ class SiteCopies:
         actor_sites: Callable[[], list[tuple[Any, str]]] | None = None,
         creds: Any = None,
         link: Callable[[str, str], Any] | None = None,
+        *,
+        workers: Workers,
     ) -> None:
         self.spec = spec
+        self.workers = workers  # makes the stores and calls them and the stage actors
         # The link between two sites as the run prices it now (measured at launch where
         # links are real): copies are paced by it. Default: the YAML's.
         self._link = link or spec.link
@@ -143,7 +141,7 @@ class SiteCopies:
             cands = [a for k, s in enumerate(self._stage_sites()) if s == site and k < len(rows)
                      for a in rows[k]]  # fmt: skip
         for a in cands:
-            node = quiet_get([a.node_id.remote()], 10)[0]
+            node = quiet_get(self.workers, [self.workers.call(a, "node_id")], 10)[0]
             if node is not None:
                 return node
         return None
@@ -155,8 +153,6 @@ class SiteCopies:
     def open_stores(self, sites: list[str]) -> dict[str, Any]:
         """The stores of ``sites``, the missing ones created together (each is a new actor
         process: made one after another they cost a launch one start-up per site)."""
-        import ray
-
         made: dict[str, Any] = {}
         current = sites[0] if sites else ""
         try:
@@ -164,8 +160,8 @@ class SiteCopies:
                 if current not in self._stores:
                     made[current] = self._create(current)
             for current, handle in list(made.items()):
-                ray.get(handle.ping.remote())  # the directory could not be made: fail here
-                moved = ray.get(handle.moved.remote())
+                ask(self.workers, [handle], "ping")  # the directory could not be made: fail here
+                moved = ask(self.workers, [handle], "moved")[0]
                 if moved is not None:
                     self.moved_aside[current] = tuple(moved)
                 self._stores[current] = made.pop(current)
@@ -173,14 +169,12 @@ class SiteCopies:
             failed = current
             for handle in made.values():  # started, never to be used: no name left taken
                 with contextlib.suppress(Exception):
-                    ray.kill(handle, no_restart=True)
+                    self.workers.kill(handle)
             lines = str(exc).strip().splitlines() or [type(exc).__name__]
             raise StoreUnusable(failed, self.root(failed), lines[-1]) from None
         return {s: self._stores[s] for s in sites}
 
     def _create(self, site: str) -> Any:
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
         node = self._node_of(site)
         if node is None:
             raise CheckpointError(f"no actor runs in site {site}: nowhere to place its store")
@@ -188,16 +182,17 @@ class SiteCopies:
         self._made += 1
         if self._made > len(self.spec.sites):  # a replacement: Ray may still hold the name
             name += f"-{self._made}"
-        handle = (
-            _remote_store()
-            .options(
-                name=name, namespace=self.spec.ray.namespace, num_cpus=0,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-                runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
-            )
-            .remote(site, str(self.root(site)), self.spec.training.checkpoint.keep, self.creds,
-                    self.spec.security.listen == "all", self._run_for(site))
-        )  # fmt: skip
+        opts = SpawnOptions(
+            name=name,
+            namespace=self.spec.ray.namespace,
+            node=node,
+            env={"OMP_NUM_THREADS": "1"},
+            max_concurrency=STORE_CONCURRENCY,
+        )
+        ck = self.spec.training.checkpoint
+        listen_all = self.spec.security.listen == "all"
+        args = (site, str(self.root(site)), ck.keep, self.creds, listen_all, self._run_for(site))
+        handle = self.workers.spawn(SiteStore, args, opts)
         self._handles[name] = handle
         return handle
 
@@ -213,15 +208,13 @@ class SiteCopies:
     def live_stores(self, timeout: float = 30.0) -> dict[str, Any]:
         """The stores that answer within ``timeout``. Dead ones are forgotten (re-created on
         next use); slow ones (a loaded machine) are only left out of this answer."""
-        import ray
-
-        refs = {s: h.ping.remote() for s, h in self._stores.items()}
-        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout)
+        refs = {s: self.workers.call(h, "ping") for s, h in self._stores.items()}
+        ready, _ = self.workers.wait(list(refs.values()), num_returns=len(refs), timeout=timeout)
         live = {}
         for s, r in refs.items():
             if r not in ready:
                 continue
-            if ref_failed(r):
+            if ref_failed(self.workers, r):
                 del self._stores[s]
             else:
                 live[s] = self._stores[s]
@@ -230,22 +223,20 @@ class SiteCopies:
     def close(self) -> list[str]:
         """Stop the stores; returns their names (a relaunch of the run makes stores of the
         same names: see :func:`~geopipe.runtime.control.cluster.wait_released`)."""
-        names = kill_actors(self._handles)
+        names = kill_actors(self.workers, self._handles)
         self._stores, self._handles = {}, {}
         return names
 
     # -- saving --------------------------------------------------------------------------------
     def save(self, step: int) -> None:
         """Start the save of boundary ``step``: snapshot, encode, and the stores' pulls."""
-        import ray
-
         self.poll(wait=True)
         t0 = time.perf_counter()
         rows, sites = self._actors(), self._stage_sites()
         flat = [a for row in rows for a in row]
         # A dead actor raises here, before anything else: the controller then recovers.
-        stalls = ray.get([a.save_shard.remote(None, step) for a in flat])
-        flat_refs = [a.shard_written.remote() for a in flat]
+        stalls = ask(self.workers, flat, "save_shard", None, step)
+        flat_refs = call_all(self.workers, flat, "shard_written")
         first = [sum(len(r) for r in rows[:k]) for k in range(len(rows))]
         targets = self.copy_sites()
         manifest = {**self._manifest(step), "time": time.time(),
@@ -263,7 +254,8 @@ class SiteCopies:
                 save.failed[s] = _short(exc)
         for s, st in stores.items():
             srcs = self._sources(save, s, sites)
-            save.fetches[s] = st.save.remote(step, save.save_id, manifest, srcs, *save.infos)
+            save.fetches[s] = self.workers.call(st, "save", step, save.save_id, manifest, srcs,
+                                                *save.infos)  # fmt: skip
         self._pending = save
 
     def _sources(self, save: _Save, dst: str, sites: list[str]) -> list[ShardSource]:
@@ -281,7 +273,8 @@ class SiteCopies:
         """``actor``'s chunk server (asked once per actor; None if it does not answer)."""
         key = id(actor)
         if key not in self._addresses:
-            self._addresses[key] = quiet_get([actor.chunk_address.remote()], 30)[0]
+            ref = self.workers.call(actor, "chunk_address")
+            self._addresses[key] = quiet_get(self.workers, [ref], 30)[0]
         return self._addresses[key]
 
     def _rate(self, src: str, dst: str) -> float | None:
@@ -293,17 +286,15 @@ class SiteCopies:
         for them); a writer that died is stood in for. If no copy commits: an event and a
         warning (the previous checkpoint stays the newest; a failure behind it is the next
         step's to find), or with ``strict`` (the run's last save) an error."""
-        import ray
-
         save = self._pending
         if save is None:
             return
         refs = save.flat_refs + list(save.fetches.values())
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=None if wait else 0)
+        ready, _ = self.workers.wait(refs, num_returns=len(refs), timeout=None if wait else 0)
         if len(ready) < len(refs):
             return
         self._pending = None
-        failed = {s: r for s, r in save.fetches.items() if ref_failed(r)}
+        failed = {s: r for s, r in save.fetches.items() if ref_failed(self.workers, r)}
         if failed:
             self._stand_in(save, failed)
         self._finish(save, strict)
@@ -311,47 +302,44 @@ class SiteCopies:
     def _stand_in(self, save: _Save, failed: dict[str, Any]) -> None:
         """Stages whose writer died: a surviving replica encodes the shard instead, and the
         sites whose pulls failed pull again (they keep what they already have)."""
-        import ray
-
+        w = self.workers
         rows, sites = self._actors(), self._stage_sites()
         flat_failed = {id(a) for a, r in zip([a for row in rows for a in row], save.flat_refs,
-                                             strict=True) if ref_failed(r)}  # fmt: skip
+                                             strict=True) if ref_failed(w, r)}  # fmt: skip
         for k, ref in enumerate(save.infos):
-            if not ref_failed(ref):
+            if not ref_failed(w, ref):
                 continue
             for a in rows[k][1:] if k < len(rows) else []:
                 if id(a) in flat_failed:
                     continue
-                info = a.write_shard_instead.remote(save.step)
-                if quiet_get([info], 60)[0] is not None:
+                info = w.call(a, "write_shard_instead", save.step)
+                if quiet_get(w, [info], 60)[0] is not None:
                     save.writers[k], save.infos[k] = a, info
                     self.reporter.event("checkpoint_stand_in", step=save.step, stage=k)
                     break
         live = self.live_stores()
-        again = {s: live[s].save.remote(save.step, save.save_id, save.manifest,
-                                        self._sources(save, s, sites), *save.infos)
+        again = {s: w.call(live[s], "save", save.step, save.save_id, save.manifest,
+                           self._sources(save, s, sites), *save.infos)
                  for s in failed if s in live}  # fmt: skip
         for s, ref in again.items():
             save.fetches[s] = ref
         if again:
-            ray.wait(list(again.values()), num_returns=len(again),
-                     timeout=self.spec.health.copy_wait_s)  # fmt: skip
+            w.wait(list(again.values()), num_returns=len(again),
+                   timeout=self.spec.health.copy_wait_s)  # fmt: skip
 
     def _finish(self, save: _Save, strict: bool) -> None:
         """Collect the sites' commits; abandon the copies that failed; report."""
-        import ray
-
         committed: dict[str, dict] = {}
         for s, ref in save.fetches.items():
             store = self._stores.get(s)
             try:
-                committed[s] = ray.get(ref, timeout=0)
+                committed[s] = self.workers.get([ref], timeout=0)[0]
             except Exception as exc:  # any failure loses only this copy
                 save.failed[s] = _short(exc)
                 if store is not None:
-                    store.abort.remote(save.step, save.save_id)
-        for a in (a for row in self._actors() for a in row):
-            a.release_shard.remote(save.step)
+                    self.workers.call(store, "abort", save.step, save.save_id)
+        flat = [a for row in self._actors() for a in row]
+        call_all(self.workers, flat, "release_shard", save.step)
         if not committed:
             self.reporter.event("checkpoint_failed", step=save.step, failed=save.failed)
             why = (f"no copy of checkpoint step {save.step} could be committed: "
@@ -378,27 +366,26 @@ class SiteCopies:
     def settle(self) -> None:
         """After a failure: commit what can be committed of the save in flight, abandon the
         rest (each site's previous copy stays its newest)."""
-        import ray
-
         save = self._pending
         if save is None:
             return
         refs = save.flat_refs + list(save.fetches.values())
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.spec.health.settle_s)
+        settle_s = self.spec.health.settle_s
+        ready, _ = self.workers.wait(refs, num_returns=len(refs), timeout=settle_s)
         if len(ready) == len(refs):
             self.poll(wait=True)
             return
         self._pending = None
         for s in save.fetches:
             if s in self._stores:
-                self._stores[s].abort.remote(save.step, save.save_id)
+                self.workers.call(self._stores[s], "abort", save.step, save.save_id)
         self.reporter.event("checkpoint_abandoned", step=save.step)
 
     # -- restoring -----------------------------------------------------------------------------
     def holdings(self) -> dict[str, list[SiteCopy]]:
         """What every live store holds (complete, verified copies)."""
         live = self.live_stores()
-        got = quiet_get([h.holdings.remote() for h in live.values()], 60)
+        got = quiet_get(self.workers, call_all(self.workers, list(live.values()), "holdings"), 60)
         return {s: h for s, h in zip(live, got, strict=True) if h is not None}
 
     def restorable(self, prefer: list[str]) -> Restorable | None:
@@ -409,16 +396,14 @@ class SiteCopies:
     def paths_for(self, point: Restorable, sites: list[str]) -> dict[str, str]:
         """Each of ``sites`` gets a complete copy of ``point`` (pulled from ``point.site``
         where missing); returns each one's directory."""
-        import ray
-
         out = {}
         for s in dict.fromkeys(sites):
             store = self.store(s)
             if s in point.complete_at:
-                out[s] = ray.get(store.path_of.remote(point.step))
+                out[s] = ask(self.workers, [store], "path_of", point.step)[0]
             else:
                 source = self._stores[point.site]
-                out[s] = ray.get(store.copy_from.remote(point.step, source))
+                out[s] = ask(self.workers, [store], "copy_from", point.step, source)[0]
                 self.reporter.event("checkpoint_copied", step=point.step, to=s, source=point.site)
         return out
 
