@@ -207,10 +207,11 @@ def _dry_run(spec: ClusterSpec, args: argparse.Namespace) -> int:
         print(format_mix(rp.plan, rp.predicted.iteration_time_s))
     if rp.strategy is not None:
         print_strategy(rp.strategy, console)
-    if rp.outer_refused or rp.outer is not None:
-        why = f": {rp.outer_refused}" if rp.outer_refused else ""
-        print(f"geopipe launch: {OUTER_NOT_LAUNCHED}{why}", file=sys.stderr)
+    if rp.outer_refused:
+        print(f"geopipe launch: {OUTER_NOT_LAUNCHED}: {rp.outer_refused}", file=sys.stderr)
         return EXIT_USAGE
+    if rp.outer is not None:
+        print(f"launch runs {rp.plan.describe()}, meeting every {rp.outer.h} steps")
     for note in notes:
         print(f"note: {note}")
     calibrate = spec.plan.calibrate

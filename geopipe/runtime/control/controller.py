@@ -28,19 +28,19 @@ import contextlib
 import os
 import secrets
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from geopipe.config import ClusterSpec, HealthSpec
-from geopipe.optimizer.codec_guard import apply_fallbacks, codec_fallbacks
+from geopipe.config import ClusterSpec
 from geopipe.optimizer.errors import PlanningError
 from geopipe.optimizer.evaluate import Evaluation
 from geopipe.optimizer.measurements import Measurements
+from geopipe.optimizer.outerplan import OuterRun
 from geopipe.optimizer.policies import GrowBack
 from geopipe.optimizer.runplan import Overrides, plan_run
 from geopipe.plan import Plan
-from geopipe.runtime.control.calibration import Calibrator, searched_codecs
+from geopipe.runtime.control.calibration import Calibrator
 from geopipe.runtime.control.chaos import ChaosMonkey
 from geopipe.runtime.control.checkpointing import CheckpointCoordinator
 from geopipe.runtime.control.cluster import (
@@ -51,6 +51,7 @@ from geopipe.runtime.control.cluster import (
     check_sites,
 )
 from geopipe.runtime.control.context import RunContext
+from geopipe.runtime.control.guards import guard_codecs
 from geopipe.runtime.control.health import (
     ActorsUnresponsive,
     StepHung,
@@ -59,8 +60,10 @@ from geopipe.runtime.control.health import (
 )
 from geopipe.runtime.control.history import RunHistory
 from geopipe.runtime.control.linkprobe import probe_links
-from geopipe.runtime.control.metrics import StepMetrics, aggregate, measured_events
+from geopipe.runtime.control.metrics import aggregate, measured_events
 from geopipe.runtime.control.models import check_data_source
+from geopipe.runtime.control.options import LaunchOptions, RunResult
+from geopipe.runtime.control.outerloop import OuterRounds
 from geopipe.runtime.control.placement import Placement
 from geopipe.runtime.control.planning import measure_before_planning
 from geopipe.runtime.control.recovery import Recovery
@@ -90,44 +93,30 @@ from geopipe.runtime.control.workers import (
 )
 from geopipe.transport.security import make_credentials
 
-__all__ = ["OUTER_NOT_LAUNCHED", "Controller", "LaunchOptions", "RunResult", "State"]
+__all__ = [
+    "OUTER_NOT_LAUNCHED",
+    "OUTER_NO_RECOVERY",
+    "Controller",
+    "LaunchOptions",
+    "RunResult",
+    "State",
+]
 
-# What launch says when the plan's strategy is an outer loop between replica groups: the
-# planner prices it and the stage actors hold its numerics, but the controller does not
-# drive rounds yet (a pipeline across sites is what launch runs).
+# What launch says when the strategy table's outer loop is one the runtime cannot run yet
+# (the reason follows: groups of different layouts, a split tied embedding).
 OUTER_NOT_LAUNCHED = (
-    "plan.strategy chose an outer loop between replica groups, which `geopipe plan` prices "
-    "but launch does not run yet: set plan.strategy: pipeline to launch the pipeline across "
-    "sites"
+    "plan.strategy chose an outer loop between replica groups that `geopipe plan` prices but "
+    "launch cannot run yet (set plan.strategy: pipeline to launch the pipeline across sites)"
+)
+# An outer-loop run that loses an actor ends with this (the survivors going on with M-1
+# groups, and template recovery inside a group, are still to come).
+OUTER_NO_RECOVERY = (
+    "the outer-loop run lost an actor ({error}); recovering an outer-loop run (the other "
+    "groups going on without it) is not implemented yet: resume from the last checkpoint"
 )
 
 # A recovery interrupted by another death is retried from what is left, this many times.
 MAX_NESTED_RECOVERIES = 3
-
-
-@dataclass
-class LaunchOptions:
-    steps: int | None = None
-    schedule: str | None = None
-    run_dir: str | None = None
-    metrics_out: str | None = None
-    trace: str | None = None
-    progress: bool = True
-    plan: Plan | None = None  # run this plan instead of searching one
-    resume: str | bool = False  # True: newest complete checkpoint of the run; or a path
-    chaos_kill_every: int | None = None  # kill a random stage actor every N steps (demo aid)
-    checkpoint_sync: bool = False  # write checkpoints synchronously (benchmarks compare)
-    health: HealthSpec | None = None  # the control plane's clocks; None: the YAML's
-
-
-@dataclass
-class RunResult:
-    plan: Plan
-    predicted: Evaluation
-    steps: list[StepMetrics] = field(default_factory=list)
-    run_dir: Path | None = None
-    dashboard_url: str | None = None
-    actor_names: list[str] = field(default_factory=list)
 
 
 def run_dir_for(spec: ClusterSpec, override: str | None) -> Path:
@@ -199,6 +188,8 @@ class Controller:
                                  self.workers)  # fmt: skip
         self._resume: Any = None
         self.links_measured: list = []  # the WAN links as probed at launch
+        self.outer_run: OuterRun | None = None  # the strategy's outer loop, when chosen
+        self.outer: OuterRounds | None = None  # its driver half, from Launching on
         self.planned_with = Measurements()  # what the plan was made with (the plan event)
         self._stop_requested = False  # set by the first Ctrl-C while training
         self._nested_failures = 0  # recoveries in a row that a further death interrupted
@@ -273,8 +264,12 @@ class Controller:
             raise LaunchError(str(exc)) from None
         if rp.outer_refused:
             raise LaunchError(f"{OUTER_NOT_LAUNCHED}: {rp.outer_refused}")
-        if rp.outer is not None:  # until the controller drives rounds (outerloop.py)
-            raise LaunchError(OUTER_NOT_LAUNCHED)
+        if rp.outer is not None and self._resume is not None:
+            raise LaunchError(
+                "--resume of an outer-loop run: its outer state (the outer momentum, fragments "
+                "in flight) is not in checkpoints yet, so a resume would not be exact"
+            )
+        self.outer_run = rp.outer
         self.ctx = self.ctx.measured(measured).planned(rp.plan, rp.predicted)
         self.planned_with = self.ctx.measurements
         self.plan, self.predicted = rp.plan, rp.predicted
@@ -325,10 +320,16 @@ class Controller:
         from geopipe.optimizer.templates import build_templates
 
         priced = self.ctx.priced
-        # Pipeline templates for every device count are ready before anything fails.
+        if self.outer_run is not None:  # theta_global from the weights every group now holds
+            self.outer = OuterRounds(priced, self.outer_run, self.workers, self.reporter.say,
+                                     self.reporter.event)  # fmt: skip
+            sites = [site for _, site in self.placement.actor_sites()]
+            self.outer.begin([a for a, _ in self.placement.actor_sites()], sites)
+        # Pipeline templates for every device count are ready before anything fails (an
+        # outer-loop run does not recover yet: OUTER_NO_RECOVERY).
+        templates = None if self.outer is not None else build_templates(priced, plan=self.plan)
         self.recovery = Recovery(priced, self.placement, self.checkpoints, self.reporter,
-                                 priced.health, self.history,
-                                 build_templates(priced, plan=self.plan), self.workers)  # fmt: skip
+                                 priced.health, self.history, templates, self.workers)  # fmt: skip
         self.calibrator = Calibrator(priced, self.opts.plan is not None,
                                      self.predicted.iteration_time_s,
                                      self.links_measured)  # fmt: skip
@@ -347,6 +348,7 @@ class Controller:
             "plan", run_id=self.run_id, lineage=self.lineage, config_hash=self.ctx.config_hash,
             overrides=self.overrides.to_dict(),
             plan=self.plan.to_dict(), predicted=self.predicted.summary(),
+            outer=self.outer_run.to_dict() if self.outer_run else None,
             links_measured=[m.to_dict() for m in self.links_measured],
             planned_with=self.planned_with.to_dict(), measurements=self.ctx.measurements.to_dict(),
             codec_gb_per_s={s.name: s.codec_gb_per_s for s in self.ctx.priced.sites},
@@ -398,6 +400,8 @@ class Controller:
         if isinstance(state, Launching):
             return self._launch()
         if isinstance(state, Recovering):
+            if self.outer is not None:
+                raise LaunchError(OUTER_NO_RECOVERY.format(error=state.error))
             self._status(state.step, state)
             grace_s = max(5.0, 2 * self.calibrator.predicted_s)
             try:
@@ -445,6 +449,8 @@ class Controller:
         nxt = step + 1
         try:
             self._record(step, results)
+            if self.outer is not None:  # the outer loop's sends and applies after this step
+                self.outer.after_step(nxt, [a for a, _ in self.placement.actor_sites()])
         except (WorkerLost, WorkerFailed) as exc:  # an actor died between steps (ΔN)
             return Recovering(nxt, exc, self._pings())
         if self._stop_requested:
@@ -493,24 +499,11 @@ class Controller:
         self._set_plan(cal.plan)
 
     def _guard_codecs(self, step: int, results: list) -> None:
-        """A hop whose sampled codec error exceeds ``plan.max_codec_error`` sends that
-        direction with the next finer codec from the next step (`codec_guard`)."""
-        bound = self.spec.plan.max_codec_error
-        if bound is None:
-            return
-        samples = [(r.stage, r.replica, d, e) for r in results for d, e in r.codec_error.items()]
-        fallbacks = codec_fallbacks(self.plan, samples, bound, searched_codecs(self.spec))
-        if not fallbacks:
-            return
-        ask(self.workers, self.flat_actors(), "set_codecs", fallbacks)
-        self._set_plan(apply_fallbacks(self.plan, fallbacks))
-        for fb in fallbacks:
-            self.reporter.event("codec_fallback", step=step, link=f"{fb.src}→{fb.dst}",
-                                direction=fb.direction, codec=fb.old, to=fb.new,
-                                error=round(fb.error, 6), bound=bound)  # fmt: skip
-            self.reporter.say(f"step {step}: {fb.direction} codec {fb.old} on {fb.src}→{fb.dst} "
-                              f"errs {fb.error:.3g} > plan.max_codec_error {bound:g}: {fb.new} "
-                              "from the next step")  # fmt: skip
+        """A hop erring past ``plan.max_codec_error`` falls back (:func:`guard_codecs`)."""
+        plan = guard_codecs(self.spec, self.plan, step, results, self.workers,
+                            self.flat_actors(), self.reporter)  # fmt: skip
+        if plan is not None:
+            self._set_plan(plan)
 
     def _checkpoint(self, state: Checkpointing) -> State:
         if not state.final:

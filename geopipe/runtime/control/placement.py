@@ -195,10 +195,10 @@ class Placement:
             data_max_bytes=t.data_max_bytes, topk_ratio=spec.plan.topk_ratio,
             up_wan=self._wan_peer(plan, k, k - 1) if k > 0 else None,
             down_wan=self._wan_peer(plan, k, k + 1) if k < plan.num_stages - 1 else None,
-            recovery_snapshots=t.recovery_snapshots, hold=hold, first_microbatch=first,
+            recovery_snapshots=t.recovery_snapshots, hold=hold,
             stand_in_writer=stand_in, tie_peer=self._tie_peer(plan, k),
             creds=self.creds, listen_all=spec.security.listen == "all",
-            wan_outage_s=spec.health.wan_outage_s,
+            wan_outage_s=spec.health.wan_outage_s, **_group_of(full, r, first),
         )  # fmt: skip
 
     def _tie_peer(self, plan: Plan, k: int) -> WanPeer | None:
@@ -294,3 +294,18 @@ class Placement:
             out["step"] = st["step"]
             out.setdefault("lr_step", st["lr_step"])
         return out
+
+
+def _group_of(plan: Plan, r: int, first: int | None) -> dict:
+    """Pipeline ``r``'s replica group and where its micro-batches start inside the group's
+    slice of every global batch ([Note: replica groups] in :mod:`geopipe.plan`); nothing for
+    a synchronous plan."""
+    if plan.num_groups == 1:
+        return {"first_microbatch": first}
+    g = plan.group_of(r)
+    start = plan.first_microbatch(plan.groups.index(g))
+    return {
+        "group": g,
+        "groups": plan.num_groups,
+        "first_microbatch": plan.first_microbatch(r) - start,
+    }
