@@ -223,8 +223,9 @@ def train_outer(s: Setting, data: Data, seed: int = 0) -> tuple[float, dict]:
 def sync_run(seed: int, data: Data) -> float:
     t0 = time.perf_counter()
     loss = train_sync(seed, data)
-    print(f"sync seed {seed}: held-out loss {loss:.4f} ({time.perf_counter() - t0:.0f} s)",
-          flush=True)  # fmt: skip
+    print(
+        f"sync seed {seed}: held-out loss {loss:.4f} ({time.perf_counter() - t0:.0f} s)", flush=True
+    )
     return loss
 
 
@@ -234,18 +235,34 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16, help="global batch (sequences per step)")
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--quick", action="store_true", help="only M = 2, codec none, F = 1")
-    ap.add_argument("--h", type=lambda v: [int(x) for x in v.split(",")], default=None,
-                    help="comma-separated H values (M = 2, codec none, F = 1)")  # fmt: skip
+    ap.add_argument(
+        "--h",
+        type=lambda v: [int(x) for x in v.split(",")],
+        default=None,
+        help="comma-separated H values (M = 2, codec none, F = 1)",
+    )
     ap.add_argument("--outer-lr", type=float, default=OUTER_LR)
     ap.add_argument("--outer-momentum", type=float, default=OUTER_MOMENTUM)
-    ap.add_argument("--sync-loss", type=lambda v: [float(x) for x in v.split(",")],
-                    help="the two sync seeds' held-out losses of an earlier run with the same "
-                    "settings (deterministic), instead of training them again")  # fmt: skip
-    ap.add_argument("--seed", type=int, default=0, choices=(0, 1),
-                    help="the outer runs' seed, compared with that sync seed")  # fmt: skip
-    ap.add_argument("--grid", choices=("default", "planner"), default="default",
-                    help="planner: the rows the planner prices, at --outer-lr/--outer-momentum, "
-                    "merged into the table (rows of other outer settings stay)")  # fmt: skip
+    ap.add_argument(
+        "--sync-loss",
+        type=lambda v: [float(x) for x in v.split(",")],
+        help="the two sync seeds' held-out losses of an earlier run with the same "
+        "settings (deterministic), instead of training them again",
+    )
+    ap.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        choices=(0, 1),
+        help="the outer runs' seed, compared with that sync seed",
+    )
+    ap.add_argument(
+        "--grid",
+        choices=("default", "planner"),
+        default="default",
+        help="planner: the rows the planner prices, at --outer-lr/--outer-momentum, "
+        "merged into the table (rows of other outer settings stay)",
+    )
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
@@ -257,8 +274,11 @@ def main() -> None:
         outer = {"outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum}
         args.no_write |= args.grid != "planner"  # a comparison, unless it is the planner's grid
     args.no_write |= args.seed != 0  # the table is seed 0's: another seed's runs are a check
-    grid = (planner_grid(args.outer_lr, args.outer_momentum) if args.grid == "planner"
-            else settings(args.quick, args.h, **outer))  # fmt: skip
+    grid = (
+        planner_grid(args.outer_lr, args.outer_momentum)
+        if args.grid == "planner"
+        else settings(args.quick, args.h, **outer)
+    )
     sync = args.sync_loss or [sync_run(seed, data) for seed in (0, 1)]
     noise = abs(sync[1] - sync[0]) / sync[0]
     rows = []
@@ -266,16 +286,28 @@ def main() -> None:
         t0 = time.perf_counter()
         loss, info = train_outer(s, data, args.seed)
         gap = (loss - sync[args.seed]) / sync[args.seed]
-        rows.append({"replicas": s.replicas, "h": s.h, "fragments": s.fragments,
-                     "overlap": s.overlap, "codec": s.codec, "outer_lr": s.outer_lr,
-                     "outer_momentum": s.outer_momentum, "rel_gap": round(gap, 5),
-                     "loss": round(loss, 5), **info})  # fmt: skip
+        rows.append(
+            {
+                "replicas": s.replicas,
+                "h": s.h,
+                "fragments": s.fragments,
+                "overlap": s.overlap,
+                "codec": s.codec,
+                "outer_lr": s.outer_lr,
+                "outer_momentum": s.outer_momentum,
+                "rel_gap": round(gap, 5),
+                "loss": round(loss, 5),
+                **info,
+            }
+        )
         if args.grid == "planner" and not args.no_write:  # each row as soon as it is measured
             report(args, data, sync, noise, rows, time.perf_counter() - t_start, quiet=True)
         ratio = gap / noise if noise else float("nan")
-        print(f"{s.name:<24} held-out {loss:.4f}  rel gap {gap:+.4f} ({ratio:+.1f}x the sync "
-              f"noise; {info['outer_steps']} outer steps, {time.perf_counter() - t0:.0f} s)",
-              flush=True)  # fmt: skip
+        print(
+            f"{s.name:<24} held-out {loss:.4f}  rel gap {gap:+.4f} ({ratio:+.1f}x the sync "
+            f"noise; {info['outer_steps']} outer steps, {time.perf_counter() - t0:.0f} s)",
+            flush=True,
+        )
     report(args, data, sync, noise, rows, time.perf_counter() - t_start)
 
 
@@ -284,8 +316,15 @@ def merged_rows(path: Path, rows: list[dict]) -> list[dict]:
     before outer settings were recorded per row are DiLoCo's defaults')."""
 
     def key(r: dict) -> tuple:
-        return (r.get("outer_lr", OUTER_LR), r.get("outer_momentum", OUTER_MOMENTUM),
-                r["replicas"], r["h"], r["fragments"], r.get("overlap", 0), r["codec"])  # fmt: skip
+        return (
+            r.get("outer_lr", OUTER_LR),
+            r.get("outer_momentum", OUTER_MOMENTUM),
+            r["replicas"],
+            r["h"],
+            r["fragments"],
+            r.get("overlap", 0),
+            r["codec"],
+        )
 
     try:
         old = json.loads(path.read_text())["rows"]
@@ -296,8 +335,15 @@ def merged_rows(path: Path, rows: list[dict]) -> list[dict]:
     return [r for r in old if key(r) not in new] + rows
 
 
-def report(args, data: Data, sync: list[float], noise: float, rows: list[dict],
-           runtime_s: float, quiet: bool = False) -> None:  # fmt: skip
+def report(
+    args,
+    data: Data,
+    sync: list[float],
+    noise: float,
+    rows: list[dict],
+    runtime_s: float,
+    quiet: bool = False,
+) -> None:
     n_params = sum(p.numel() for p in GPTStage(CFG, 0, num_layers(CFG)).parameters())
     table = {
         "source": "benchmarks/outer_penalty.py",
@@ -317,15 +363,25 @@ def report(args, data: Data, sync: list[float], noise: float, rows: list[dict],
         print(f"wrote {args.out}")
     line: dict[str, object] = {}
     for r in rows:
-        tag = "" if (r["replicas"], r["codec"], r["fragments"]) == (2, "none", 1) else (
-            ("" if r["replicas"] == 2 else f"m{r['replicas']}_")
-            + ("" if r["codec"] == "none" else f"{r['codec']}_")
-            + ("" if r["fragments"] == 1 else f"f{r['fragments']}_")
-        )  # fmt: skip
+        tag = (
+            ""
+            if (r["replicas"], r["codec"], r["fragments"]) == (2, "none", 1)
+            else (
+                ("" if r["replicas"] == 2 else f"m{r['replicas']}_")
+                + ("" if r["codec"] == "none" else f"{r['codec']}_")
+                + ("" if r["fragments"] == 1 else f"f{r['fragments']}_")
+            )
+        )
         line[f"outer_loss_rel_gap_{tag}h{r['h']}"] = r["rel_gap"]
-    line.update(sync_noise=round(noise, 5), sync_loss=round(sync[args.seed], 5), steps=data.steps,
-                outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, seed=args.seed,
-                runtime_s=round(runtime_s))  # fmt: skip
+    line.update(
+        sync_noise=round(noise, 5),
+        sync_loss=round(sync[args.seed], 5),
+        steps=data.steps,
+        outer_lr=args.outer_lr,
+        outer_momentum=args.outer_momentum,
+        seed=args.seed,
+        runtime_s=round(runtime_s),
+    )
     print(json.dumps(line))
 
 

@@ -137,12 +137,12 @@ def _shape_fields(config: dict[str, Any], family: str) -> dict[str, Any]:
         "tie_embeddings": _bool_field(config, "tie_word_embeddings", family),
         # Qwen2's q/k/v biases are fixed by the family; Llama's, Qwen3's, Gemma's and
         # OLMo 2's come from the config; Mistral and Phi-3 have none.
-        "attention_bias": biases == "qkv" or (biases in ("llama", "config") and _bool_field(
-            config, "attention_bias", family)),
+        "attention_bias": biases == "qkv"
+        or (biases in ("llama", "config") and _bool_field(config, "attention_bias", family)),
         "mlp_bias": biases == "llama" and _bool_field(config, "mlp_bias", family),
         "rms_norm_eps": float(eps),
         "max_position_embeddings": _int_field(config, "max_position_embeddings", family, low=2),
-    }  # fmt: skip
+    }
 
 
 def _is_number(value: Any) -> bool:
@@ -157,8 +157,9 @@ def _check_attention(config: dict[str, Any], fields: dict[str, Any]) -> None:
     family, fam = fields["family"], FAMILIES[fields["family"]]
     vocab, heads = fields["vocab_size"], fields["n_head"]
     pad = config.get("pad_token_id", CONFIG_DEFAULTS[family]["pad_token_id"])
-    if pad is not None and (isinstance(pad, bool) or not isinstance(pad, int)
-                            or not -vocab <= pad < vocab):  # fmt: skip
+    if pad is not None and (
+        isinstance(pad, bool) or not isinstance(pad, int) or not -vocab <= pad < vocab
+    ):
         raise HFDirError(
             f"config.json: pad_token_id {pad!r} is not a row of the embedding (vocab_size "
             f"{vocab}): the embedding's padding index must be one of its rows, or null"
@@ -173,21 +174,27 @@ def _check_attention(config: dict[str, Any], fields: dict[str, Any]) -> None:
             "config.json: use_bidirectional_attention is true: geopipe trains causal LMs"
         )
     window = config.get("sliding_window")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
-                               or window < 1):  # fmt: skip
-        raise HFDirError(f"config.json: sliding_window must be null or an integer >= 1 "
-                         f"(got {window!r})")  # fmt: skip
+    if window is not None and (
+        isinstance(window, bool) or not isinstance(window, int) or window < 1
+    ):
+        raise HFDirError(
+            f"config.json: sliding_window must be null or an integer >= 1 (got {window!r})"
+        )
     types = config.get("layer_types")
     if fam.masks == "layer_types" and types is not None:
         n = fields["n_layer"]
-        if not isinstance(types, list) or len(types) != n or any(
-                t not in ATTENTION_KINDS for t in types):  # fmt: skip
+        if (
+            not isinstance(types, list)
+            or len(types) != n
+            or any(t not in ATTENTION_KINDS for t in types)
+        ):
             raise HFDirError(
                 f"config.json: layer_types must list {n} attention kinds, one per layer, each "
                 f"{' or '.join(ATTENTION_KINDS)} (got {types!r})"
             )
         off = ("sliding_window" in config and window is None) or config.get(
-            "use_sliding_window") is False  # fmt: skip
+            "use_sliding_window"
+        ) is False
         if "sliding_attention" in types and off:
             raise HFDirError(
                 "config.json: layer_types has sliding_attention layers but no sliding window "
@@ -236,23 +243,27 @@ def _check_rope(config: dict[str, Any], fields: dict[str, Any]) -> None:
             )
         missing = [k for k in ROPE_REQUIRED[kind] if k not in rope]
         if missing:
-            raise HFDirError(f"config.json: {key} of rope_type {kind!r} lacks "
-                             f"{', '.join(missing)}")  # fmt: skip
+            raise HFDirError(f"config.json: {key} of rope_type {kind!r} lacks {', '.join(missing)}")
         factor = rope.get("factor")
         if factor is not None and not (_is_number(factor) and factor > 0):
             raise HFDirError(f"config.json: {key}.factor must be a number > 0 (got {factor!r})")
         partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
         if not (_is_number(partial) and 0 < partial <= 1):
-            raise HFDirError(f"config.json: partial_rotary_factor must be a number in (0, 1] "
-                             f"(got {partial!r})")  # fmt: skip
+            raise HFDirError(
+                f"config.json: partial_rotary_factor must be a number in (0, 1] (got {partial!r})"
+            )
         dim = int(head_dim * partial)
         if head_dim > 4 and head_dim % 2 and dim == head_dim:
-            raise HFDirError(f"config.json: RoPE needs an even rotary dimension; head_dim is "
-                             f"{head_dim}")  # fmt: skip
+            raise HFDirError(
+                f"config.json: RoPE needs an even rotary dimension; head_dim is {head_dim}"
+            )
         for name in ("short_factor", "long_factor") if kind == "longrope" else ():
             value = rope[name]
-            if not (isinstance(value, list) and len(value) == dim // 2
-                    and all(_is_number(v) for v in value)):  # fmt: skip
+            if not (
+                isinstance(value, list)
+                and len(value) == dim // 2
+                and all(_is_number(v) for v in value)
+            ):
                 raise HFDirError(
                     f"config.json: {key}.{name} must be a list of {dim // 2} numbers (half "
                     f"the rotary dimension {dim})"

@@ -121,9 +121,14 @@ def ensure_stdlib_bpe(cache_dir: str | Path | None = None) -> Path:
         # One process (the tokenizer still uses every core): the caller may be a stage
         # actor, whose threads make forking a worker pool unwise.
         write_dataset(
-            [InputFile(p, "text") for p in files], load_tokenizer(work), out,
-            tokenizer_name=STDLIB_BPE_DIR, sources=[source], progress=False, processes=1,
-        )  # fmt: skip
+            [InputFile(p, "text") for p in files],
+            load_tokenizer(work),
+            out,
+            tokenizer_name=STDLIB_BPE_DIR,
+            sources=[source],
+            progress=False,
+            processes=1,
+        )
         log.info("built %s in %.1f s", out, time.perf_counter() - t0)
     except OutputExistsError:
         if not (out / MANIFEST).is_file():

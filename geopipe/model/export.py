@@ -83,21 +83,32 @@ def _hf(
     return config, tensors
 
 
-_CAUSAL_LM = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-              "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-              "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-              "phi3": "Phi3ForCausalLM", "olmo2": "Olmo2ForCausalLM"}  # fmt: skip
+_CAUSAL_LM = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+}
 
 # geopipe GPT name -> GPT-2 name; ``T``: a Linear stored as GPT-2's Conv1D (transposed).
 _GPT2_BLOCK = {
-    "ln_1.weight": ("ln_1.weight", False), "ln_1.bias": ("ln_1.bias", False),
-    "attn.qkv.weight": ("attn.c_attn.weight", True), "attn.qkv.bias": ("attn.c_attn.bias", False),
+    "ln_1.weight": ("ln_1.weight", False),
+    "ln_1.bias": ("ln_1.bias", False),
+    "attn.qkv.weight": ("attn.c_attn.weight", True),
+    "attn.qkv.bias": ("attn.c_attn.bias", False),
     "attn.proj.weight": ("attn.c_proj.weight", True),
     "attn.proj.bias": ("attn.c_proj.bias", False),
-    "ln_2.weight": ("ln_2.weight", False), "ln_2.bias": ("ln_2.bias", False),
-    "mlp.fc.weight": ("mlp.c_fc.weight", True), "mlp.fc.bias": ("mlp.c_fc.bias", False),
-    "mlp.proj.weight": ("mlp.c_proj.weight", True), "mlp.proj.bias": ("mlp.c_proj.bias", False),
-}  # fmt: skip
+    "ln_2.weight": ("ln_2.weight", False),
+    "ln_2.bias": ("ln_2.bias", False),
+    "mlp.fc.weight": ("mlp.c_fc.weight", True),
+    "mlp.fc.bias": ("mlp.c_fc.bias", False),
+    "mlp.proj.weight": ("mlp.c_proj.weight", True),
+    "mlp.proj.bias": ("mlp.c_proj.bias", False),
+}
 _GPT2_OTHER = {
     "embed.wte.weight": "transformer.wte.weight",
     "embed.wpe.weight": "transformer.wpe.weight",
@@ -130,15 +141,23 @@ def _gpt2(
     if len(tensors) != want:
         raise ExportError(f"the checkpoint holds {len(tensors)} GPT tensors, expected {want}")
     config = {
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-        "vocab_size": vocab, "n_positions": block, "n_embd": n_embd, "n_layer": n_layer,
-        "n_head": n_head, "n_inner": 4 * n_embd,
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": vocab,
+        "n_positions": block,
+        "n_embd": n_embd,
+        "n_layer": n_layer,
+        "n_head": n_head,
+        "n_inner": 4 * n_embd,
         "activation_function": "gelu",  # geopipe's MLP uses exact GELU (F.gelu)
         "layer_norm_epsilon": 1e-5,  # torch.nn.LayerNorm's default
-        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
         "tie_word_embeddings": False,  # geopipe's GPT head has its own weight
-        "scale_attn_weights": True, "use_cache": True,
-    }  # fmt: skip
+        "scale_attn_weights": True,
+        "use_cache": True,
+    }
     return config, tensors
 
 

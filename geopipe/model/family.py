@@ -57,8 +57,13 @@ class ModelDesc:
 
     @classmethod
     def from_gpt(cls, cfg: GPTConfig) -> ModelDesc:
-        fields = {"n_layer": cfg.n_layer, "n_embd": cfg.n_embd, "n_head": cfg.n_head,
-                  "vocab_size": cfg.vocab_size, "block_size": cfg.block_size}  # fmt: skip
+        fields = {
+            "n_layer": cfg.n_layer,
+            "n_embd": cfg.n_embd,
+            "n_head": cfg.n_head,
+            "vocab_size": cfg.vocab_size,
+            "block_size": cfg.block_size,
+        }
         return cls("gpt", cfg.n_layer, cfg.n_embd, cfg.vocab_size, gpt=fields)
 
     @classmethod
@@ -78,12 +83,22 @@ class ModelDesc:
         """The checkpoint manifest's ``model`` entry (export rebuilds the model from it)."""
         if self.is_gpt:
             g = self.gpt or {}
-            return {"family": "gpt", "n_layer": g["n_layer"], "n_embd": g["n_embd"],
-                    "n_head": g["n_head"], "vocab_size": g["vocab_size"],
-                    "max_seq_len": g["block_size"]}  # fmt: skip
-        return {"family": self.family, "n_layer": self.n_layer, "n_embd": self.hidden,
-                "vocab_size": self.vocab_size, "tie_embeddings": self.tie,
-                "hf_config": json.loads(json.dumps(self.hf_config))}  # fmt: skip
+            return {
+                "family": "gpt",
+                "n_layer": g["n_layer"],
+                "n_embd": g["n_embd"],
+                "n_head": g["n_head"],
+                "vocab_size": g["vocab_size"],
+                "max_seq_len": g["block_size"],
+            }
+        return {
+            "family": self.family,
+            "n_layer": self.n_layer,
+            "n_embd": self.hidden,
+            "vocab_size": self.vocab_size,
+            "tie_embeddings": self.tie,
+            "hf_config": json.loads(json.dumps(self.hf_config)),
+        }
 
 
 def _tie_default(config: dict[str, Any]) -> bool:

@@ -213,9 +213,13 @@ class GPTStage(nn.Module):
     """
 
     def __init__(
-        self, cfg: GPTConfig, start: int, end: int, seed: int = 0,
+        self,
+        cfg: GPTConfig,
+        start: int,
+        end: int,
+        seed: int = 0,
         active: tuple[int, int] | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__()
         _check_range(cfg, start, end)
         if seed < 0:

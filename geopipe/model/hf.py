@@ -149,8 +149,9 @@ def _materialise(template: nn.Module) -> nn.Module:
                 buf.fill_(float(sub.scalar_embed_scale))
             else:
                 where = f"{name}.{key}" if name else key
-                raise ValueError(f"{type(template).__name__} holds a buffer {where} that "
-                                 "geopipe cannot rebuild")  # fmt: skip
+                raise ValueError(
+                    f"{type(template).__name__} holds a buffer {where} that geopipe cannot rebuild"
+                )
     return module
 
 
@@ -304,11 +305,21 @@ def _mask(cfg: Any, kind: str, h: Tensor, pos: Tensor) -> Any:
     arguments this version of `transformers` takes."""
     from transformers import masking_utils
 
-    fn = (masking_utils.create_sliding_window_causal_mask if kind == "sliding_attention"
-          else masking_utils.create_causal_mask)  # fmt: skip
-    offered = {"config": cfg, "inputs_embeds": h, "input_embeds": h, "attention_mask": None,
-               "cache": None, "past_key_values": None, "position_ids": pos,
-               "cache_position": pos[0]}  # fmt: skip
+    fn = (
+        masking_utils.create_sliding_window_causal_mask
+        if kind == "sliding_attention"
+        else masking_utils.create_causal_mask
+    )
+    offered = {
+        "config": cfg,
+        "inputs_embeds": h,
+        "input_embeds": h,
+        "attention_mask": None,
+        "cache": None,
+        "past_key_values": None,
+        "position_ids": pos,
+        "cache_position": pos[0],
+    }
     params = _parameters(fn)
     return fn(**{k: v for k, v in offered.items() if k in params})
 
@@ -355,8 +366,10 @@ def load_stage_weights(stage: HFStage, directory: str | Path) -> int:
                 handles[path] = safe_open(str(path), framework="pt").__enter__()
             t = handles[path].get_tensor(source)
             if tuple(t.shape) != tuple(p.shape):
-                raise ValueError(f"{path.name}: {source} has shape {tuple(t.shape)}, "
-                                 f"the model needs {tuple(p.shape)}")  # fmt: skip
+                raise ValueError(
+                    f"{path.name}: {source} has shape {tuple(t.shape)}, "
+                    f"the model needs {tuple(p.shape)}"
+                )
             p.copy_(t.to(p.dtype))
             read += t.numel() * t.element_size()
     finally:

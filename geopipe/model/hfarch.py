@@ -52,7 +52,7 @@ ROPE_REQUIRED: dict[str, tuple[str, ...]] = {
     "yarn": ("factor",),
     "longrope": ("short_factor", "long_factor"),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
-}  # fmt: skip
+}
 ATTENTION_KINDS = ("full_attention", "sliding_attention")
 
 
@@ -90,8 +90,14 @@ class Family:
     rope_types: tuple[str, ...] = tuple(ROPE_REQUIRED)
 
 
-_GEMMA = dict(norms="sandwich", biases="config", masks="layer_types", norm_offset=True,
-              final_softcap=True, heads_divide_hidden=True)  # fmt: skip
+_GEMMA = dict(
+    norms="sandwich",
+    biases="config",
+    masks="layer_types",
+    norm_offset=True,
+    final_softcap=True,
+    heads_divide_hidden=True,
+)
 FAMILIES: dict[str, Family] = {
     "llama": Family(biases="llama"),
     "mistral": Family(masks="window"),
@@ -111,49 +117,103 @@ SUPPORTED_FAMILIES = tuple(FAMILIES)
 _COMMON = {"rms_norm_eps": 1e-6, "tie_word_embeddings": False, "pad_token_id": None}
 CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {
-        **_COMMON, "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
-        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": None,
-        "max_position_embeddings": 2048, "attention_bias": False, "mlp_bias": False,
+        **_COMMON,
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": None,
+        "max_position_embeddings": 2048,
+        "attention_bias": False,
+        "mlp_bias": False,
     },
     "mistral": {
-        **_COMMON, "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
-        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        **_COMMON,
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
         "max_position_embeddings": 4096 * 32,
     },
     "qwen2": {
-        **_COMMON, "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016,
-        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+        **_COMMON,
+        "vocab_size": 151936,
+        "hidden_size": 4096,
+        "intermediate_size": 22016,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
         "max_position_embeddings": 32768,
     },
     "qwen3": {
-        **_COMMON, "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016,
-        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
-        "head_dim": 128, "max_position_embeddings": 32768, "attention_bias": False,
+        **_COMMON,
+        "vocab_size": 151936,
+        "hidden_size": 4096,
+        "intermediate_size": 22016,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "head_dim": 128,
+        "max_position_embeddings": 32768,
+        "attention_bias": False,
     },
     "gemma2": {
-        **_COMMON, "vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216,
-        "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
-        "head_dim": 256, "max_position_embeddings": 8192, "attention_bias": False,
-        "tie_word_embeddings": True, "pad_token_id": 0,
+        **_COMMON,
+        "vocab_size": 256000,
+        "hidden_size": 2304,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "max_position_embeddings": 8192,
+        "attention_bias": False,
+        "tie_word_embeddings": True,
+        "pad_token_id": 0,
     },
     "gemma3_text": {
-        **_COMMON, "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
-        "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
-        "head_dim": 256, "max_position_embeddings": 131072, "attention_bias": False,
-        "tie_word_embeddings": True, "pad_token_id": 0,
+        **_COMMON,
+        "vocab_size": 262208,
+        "hidden_size": 2304,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "max_position_embeddings": 131072,
+        "attention_bias": False,
+        "tie_word_embeddings": True,
+        "pad_token_id": 0,
     },
     "phi3": {
-        **_COMMON, "vocab_size": 32064, "hidden_size": 3072, "intermediate_size": 8192,
-        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": None,
-        "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "pad_token_id": 32000,
+        **_COMMON,
+        "vocab_size": 32064,
+        "hidden_size": 3072,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": None,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "pad_token_id": 32000,
     },
     "olmo2": {
-        **_COMMON, "vocab_size": 50304, "hidden_size": 4096, "intermediate_size": 11008,
-        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": None,
-        "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "attention_bias": False,
+        **_COMMON,
+        "vocab_size": 50304,
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": None,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5,
+        "attention_bias": False,
         "pad_token_id": 1,
     },
-}  # fmt: skip
+}
 
 
 class GatedShape(Protocol):
@@ -186,10 +246,14 @@ def attention_biases(family: str, attention_bias: bool | None) -> tuple[bool, bo
 
 _NORMS = {
     "pre": ("input_layernorm", "post_attention_layernorm"),
-    "sandwich": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                 "post_feedforward_layernorm"),
+    "sandwich": (
+        "input_layernorm",
+        "post_attention_layernorm",
+        "pre_feedforward_layernorm",
+        "post_feedforward_layernorm",
+    ),
     "post": ("post_attention_layernorm", "post_feedforward_layernorm"),
-}  # fmt: skip
+}
 
 
 def block_shapes(m: GatedShape) -> dict[str, tuple[int, ...]]:
@@ -204,12 +268,20 @@ def block_shapes(m: GatedShape) -> dict[str, tuple[int, ...]]:
     if fam.fused:
         out = {a + "qkv_proj.weight": ((heads + 2 * kv) * hd, h)}
     else:
-        out = {a + "q_proj.weight": (heads * hd, h), a + "k_proj.weight": (kv * hd, h),
-               a + "v_proj.weight": (kv * hd, h)}  # fmt: skip
+        out = {
+            a + "q_proj.weight": (heads * hd, h),
+            a + "k_proj.weight": (kv * hd, h),
+            a + "v_proj.weight": (kv * hd, h),
+        }
     out[a + "o_proj.weight"] = (h, heads * hd)
     if qkv_bias:
-        out.update({a + "q_proj.bias": (heads * hd,), a + "k_proj.bias": (kv * hd,),
-                    a + "v_proj.bias": (kv * hd,)})  # fmt: skip
+        out.update(
+            {
+                a + "q_proj.bias": (heads * hd,),
+                a + "k_proj.bias": (kv * hd,),
+                a + "v_proj.bias": (kv * hd,),
+            }
+        )
     if o_bias:
         out[a + "o_proj.bias"] = (h,)
     if fam.qk_norm == "head":
@@ -222,8 +294,13 @@ def block_shapes(m: GatedShape) -> dict[str, tuple[int, ...]]:
         out.update({"mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h)})
     out["mlp.down_proj.weight"] = (h, inter)
     if bool(m.mlp_bias) and fam.biases == "llama":
-        out.update({"mlp.gate_proj.bias": (inter,), "mlp.up_proj.bias": (inter,),
-                    "mlp.down_proj.bias": (h,)})  # fmt: skip
+        out.update(
+            {
+                "mlp.gate_proj.bias": (inter,),
+                "mlp.up_proj.bias": (inter,),
+                "mlp.down_proj.bias": (h,),
+            }
+        )
     out.update({f"{n}.weight": (h,) for n in _NORMS[fam.norms]})
     return out
 

@@ -437,8 +437,13 @@ def _progress(total: int, enabled: bool) -> Iterator[Callable[[int], None]]:
         TransferSpeedColumn,
     )
 
-    columns = (TextColumn("tokenizing"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-               TimeRemainingColumn())  # fmt: skip
+    columns = (
+        TextColumn("tokenizing"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+    )
     with Progress(*columns, console=Console(stderr=True)) as bar:
         task = bar.add_task("tokenizing", total=total)
         yield lambda n: bar.update(task, advance=n)
@@ -500,8 +505,12 @@ def write_dataset(
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     tmp.mkdir()
     try:
-        opts = {"text_field": text_field, "shard_tokens": shard_tokens, "progress": progress,
-                "processes": processes or default_processes()}  # fmt: skip
+        opts = {
+            "text_field": text_field,
+            "shard_tokens": shard_tokens,
+            "progress": progress,
+            "processes": processes or default_processes(),
+        }
         data = _tokenize_into(tmp, files, tokenizer, opts)
         if data["token_count"] == 0:
             raise DatasetError(f"{', '.join(sources)}: no documents (no non-empty text found)")
@@ -553,7 +562,14 @@ def prepare_data(
         raise OutputExistsError(f"{out}: exists (overwrite it with --overwrite)")
     files = collect_inputs(inputs, exclude=out.resolve())
     return write_dataset(
-        files, tok, out, tokenizer_name=Path(tokenizer_dir).resolve().name,
-        sources=[str(i) for i in inputs], text_field=text_field, processes=processes,
-        shard_tokens=shard_tokens, progress=progress, overwrite=overwrite,
-    )  # fmt: skip
+        files,
+        tok,
+        out,
+        tokenizer_name=Path(tokenizer_dir).resolve().name,
+        sources=[str(i) for i in inputs],
+        text_field=text_field,
+        processes=processes,
+        shard_tokens=shard_tokens,
+        progress=progress,
+        overwrite=overwrite,
+    )

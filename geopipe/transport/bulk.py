@@ -66,8 +66,9 @@ class ChunkServer:
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
         self._closed = False
-        self.gate = Gate(listener, creds, self._link, self._start, self.rejected,
-                         name="chunk-server")  # fmt: skip
+        self.gate = Gate(
+            listener, creds, self._link, self._start, self.rejected, name="chunk-server"
+        )
 
     def _start(self, conn: socket.socket, peer: tuple) -> None:
         """The gate's hand-over (on its thread): one serving thread per client."""
@@ -76,8 +77,7 @@ class ChunkServer:
                 conn.close()
                 return
             self._conns.add(conn)
-        threading.Thread(target=self._serve, args=(conn,), name="chunk-serve",
-                         daemon=True).start()  # fmt: skip
+        threading.Thread(target=self._serve, args=(conn,), name="chunk-serve", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
         try:
@@ -108,8 +108,9 @@ class ChunkServer:
             return False  # a broken or hostile request: drop the connection
         try:
             req = json.loads(body)
-            data = self._read(int(req["step"]), str(req["file"]), int(req["offset"]),
-                              int(req["size"]))  # fmt: skip
+            data = self._read(
+                int(req["step"]), str(req["file"]), int(req["offset"]), int(req["size"])
+            )
             status, payload = 0, bytes(data)
         except Exception as exc:  # any reason: the client gets it as a message
             status, payload = 1, f"{type(exc).__name__}: {exc}".encode()[:_MAX_ERROR]
@@ -134,12 +135,14 @@ class ChunkClient:
     handshake (`dial`), but not when nothing listens: the caller then falls back at once."""
 
     def __init__(
-        self, address: tuple[str, int], timeout_s: float = 120.0,
-        creds: RunCredentials | None = None, connect_timeout_s: float = 30.0,
-    ) -> None:  # fmt: skip
+        self,
+        address: tuple[str, int],
+        timeout_s: float = 120.0,
+        creds: RunCredentials | None = None,
+        connect_timeout_s: float = 30.0,
+    ) -> None:
         try:
-            sock, _ = dial(address, creds, min(timeout_s, connect_timeout_s),
-                           retry_refused=False)  # fmt: skip
+            sock, _ = dial(address, creds, min(timeout_s, connect_timeout_s), retry_refused=False)
         except DialError as exc:
             raise ChunkError(f"cannot reach the chunk server at {address}: {exc}") from None
         sock.settimeout(timeout_s)

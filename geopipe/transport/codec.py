@@ -408,8 +408,10 @@ class GroupedCodec:
         shape = tuple(t.shape)
         x = t.to(torch.float32).reshape(-1)
         if not bool(torch.isfinite(x).all()):
-            raise ValueError(f"{self.name}: the tensor holds NaN or inf, which a scale cannot "
-                             "carry; send it with none, fp16 or int8")  # fmt: skip
+            raise ValueError(
+                f"{self.name}: the tensor holds NaN or inf, which a scale cannot "
+                "carry; send it with none, fp16 or int8"
+            )
         n = x.numel()
         g = wire.groups(n)
         x = torch.nn.functional.pad(x, (0, g * wire.GROUP - n)).reshape(g, wire.GROUP)
@@ -418,8 +420,10 @@ class GroupedCodec:
         # int4: absmax / 7 (no clipping); int2: the RMS (the Gaussian's optimum, see above)
         scale = x.abs().amax(dim=1) / 7.0 if self.bits == 4 else x.pow(2).mean(dim=1).sqrt()
         if bool((scale > _FP16_MAX).any()):
-            raise ValueError(f"{self.name}: a group's scale {float(scale.max()):.3g} exceeds "
-                             "fp16's range; send this tensor with int8 or none")  # fmt: skip
+            raise ValueError(
+                f"{self.name}: a group's scale {float(scale.max()):.3g} exceeds "
+                "fp16's range; send this tensor with int8 or none"
+            )
         scale = torch.where(scale < _FP16_TINY, torch.zeros_like(scale), scale)
         scale = scale.to(torch.float16).to(torch.float32)  # quantise with what is sent
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))[:, None]

@@ -85,8 +85,9 @@ def dial(
         except HandshakeInterrupted as exc:
             sock.close()
             if not _pause(tries, deadline):
-                raise DialError(f"cannot authenticate to {address} after {tries} tries: "
-                                f"{exc}") from exc  # fmt: skip
+                raise DialError(
+                    f"cannot authenticate to {address} after {tries} tries: {exc}"
+                ) from exc
         except (HandshakeError, OSError) as exc:
             sock.close()
             raise DialError(f"cannot authenticate to {address}: {exc}") from exc

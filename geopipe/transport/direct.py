@@ -198,8 +198,14 @@ class DirectSender:
         """Connect and authenticate, trying again within ``connect_timeout_s`` while the
         receiver is not listening yet or sheds the connection (`dial`)."""
         try:
-            sock, tls = dial(address, self._creds, self._connect_timeout_s, sealed=True,
-                             congestion=CONGESTION, on_skew=self._measured)  # fmt: skip
+            sock, tls = dial(
+                address,
+                self._creds,
+                self._connect_timeout_s,
+                sealed=True,
+                congestion=CONGESTION,
+                on_skew=self._measured,
+            )
         except DialError as exc:
             raise PeerLostError(str(exc)) from exc
         tune_stream(sock, self._user_timeout_s)
@@ -214,9 +220,13 @@ class DirectSender:
         key_to_json(key)  # reject unserialisable keys here, not on the thread
         t = tensor.detach()
         nbytes = wire_bytes(
-            self._codec_name, t.numel(), t.shape[-1] if t.dim() else 1, t.element_size(),
-            self._direction, self._topk_ratio,
-        )  # fmt: skip
+            self._codec_name,
+            t.numel(),
+            t.shape[-1] if t.dim() else 1,
+            t.element_size(),
+            self._direction,
+            self._topk_ratio,
+        )
         with self._cond:
             if self._error is not None:
                 raise self._error
@@ -239,9 +249,12 @@ class DirectSender:
         return nbytes
 
     def _write_inline(
-        self, key: Hashable, t: torch.Tensor, stream: str,
+        self,
+        key: Hashable,
+        t: torch.Tensor,
+        stream: str,
         conn: tuple[int, int, socket.socket, TlsSealer | None],
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Encode and write one frame on the calling thread; hand the writer what the socket
         did not take. Failures are recorded like the threads' (raised by send/flush)."""
         gen, seq, sock, tls = conn
@@ -272,9 +285,14 @@ class DirectSender:
             self._cond.notify_all()
 
     def _encode(
-        self, key: Hashable, t: torch.Tensor, stream: str, seq: int, sent_at: float,
+        self,
+        key: Hashable,
+        t: torch.Tensor,
+        stream: str,
+        seq: int,
+        sent_at: float,
         tls: TlsSealer | None,
-    ) -> list[memoryview]:  # fmt: skip
+    ) -> list[memoryview]:
         """The frame's buffers as written to the socket (TLS records when encrypted)."""
         t0 = time.perf_counter()
         enc = self._codec.encode(t, key=stream, direction=self._direction)

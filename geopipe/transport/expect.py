@@ -54,9 +54,12 @@ class ExpectedFrames:
     or inf is refused for its key (the stream itself is sound)."""
 
     def __init__(
-        self, kinds: Mapping[str, FrameSpec], ahead: int = 1, behind: int = 0,
+        self,
+        kinds: Mapping[str, FrameSpec],
+        ahead: int = 1,
+        behind: int = 0,
         finite: bool = False,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.kinds = dict(kinds)
         self.ahead, self.behind, self.finite = ahead, behind, finite
         self._step: int | None = None

@@ -96,8 +96,9 @@ class SourceBudget:
             return False
         self._tokens[source] = (level - cost, now)
         if len(self._tokens) > self.max_sources:
-            self._tokens = {s: v for s, v in self._tokens.items()
-                            if self._level(s, now) < self.burst}  # fmt: skip
+            self._tokens = {
+                s: v for s, v in self._tokens.items() if self._level(s, now) < self.burst
+            }
         return True
 
 
@@ -132,9 +133,14 @@ class Gate:
     COST_PLAIN, COST_TLS = 1.0, 10.0
 
     def __init__(
-        self, listener: socket.socket, creds: RunCredentials | None, link: str,
-        on_ready: OnReady, rejected: RejectLog, name: str = "gate",
-    ) -> None:  # fmt: skip
+        self,
+        listener: socket.socket,
+        creds: RunCredentials | None,
+        link: str,
+        on_ready: OnReady,
+        rejected: RejectLog,
+        name: str = "gate",
+    ) -> None:
         self.rejected = rejected
         self.shed = 0  # connections reset: idle too long, over a bound, or at close
         self.waited = 0  # connections that waited for their source's budget
@@ -258,8 +264,7 @@ class Gate:
         if e.events:
             self._sel.unregister(e.sock)
         if self._tls is not None:
-            e.sock = self._tls.wrap_socket(e.sock, server_side=True,
-                                           do_handshake_on_connect=False)  # fmt: skip
+            e.sock = self._tls.wrap_socket(e.sock, server_side=True, do_handshake_on_connect=False)
         self._sel.register(e.sock, selectors.EVENT_READ, e)
         e.events = selectors.EVENT_READ
 
@@ -330,8 +335,7 @@ class Gate:
         try:
             self._on_ready(conn, peer)
         except Exception as exc:  # the owner is closing, or out of threads: drop this one
-            log.warning("data-plane gate: could not hand over a connection from %s: %s",
-                        peer, exc)  # fmt: skip
+            log.warning("data-plane gate: could not hand over a connection from %s: %s", peer, exc)
             conn.close()
 
     def _forget(self, e: _Pending) -> None:

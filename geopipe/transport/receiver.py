@@ -80,8 +80,9 @@ class DirectReceiver:
         bound_host, bound_port = listener.getsockname()[:2]
         self.address: tuple[str, int] = (advertise_host or advertised_host(bound_host), bound_port)
         self.link = link_id(self.address)
-        self.gate = Gate(listener, creds, self.link, self._start_reader, self.rejected,
-                         name="direct-accept")  # fmt: skip
+        self.gate = Gate(
+            listener, creds, self.link, self._start_reader, self.rejected, name="direct-accept"
+        )
 
     def _start_reader(self, conn: socket.socket, peer: tuple) -> None:
         """The gate's hand-over (on its thread): one reader thread per connection."""

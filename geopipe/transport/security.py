@@ -143,14 +143,19 @@ class RunCredentials:
     __str__ = __repr__
 
     def __reduce__(self) -> tuple:  # cached TLS contexts are per process, not pickled
-        return (RunCredentials, (self.run_id, self.secret, self.ca_pem, self.cert_pem,
-                                 self.key_pem))  # fmt: skip
+        return (
+            RunCredentials,
+            (self.run_id, self.secret, self.ca_pem, self.cert_pem, self.key_pem),
+        )
 
 
 def make_credentials(
-    run_id: str, encrypt: bool, days: float = 400.0,
-    backdate: datetime.timedelta = CERT_BACKDATE, now: datetime.datetime | None = None,
-) -> RunCredentials:  # fmt: skip
+    run_id: str,
+    encrypt: bool,
+    days: float = 400.0,
+    backdate: datetime.timedelta = CERT_BACKDATE,
+    now: datetime.datetime | None = None,
+) -> RunCredentials:
     """A fresh secret and, with ``encrypt``, a CA (EC P-256) and one certificate it signs,
     shared by the run's actors: they are one trust domain, and a certificate per actor would
     add issuance to every recovery for no isolation gained.
@@ -173,27 +178,49 @@ def make_credentials(
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"geopipe run {run_id} CA")])
     ca = (
-        x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
-        .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(start).not_valid_after(end)
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start)
+        .not_valid_after(end)
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(x509.KeyUsage(
-            digital_signature=False, content_commitment=False, key_encipherment=False,
-            data_encipherment=False, key_agreement=False, key_cert_sign=True, crl_sign=True,
-            encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=False,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
         .sign(ca_key, hashes.SHA256())
-    )  # fmt: skip
+    )
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"geopipe run {run_id}")])
     cert = (
-        x509.CertificateBuilder().subject_name(name).issuer_name(ca_name)
-        .public_key(key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(start).not_valid_after(end)
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start)
+        .not_valid_after(end)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.ExtendedKeyUsage(
-            [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+        .add_extension(
+            x509.ExtendedKeyUsage(
+                [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+            ),
+            critical=False,
+        )
         .sign(ca_key, hashes.SHA256())
-    )  # fmt: skip
+    )
     pem = serialization.Encoding.PEM
     key_pem = key.private_bytes(
         pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
@@ -296,8 +323,9 @@ def _send(sock: socket.socket, data: bytes, deadline: float) -> None:
         raise _lost(exc) from None
 
 
-def _wrap(sock: socket.socket, creds: RunCredentials, server: bool, deadline: float,
-          tls: bool = True) -> socket.socket:  # fmt: skip
+def _wrap(
+    sock: socket.socket, creds: RunCredentials, server: bool, deadline: float, tls: bool = True
+) -> socket.socket:
     # The exchange is a few small writes each way: Nagle plus delayed ACKs would add ~40 ms
     # to it (measured on loopback). Both data paths run without Nagle anyway.
     with contextlib.suppress(OSError):
@@ -348,9 +376,11 @@ class ServerExchange:
 
 
 def server_handshake(
-    sock: socket.socket, creds: RunCredentials, link: str,
+    sock: socket.socket,
+    creds: RunCredentials,
+    link: str,
     timeout_s: float = HANDSHAKE_TIMEOUT_S,
-) -> socket.socket:  # fmt: skip
+) -> socket.socket:
     """Authenticate an accepted connection on the calling thread (TLS first when the run
     encrypts); returns the socket to use (TLS-wrapped or ``sock``), in blocking mode.
     Raises HandshakeError. The data plane's listeners use `gate` instead."""
@@ -367,9 +397,12 @@ SkewSink = Callable[[ClockSkew], None]
 
 
 def client_handshake(
-    sock: socket.socket, creds: RunCredentials, link: str,
-    timeout_s: float = HANDSHAKE_TIMEOUT_S, on_skew: SkewSink | None = None,
-) -> socket.socket:  # fmt: skip
+    sock: socket.socket,
+    creds: RunCredentials,
+    link: str,
+    timeout_s: float = HANDSHAKE_TIMEOUT_S,
+    on_skew: SkewSink | None = None,
+) -> socket.socket:
     """Authenticate a connected socket to a server of the run (``link``: the address
     dialled, ``host:port``); returns the socket to use, in blocking mode. ``on_skew`` gets
     the server's clock skew, measured over the exchange."""
@@ -385,9 +418,12 @@ def client_handshake(
 
 
 def client_handshake_sealed(
-    sock: socket.socket, creds: RunCredentials, link: str,
-    timeout_s: float = HANDSHAKE_TIMEOUT_S, on_skew: SkewSink | None = None,
-) -> tuple[socket.socket, TlsSealer | None]:  # fmt: skip
+    sock: socket.socket,
+    creds: RunCredentials,
+    link: str,
+    timeout_s: float = HANDSHAKE_TIMEOUT_S,
+    on_skew: SkewSink | None = None,
+) -> tuple[socket.socket, TlsSealer | None]:
     """`client_handshake` for a connection that only sends: returns the plain socket and,
     when the run encrypts, the `TlsSealer` that turns frames into TLS records for it."""
     deadline = time.monotonic() + timeout_s
@@ -400,16 +436,22 @@ def client_handshake_sealed(
     return sock, sealer
 
 
-def _client_exchange(sock: socket.socket, creds: RunCredentials, link: str, deadline: float,
-                     on_skew: SkewSink | None = None) -> None:  # fmt: skip
+def _client_exchange(
+    sock: socket.socket,
+    creds: RunCredentials,
+    link: str,
+    deadline: float,
+    on_skew: SkewSink | None = None,
+) -> None:
     cn = _nonce()
     sent = time.time()
     _send(sock, _HELLO + bytes([_VERSION]) + cn, deadline)
     sn = _recv_exact(sock, _NONCE, deadline)
     received = time.time()
     _send(sock, _mac(creds, b"client", link, cn, sn), deadline)
-    if not hmac.compare_digest(_recv_exact(sock, _MAC, deadline),
-                               _mac(creds, b"server", link, cn, sn)):  # fmt: skip
+    if not hmac.compare_digest(
+        _recv_exact(sock, _MAC, deadline), _mac(creds, b"server", link, cn, sn)
+    ):
         raise HandshakeError(f"the server at {link} does not hold the run's secret")
     skew = _skew(sent, received, sn)  # only now: the server's answer covered its nonce
     if on_skew is not None and skew is not None:
@@ -516,5 +558,4 @@ class RejectLog:
                 return
             n, self._since, self._last = self._since, 0, now
         with contextlib.suppress(Exception):
-            log.warning("%s: refused %d connection(s), latest from %s: %s", self.what, n,
-                        peer, why)  # fmt: skip
+            log.warning("%s: refused %d connection(s), latest from %s: %s", self.what, n, peer, why)

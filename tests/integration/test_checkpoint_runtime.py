@@ -113,10 +113,22 @@ def test_cli_resume_from_bad_path_exits_nonzero(tmp_path, where):
         path.mkdir()
         (path / "manifest.json").write_text("{not json")
     proc = subprocess.run(
-        [sys.executable, "-m", "geopipe.cli", "launch", "clusters/local-2dc.yaml", "--resume",
-         str(path), "--run-dir", str(tmp_path / "run")],
-        capture_output=True, text=True, cwd=ROOT, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "geopipe.cli",
+            "launch",
+            "clusters/local-2dc.yaml",
+            "--resume",
+            str(path),
+            "--run-dir",
+            str(tmp_path / "run"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "--resume" in proc.stderr and str(path) in proc.stderr
     assert "Traceback" not in proc.stderr

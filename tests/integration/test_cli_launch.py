@@ -56,8 +56,12 @@ def geopipe(*args: str, **kw) -> subprocess.CompletedProcess:
     env = {**os.environ, "RAY_AUTH_MODE": "token"}
     return subprocess.run(
         [sys.executable, "-m", "geopipe.cli", *args],
-        capture_output=True, text=True, cwd=ROOT, env=env, **kw,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        **kw,
+    )
 
 
 def launch_until_first_step(run_dir: Path, stdout: int) -> subprocess.Popen:
@@ -73,10 +77,24 @@ def launch_until_first_step(run_dir: Path, stdout: int) -> subprocess.Popen:
     metrics = run_dir / "metrics.jsonl"
     env = {**os.environ, "RAY_AUTH_MODE": "token"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "geopipe.cli", "launch", str(cluster),
-         "--steps", "200", "--run-dir", str(run_dir), "--no-progress"],
-        cwd=ROOT, env=env, stdout=stdout, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "geopipe.cli",
+            "launch",
+            str(cluster),
+            "--steps",
+            "200",
+            "--run-dir",
+            str(run_dir),
+            "--no-progress",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
         if metrics.exists() and any('"step"' in x for x in metrics.read_text().splitlines()):
@@ -90,10 +108,19 @@ def test_launch_default_cluster_trains_and_cleans_up(tmp_path):
     assert wait_no_ray() == [], "another Ray is running; this test needs the machine"
     metrics = tmp_path / "metrics.jsonl"
     proc = geopipe(
-        "launch", "clusters/local-2dc.yaml", "--steps", "6", "--run-dir", str(tmp_path),
-        "--metrics-out", str(metrics), "--no-progress", "--trace", str(tmp_path / "t.json"),
+        "launch",
+        "clusters/local-2dc.yaml",
+        "--steps",
+        "6",
+        "--run-dir",
+        str(tmp_path),
+        "--metrics-out",
+        str(metrics),
+        "--no-progress",
+        "--trace",
+        str(tmp_path / "t.json"),
         timeout=600,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Ray dashboard: http://127.0.0.1:" in proc.stdout
     lines = [json.loads(x) for x in metrics.read_text().splitlines()]
@@ -144,8 +171,9 @@ def test_connect_starts_ray_with_a_one_second_kill_grace():
         "ray.shutdown()\n"
     )
     env = {**os.environ, "RAY_AUTH_MODE": "token"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
-                         env=env, timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120
+    )
     assert f"GRACE {RAY_KILL_WORKER_TIMEOUT_MS}" in out.stdout, out.stderr[-3000:]  # Ray: 5000
     assert wait_no_ray() == []
 

@@ -104,8 +104,15 @@ def _train_step(
         return stream.batch(idx, SEQ)
 
     actions = _schedule(schedule, eng.cfg.micro_batches).stages[stage]
-    return run_actions(eng, actions, batch, first=stage == 0, last=stage == N_STAGES - 1,
-                       prev=rank - replicas, nxt=rank + replicas)  # fmt: skip
+    return run_actions(
+        eng,
+        actions,
+        batch,
+        first=stage == 0,
+        last=stage == N_STAGES - 1,
+        prev=rank - replicas,
+        nxt=rank + replicas,
+    )
 
 
 def run_actions(
@@ -421,8 +428,12 @@ def _deferred_step_worker(rank: int, port: int) -> dict:
         grads_ready.append(eng.input_grad(mb) is not None)
         moved_early.append(_max_diff(_params(eng), before))
     eng.end_iteration()
-    out = {"grads_ready": grads_ready, "moved_early": moved_early,
-           "moved": _max_diff(_params(eng), before), "steps": eng.step_count}  # fmt: skip
+    out = {
+        "grads_ready": grads_ready,
+        "moved_early": moved_early,
+        "moved": _max_diff(_params(eng), before),
+        "steps": eng.step_count,
+    }
     eng.destroy()
     destroy_process_group()
     return out

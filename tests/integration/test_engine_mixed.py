@@ -56,8 +56,9 @@ def _mixed_worker(rank: int, port: int, schedule: str) -> dict[str, Any]:
         defer_step=True,
     )
     groups = [list(g) for g in world.groups]
-    eng = StageEngine(CFG, pipe.partition[k], groups, world.group_of[(k, r)], cfg,
-                      world.hold[(k, r)])  # fmt: skip
+    eng = StageEngine(
+        CFG, pipe.partition[k], groups, world.group_of[(k, r)], cfg, world.hold[(k, r)]
+    )
     p, m = pipe.num_stages, pipe.num_microbatches
     sched = zb_h1(p, m) if schedule == "zb-h1" and p > 1 else one_f_one_b(p, m)
     prev = world.rank((k - 1, r)) if k > 0 else None
@@ -70,8 +71,9 @@ def _mixed_worker(rank: int, port: int, schedule: str) -> dict[str, Any]:
             idx = sample_indices(step, GLOBAL_BATCH, PLAN.first_microbatch(r) + mb, MBS)
             return stream.batch(idx, SEQ)
 
-        losses = run_actions(eng, sched.stages[k], batch, first=k == 0, last=k == p - 1,
-                             prev=prev, nxt=nxt)  # fmt: skip
+        losses = run_actions(
+            eng, sched.stages[k], batch, first=k == 0, last=k == p - 1, prev=prev, nxt=nxt
+        )
         out["losses"].append(losses)
     out["params"] = {n: q.detach().clone() for n, q in eng.module.named_parameters()}
     out["state"] = eng.full_state()

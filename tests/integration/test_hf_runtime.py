@@ -28,9 +28,14 @@ from geopipe.runtime.control.controller import Controller, LaunchOptions
 pytestmark = pytest.mark.ray
 
 SMALL = dict(
-    vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-)  # fmt: skip
+    vocab_size=256,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
 FAMILIES = {
     "llama-gqa-tied": (LlamaConfig, {"tie_word_embeddings": True}),
     "llama-gqa-untied": (LlamaConfig, {"tie_word_embeddings": False}),
@@ -55,8 +60,14 @@ def save_model(tmp: Path, name: str, **override) -> Path:
 
 def hf_doc(model_dir: Path, name: str, steps: int = 3, precision: str = "fp32") -> dict:
     """Two sites of one device each, one pipeline of two stages, codec none."""
-    site = {"nodes": 1, "devices_per_node": 1, "device_memory_gb": 2, "device_tflops": 0.05,
-            "device_efficiency": 0.5, "device_mem_bw_gb_per_s": 10}  # fmt: skip
+    site = {
+        "nodes": 1,
+        "devices_per_node": 1,
+        "device_memory_gb": 2,
+        "device_tflops": 0.05,
+        "device_efficiency": 0.5,
+        "device_mem_bw_gb_per_s": 10,
+    }
     # fmt: off
     return {
         "name": f"hf-{name}-{precision}",
@@ -210,8 +221,10 @@ def test_bf16_trains_in_bf16_and_halves_activations(tmp_path: Path) -> None:
     for a, b in zip(fp32, bf16, strict=True):
         assert a.loss != b.loss and abs(a.loss - b.loss) / a.loss < 0.02
         assert b.wan_bytes * 2 == pytest.approx(a.wan_bytes, rel=0.01)
-    ratio = [b / a for a, b in zip(fp32[-1].peak_activation_bytes,
-                                   bf16[-1].peak_activation_bytes, strict=True)]  # fmt: skip
+    ratio = [
+        b / a
+        for a, b in zip(fp32[-1].peak_activation_bytes, bf16[-1].peak_activation_bytes, strict=True)
+    ]
     assert all(0.45 <= r <= 0.65 for r in ratio), ratio
 
 

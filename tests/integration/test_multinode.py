@@ -117,8 +117,9 @@ def test_runs_on_two_nodes_and_survives_losing_a_site(two_nodes, tmp_path):
     run(shared, tmp_path / "ref", remove_west=False)
     ctl = run(per_site, tmp_path / "lost", remove_west=True)
     # One directory, but every site's node sees it (one machine): no warning.
-    shared_storage = next(x for x in metrics(tmp_path / "ref")
-                          if x.get("event") == "checkpoint_storage")  # fmt: skip
+    shared_storage = next(
+        x for x in metrics(tmp_path / "ref") if x.get("event") == "checkpoint_storage"
+    )
     assert shared_storage["mode"] == "shared" and shared_storage["warning"] is None
     assert set(shared_storage["dirs"]) == {"east", "west"}
     lines = metrics(tmp_path / "lost")

@@ -82,8 +82,9 @@ def test_a_short_outage_is_waited_out_with_the_same_losses(tmp_path: Path) -> No
     run(doc, tmp_path / "calm", steps=STEPS, health=health)
     calm = last_loss_per_step(tmp_path / "calm")
     seen: list = []
-    _, state = run(doc, tmp_path / "out", steps=STEPS, health=health,
-                   kill=freezer(tmp_path / "out", 6.0, seen))  # fmt: skip
+    _, state = run(
+        doc, tmp_path / "out", steps=STEPS, health=health, kill=freezer(tmp_path / "out", 6.0, seen)
+    )
     assert state["step"] == STEPS
     assert last_loss_per_step(tmp_path / "out") == pytest.approx(calm, abs=1e-6)
     assert events(tmp_path / "out", "failure") == [] == events(tmp_path / "out", "recovered")

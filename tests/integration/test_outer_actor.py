@@ -44,11 +44,27 @@ MICRO = GLOBAL_BATCH // GROUPS // REPLICAS // MBS
 # the torch reference (which sum the same gradients in another order) already differ by
 # ~1.4e-6 after two inner steps, before any outer step (test_engine's [Note: what parity
 # can see]); with 1e-6 they differ by < 1.2e-7 and the outer loop's 1e-6 is what is tested.
-ENGINE = EngineConfig(lr=3e-3, total_steps=100, micro_batches=MICRO, micro_batch_size=MBS,
-                      seed=7, lr_schedule="constant", defer_step=True, eps=1e-6)  # fmt: skip
-PLAN = Plan(pipelines=1, stage_sites=("east",), partition=((0, DESC.num_layers),),
-            micro_batch_size=MBS, seq_len=SEQ, num_microbatches=MICRO, schedule="1f1b",
-            delta_n=(), codecs=())  # fmt: skip
+ENGINE = EngineConfig(
+    lr=3e-3,
+    total_steps=100,
+    micro_batches=MICRO,
+    micro_batch_size=MBS,
+    seed=7,
+    lr_schedule="constant",
+    defer_step=True,
+    eps=1e-6,
+)
+PLAN = Plan(
+    pipelines=1,
+    stage_sites=("east",),
+    partition=((0, DESC.num_layers),),
+    micro_batch_size=MBS,
+    seq_len=SEQ,
+    num_microbatches=MICRO,
+    schedule="1f1b",
+    delta_n=(),
+    codecs=(),
+)
 CHUNK = ROW_LEN * 8  # several frames per partition: the chunking is exercised
 TOL = 1e-6
 
@@ -71,18 +87,31 @@ def groups(ray_cluster, corpus):
     for g in range(GROUPS):
         row = []
         for r in range(REPLICAS):
-            spec = StageSpec(run="outer-test", stage=0, replica=r, plan=PLAN, model=DESC,
-                             engine=ENGINE, global_batch=GLOBAL_BATCH, seed=1, data=corpus,
-                             data_max_bytes=1 << 20, creds=creds,
-                             group=g, groups=GROUPS)  # fmt: skip
+            spec = StageSpec(
+                run="outer-test",
+                stage=0,
+                replica=r,
+                plan=PLAN,
+                model=DESC,
+                engine=ENGINE,
+                global_batch=GLOBAL_BATCH,
+                seed=1,
+                data=corpus,
+                data_max_bytes=1 << 20,
+                creds=creds,
+                group=g,
+                groups=GROUPS,
+            )
             opts = {"num_cpus": 0, "runtime_env": {"env_vars": dict(ACTOR_ENV)}}
             row.append(remote.options(**opts).remote(spec))
         out.append(row)
     calls = []
     for row in out:
         master = ray.get(row[0].endpoint.remote())
-        calls += [a.setup.remote(master, r, REPLICAS, [list(range(REPLICAS))], 0, None, None)
-                  for r, a in enumerate(row)]  # fmt: skip
+        calls += [
+            a.setup.remote(master, r, REPLICAS, [list(range(REPLICAS))], 0, None, None)
+            for r, a in enumerate(row)
+        ]
     ray.get(calls)
     yield out
     ray.get([a.shutdown.remote() for row in out for a in row])
@@ -102,9 +131,12 @@ def _begin(groups, settings: OuterSettings) -> list[dict]:
     ends = ray.get([a.outer_begin.remote(settings) for a in _flat(groups)])
     calls = []
     for a, me in zip(_flat(groups), ends, strict=True):
-        peers = [OuterPeer(e["group"], tuple(e["address"]), e["layout"]) for e in ends
-                 if e["group"] != me["group"] and (e["stage"], e["partition"])
-                 == (me["stage"], me["partition"])]  # fmt: skip
+        peers = [
+            OuterPeer(e["group"], tuple(e["address"]), e["layout"])
+            for e in ends
+            if e["group"] != me["group"]
+            and (e["stage"], e["partition"]) == (me["stage"], me["partition"])
+        ]
         calls.append(a.outer_connect.remote(peers))
     ray.get(calls)
     return ends
@@ -162,15 +194,17 @@ class _Reference:
     def __init__(self, corpus: str) -> None:
         torch.set_num_threads(1)
         self.stream = TokenStream(Corpus(corpus, max_bytes=1 << 20), seed=1)
-        self.models = [build_stage(DESC, 0, DESC.num_layers, seed=ENGINE.seed)
-                       for _ in range(GROUPS)]  # fmt: skip
+        self.models = [
+            build_stage(DESC, 0, DESC.num_layers, seed=ENGINE.seed) for _ in range(GROUPS)
+        ]
         self.opts = []
         for m in self.models:
             ps = list(m.parameters())
-            pg = [{"params": [p for p in ps if p.dim() >= 2]},
-                  {"params": [p for p in ps if p.dim() < 2]}]  # fmt: skip
-            self.opts.append(torch.optim.Adam(pg, lr=ENGINE.lr, betas=ENGINE.betas,
-                                              eps=ENGINE.eps))  # fmt: skip
+            pg = [
+                {"params": [p for p in ps if p.dim() >= 2]},
+                {"params": [p for p in ps if p.dim() < 2]},
+            ]
+            self.opts.append(torch.optim.Adam(pg, lr=ENGINE.lr, betas=ENGINE.betas, eps=ENGINE.eps))
 
     def step(self, step: int) -> None:
         n_mb = GLOBAL_BATCH // GROUPS // MBS
@@ -255,8 +289,9 @@ def test_outer_rounds_match_references(groups, corpus) -> None:
     # 4. Streaming, as a driver runs it: int8, 2 fragments, each send overlapping one inner
     # step (its bytes travel on the actors' threads while they train).
     sched = StreamingSchedule(h=4, fragments=2, overlap=1)
-    _begin(groups, OuterSettings(lr=0.7, momentum=0.9, codec="int8", fragments=2,
-                                 chunk_elems=CHUNK))  # fmt: skip
+    _begin(
+        groups, OuterSettings(lr=0.7, momentum=0.9, codec="int8", fragments=2, chunk_elems=CHUNK)
+    )
     applies = 0
     for s in range(1, 2 * sched.h + 1):
         _inner(groups, range(step, step + 1))

@@ -41,23 +41,46 @@ def _doc(steps: int = 4, h: int = 2) -> dict:
     doc["links"][0].update(latency_ms=5.0, bandwidth_gbps=1.0, codec="none")
     doc["model"] = {"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 256, "max_seq_len": 32}
     doc["training"].update(
-        global_batch_size=8, steps=steps, lr=0.01, warmup_steps=1, data_max_bytes=200_000,
+        global_batch_size=8,
+        steps=steps,
+        lr=0.01,
+        warmup_steps=1,
+        data_max_bytes=200_000,
         checkpoint={"every_steps": h, "keep": 5},
-    )  # fmt: skip
+    )
     doc["plan"].update(
-        strategy="outer", pipelines=1, micro_batch_size=2, seq_len=32, codecs=["none"],
+        strategy="outer",
+        pipelines=1,
+        micro_batch_size=2,
+        seq_len=32,
+        codecs=["none"],
         calibrate=False,
         outer={"h": h, "codec": "none", "lr": 1.0, "momentum": 0.0},
-    )  # fmt: skip
+    )
     return doc
 
 
 def _table(tmp: Path, h: int) -> Path:
-    rows = [{"replicas": 2, "h": h, "fragments": 1, "codec": "none", "rel_gap": 0.01,
-             "outer_lr": 1.0, "outer_momentum": 0.0}]  # fmt: skip
+    rows = [
+        {
+            "replicas": 2,
+            "h": h,
+            "fragments": 1,
+            "codec": "none",
+            "rel_gap": 0.01,
+            "outer_lr": 1.0,
+            "outer_momentum": 0.0,
+        }
+    ]
     path = tmp / "penalty.json"
-    doc = {"source": "test", "model": "test", "steps": 1, "tokens_per_step": 1,
-           "sync_noise": 0.0, "rows": rows}  # fmt: skip
+    doc = {
+        "source": "test",
+        "model": "test",
+        "steps": 1,
+        "tokens_per_step": 1,
+        "sync_noise": 0.0,
+        "rows": rows,
+    }
     path.write_text(json.dumps(doc))
     return path
 

@@ -51,8 +51,14 @@ def last_loss_per_step(run_dir: Path) -> list[float]:
     return [by_step[k] for k in sorted(by_step)]
 
 
-def run(doc: dict, run_dir: Path, steps: int, chaos: int | None = None, kill=None,
-        health: HealthSpec | None = None):  # fmt: skip
+def run(
+    doc: dict,
+    run_dir: Path,
+    steps: int,
+    chaos: int | None = None,
+    kill=None,
+    health: HealthSpec | None = None,
+):
     opts = LaunchOptions(steps=steps, run_dir=str(run_dir), progress=False, chaos_kill_every=chaos)
     if health is not None:
         opts.health = health
@@ -343,7 +349,11 @@ def step_loss_from(ckpt, doc: dict, step: int) -> float:
     stream = TokenStream(Corpus(t.data, max_bytes=t.data_max_bytes), t.seed)
     n = t.global_batch_size // b
     with torch.no_grad():
-        losses = [lm_loss(model(x), y).item() for x, y in
-                  (stream.batch(sample_indices(step, t.global_batch_size, i, b),
-                                spec.plan.seq_len) for i in range(n))]  # fmt: skip
+        losses = [
+            lm_loss(model(x), y).item()
+            for x, y in (
+                stream.batch(sample_indices(step, t.global_batch_size, i, b), spec.plan.seq_len)
+                for i in range(n)
+            )
+        ]
     return sum(losses) / n

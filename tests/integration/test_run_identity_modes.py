@@ -34,8 +34,9 @@ def _doc() -> dict:
 
 
 def _launch(doc: dict, run_dir: Path, chaos: int | None = None) -> Controller:
-    opts = LaunchOptions(run_dir=str(run_dir), progress=False, chaos_kill_every=chaos,
-                         checkpoint_sync=True)  # fmt: skip
+    opts = LaunchOptions(
+        run_dir=str(run_dir), progress=False, chaos_kill_every=chaos, checkpoint_sync=True
+    )
     ctl = Controller(parse_cluster(doc, "t"), opts)
     try:
         ctl.launch()
@@ -50,8 +51,11 @@ def _lines(run_dir: Path) -> list[dict]:
 
 
 def _digests(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}  # fmt: skip
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.fixture(scope="module")

@@ -52,9 +52,13 @@ def tiny_doc(devices: int, pipelines: int, codec: str = "none", steps: int = 3) 
         global_batch_size=8, steps=steps, lr=0.01, warmup_steps=1, data_max_bytes=200_000
     )
     doc["plan"].update(
-        pipelines=pipelines, micro_batch_size=2, seq_len=32, codecs=[codec], calibrate=False,
+        pipelines=pipelines,
+        micro_batch_size=2,
+        seq_len=32,
+        codecs=[codec],
+        calibrate=False,
         delta_n={"min": 0, "max": 2},
-    )  # fmt: skip
+    )
     return doc
 
 
@@ -199,8 +203,13 @@ def test_actors_named_in_state_api_and_metrics_written(tmp_path):
         assert envs == [ACTOR_ENV] * 4
         # ... and with what exists once it is built frozen out of the collector's scans
         # ([Note: garbage collection off the step] in geopipe.runtime.actor.stage).
-        frozen = ray.get([a.__ray_call__.remote(lambda _a: gc.get_freeze_count())
-                          for row in ctl.actors for a in row])  # fmt: skip
+        frozen = ray.get(
+            [
+                a.__ray_call__.remote(lambda _a: gc.get_freeze_count())
+                for row in ctl.actors
+                for a in row
+            ]
+        )
         assert min(frozen) > 10_000, frozen
         ctl.train()
     finally:
@@ -274,9 +283,14 @@ def demo_doc(schedule: str, delta_n: int = 0, steps: int = 3) -> dict:
     doc["training"].update(global_batch_size=8, steps=steps, warmup_steps=1, data_max_bytes=200_000)
     doc["training"]["checkpoint"] = {"every_steps": 1000, "keep": 1}
     doc["plan"].update(
-        schedule=schedule, pipelines=1, micro_batch_size=1, seq_len=64, codecs=["none"],
-        calibrate=False, delta_n=delta_n,
-    )  # fmt: skip
+        schedule=schedule,
+        pipelines=1,
+        micro_batch_size=1,
+        seq_len=64,
+        codecs=["none"],
+        calibrate=False,
+        delta_n=delta_n,
+    )
     return doc
 
 
@@ -309,8 +323,9 @@ def test_a_codec_erring_beyond_the_bound_falls_back_to_the_next_finer(tmp_path, 
     doc = tiny_doc(1, 1, "int2h", steps=3)
     doc["links"][0]["bandwidth_gbps"] = 0.001  # thin: the planner picks the smallest codec
     doc["plan"].update(codecs=["int2h", "int8"], max_codec_error=0.05)
-    ctl = Controller(parse_cluster(doc, "t"), LaunchOptions(run_dir=str(tmp_path / "guard"),
-                                                            progress=False))  # fmt: skip
+    ctl = Controller(
+        parse_cluster(doc, "t"), LaunchOptions(run_dir=str(tmp_path / "guard"), progress=False)
+    )
     try:
         ctl.launch()
         # what a launch over a real network asks each boundary site's devices (next to the
@@ -322,17 +337,23 @@ def test_a_codec_erring_beyond_the_bound_falls_back_to_the_next_finer(tmp_path, 
         ctl.close()
     assert set(speeds) == {"east", "west"}
     assert all(set(v) == {"int2h", "int8"} and min(v.values()) > 0 for v in speeds.values())
-    yaml_spec = ctl.spec.model_copy(update={"sites": [
-        ctl.spec.sites[0], ctl.spec.sites[1].model_copy(update={"codec_gb_per_s": {"int8": 99.0}})
-    ]})  # fmt: skip
+    yaml_spec = ctl.spec.model_copy(
+        update={
+            "sites": [
+                ctl.spec.sites[0],
+                ctl.spec.sites[1].model_copy(update={"codec_gb_per_s": {"int8": 99.0}}),
+            ]
+        }
+    )
     spec = costed(yaml_spec, Measurements(codecs=speeds))
     assert spec.sites[0].codec_gb_per_s == speeds["east"]
     assert spec.sites[1].codec_gb_per_s == {**speeds["west"], "int8": 99.0}  # the YAML's stands
     lines = [json.loads(x) for x in (tmp_path / "guard" / "metrics.jsonl").read_text().splitlines()]
     events = [x for x in lines if x.get("event") == "codec_fallback"]
     assert sorted((e["direction"], e["codec"], e["to"]) for e in events) == [
-        ("backward", "int2h", "int8"), ("forward", "int2h", "int8"),
-    ]  # fmt: skip
+        ("backward", "int2h", "int8"),
+        ("forward", "int2h", "int8"),
+    ]
     assert all(e["step"] == 0 and e["error"] > 0.05 and e["link"] == "east→west" for e in events)
     assert ctl.plan.codecs == ("int8",)
     steps = [x for x in lines if "step" in x and "event" not in x]

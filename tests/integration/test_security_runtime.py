@@ -82,11 +82,23 @@ def launch(doc: dict, run_dir: Path, attack: bool) -> tuple[list[float], dict]:
             t.start()
         res = ctl.train()
         stop.set()
-        counts = ray.get([a.__ray_call__.remote(
-            lambda self: (self.links.wan_recv.rejected.count, self._chunks.rejected.count,
-                          len(self.links.wan_recv.errors))) for a in actors])  # fmt: skip
-        return [m.loss for m in res.steps], {"counts": counts, "sent": sent,
-                                             "encrypt": ctl.creds.encrypt}  # fmt: skip
+        counts = ray.get(
+            [
+                a.__ray_call__.remote(
+                    lambda self: (
+                        self.links.wan_recv.rejected.count,
+                        self._chunks.rejected.count,
+                        len(self.links.wan_recv.errors),
+                    )
+                )
+                for a in actors
+            ]
+        )
+        return [m.loss for m in res.steps], {
+            "counts": counts,
+            "sent": sent,
+            "encrypt": ctl.creds.encrypt,
+        }
     finally:
         stop.set()
         ctl.close()
@@ -95,8 +107,11 @@ def launch(doc: dict, run_dir: Path, attack: bool) -> tuple[list[float], dict]:
 def test_a_stranger_changes_nothing(tmp_path: Path) -> None:
     doc = tiny_doc(1, 1, steps=4)
     doc["name"] = "stranger"
-    doc["training"]["checkpoint"] = {"every_steps": 2, "keep": 2,
-                                     "dir": str(tmp_path / "ck-{site}")}  # fmt: skip
+    doc["training"]["checkpoint"] = {
+        "every_steps": 2,
+        "keep": 2,
+        "dir": str(tmp_path / "ck-{site}"),
+    }
     calm, _ = launch(doc, tmp_path / "calm", attack=False)
     doc["security"] = {"encrypt": True}
     doc["training"]["checkpoint"]["dir"] = str(tmp_path / "ck2-{site}")

@@ -57,13 +57,18 @@ finally:
 """
 
 
-def _run(cmd_prefix: list[str], doc: dict, run_dir: Path, env: dict | None = None,
-         during=None) -> dict:  # fmt: skip
+def _run(
+    cmd_prefix: list[str], doc: dict, run_dir: Path, env: dict | None = None, during=None
+) -> dict:
     """Train in a driver process; ``during(run_dir)`` runs meanwhile (e.g. cuts the link)."""
     proc = subprocess.Popen(
         [*cmd_prefix, sys.executable, "-c", DRIVER, json.dumps(doc), str(run_dir)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=env,
+    )
     if during is not None:
         during(run_dir)
     out, err = proc.communicate(timeout=300)
@@ -110,8 +115,10 @@ def test_training_across_namespaces_matches_the_emulated_run(tmp_path, ray_clust
 
     plan = BedPlan(("east", "west"), LATENCY_MS, 200.0, prefix="gpit", ray=True, cpus_per_site=1)
     with running(plan, root=tmp_path / "bed") as bed:
-        real_doc = {**doc, "ray": {"address": bed.plan.ray_address, "emulate_links": False,
-                                   "dashboard": False}}  # fmt: skip
+        real_doc = {
+            **doc,
+            "ray": {"address": bed.plan.ray_address, "emulate_links": False, "dashboard": False},
+        }
 
         def partition(run_dir: Path) -> None:
             """After the first step, nothing passes either way for CUT_S, then it heals."""
@@ -122,14 +129,18 @@ def test_training_across_namespaces_matches_the_emulated_run(tmp_path, ray_clust
             time.sleep(CUT_S)
             bed.set_link(cut=False)
 
-        real = _run(bed.argv("east", []), real_doc, tmp_path / "real", env=bed.env(),
-                    during=partition)  # fmt: skip
+        real = _run(
+            bed.argv("east", []), real_doc, tmp_path / "real", env=bed.env(), during=partition
+        )
         carried = bed.stats()["directions"]
         idle_restart = [
-            subprocess.run(bed.argv(s, ["sysctl", "-n", "net.ipv4.tcp_slow_start_after_idle"]),
-                           capture_output=True, text=True).stdout.strip()
+            subprocess.run(
+                bed.argv(s, ["sysctl", "-n", "net.ipv4.tcp_slow_start_after_idle"]),
+                capture_output=True,
+                text=True,
+            ).stdout.strip()
             for s in plan.sites
-        ]  # fmt: skip
+        ]
     # Long-fat-link TCP: a connection idle between steps keeps its window (the host says 1).
     assert idle_restart == ["0", "0"]
     # A 6 s partition mid-run (both sides alive, nothing passing) was waited out: the

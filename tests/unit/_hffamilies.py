@@ -13,14 +13,24 @@ import torch
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
 SMALL = dict(
-    vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-)  # fmt: skip
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
 SEQ = 25  # longer than every window below (8) and Phi-3's longrope original length (16)
 NO_TOKENS = {"pad_token_id": None, "bos_token_id": None, "eos_token_id": None}
 # the short and long factors of a rotary dimension 4 (head_dim 8, partial factor 0.5)
-LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.5], "long_factor": [2.0, 3.0],
-            "partial_rotary_factor": 0.5, "rope_theta": 10000.0}  # fmt: skip
+LONGROPE = {
+    "rope_type": "longrope",
+    "short_factor": [1.0, 1.5],
+    "long_factor": [2.0, 3.0],
+    "partial_rotary_factor": 0.5,
+    "rope_theta": 10000.0,
+}
 GEMMA3_ROPE = {
     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
     "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
@@ -28,32 +38,70 @@ GEMMA3_ROPE = {
 # name -> (model_type, config fields beyond SMALL)
 CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3-tied": ("qwen3", {"head_dim": 16, "tie_word_embeddings": True}),
-    "qwen3-untied-window": ("qwen3", {
-        "head_dim": 8, "tie_word_embeddings": False, "attention_bias": True,
-        "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
-    "gemma2-tied": ("gemma2", {
-        "head_dim": 16, "query_pre_attn_scalar": 12, "sliding_window": 8,
-        "attn_logit_softcapping": 2.0, "final_logit_softcapping": 1.5,
-        "tie_word_embeddings": True}),
-    "gemma2-untied": ("gemma2", {
-        "head_dim": 8, "sliding_window": 8, "attention_bias": True,
-        "tie_word_embeddings": False}),
-    "gemma3-tied": ("gemma3_text", {
-        "head_dim": 16, "query_pre_attn_scalar": 10, "sliding_window": 8,
-        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
-        "rope_parameters": GEMMA3_ROPE, "final_logit_softcapping": 3.0,
-        "tie_word_embeddings": True}),
-    "gemma3-untied": ("gemma3_text", {
-        "head_dim": 8, "sliding_window": 8, "attn_logit_softcapping": 2.0,
-        "layer_types": ["full_attention", "sliding_attention", "sliding_attention"],
-        "tie_word_embeddings": False}),
-    "phi3-untied-window": ("phi3", {**NO_TOKENS, "sliding_window": 8,
-                                    "tie_word_embeddings": False}),
-    "phi3-tied-longrope": ("phi3", {**NO_TOKENS, "original_max_position_embeddings": 16,
-                                    "rope_parameters": LONGROPE, "tie_word_embeddings": True}),
+    "qwen3-untied-window": (
+        "qwen3",
+        {
+            "head_dim": 8,
+            "tie_word_embeddings": False,
+            "attention_bias": True,
+            "use_sliding_window": True,
+            "sliding_window": 8,
+            "max_window_layers": 1,
+        },
+    ),
+    "gemma2-tied": (
+        "gemma2",
+        {
+            "head_dim": 16,
+            "query_pre_attn_scalar": 12,
+            "sliding_window": 8,
+            "attn_logit_softcapping": 2.0,
+            "final_logit_softcapping": 1.5,
+            "tie_word_embeddings": True,
+        },
+    ),
+    "gemma2-untied": (
+        "gemma2",
+        {"head_dim": 8, "sliding_window": 8, "attention_bias": True, "tie_word_embeddings": False},
+    ),
+    "gemma3-tied": (
+        "gemma3_text",
+        {
+            "head_dim": 16,
+            "query_pre_attn_scalar": 10,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            "rope_parameters": GEMMA3_ROPE,
+            "final_logit_softcapping": 3.0,
+            "tie_word_embeddings": True,
+        },
+    ),
+    "gemma3-untied": (
+        "gemma3_text",
+        {
+            "head_dim": 8,
+            "sliding_window": 8,
+            "attn_logit_softcapping": 2.0,
+            "layer_types": ["full_attention", "sliding_attention", "sliding_attention"],
+            "tie_word_embeddings": False,
+        },
+    ),
+    "phi3-untied-window": (
+        "phi3",
+        {**NO_TOKENS, "sliding_window": 8, "tie_word_embeddings": False},
+    ),
+    "phi3-tied-longrope": (
+        "phi3",
+        {
+            **NO_TOKENS,
+            "original_max_position_embeddings": 16,
+            "rope_parameters": LONGROPE,
+            "tie_word_embeddings": True,
+        },
+    ),
     "olmo2-untied": ("olmo2", {**NO_TOKENS, "tie_word_embeddings": False}),
     "olmo2-tied": ("olmo2", {**NO_TOKENS, "attention_bias": True, "tie_word_embeddings": True}),
-}  # fmt: skip
+}
 
 
 def config_of(name: str, **override: Any) -> Any:

@@ -151,10 +151,19 @@ def ckpt_params(path: Path) -> dict[str, float]:
 def test_a_run_plans_launches_trains_checkpoints_and_finishes(tmp_path: Path, corpus: Path) -> None:
     run = Run(make_doc(corpus, steps=6, every=2), tmp_path / "run").go()
     assert run.path() == [
-        "planning", "launching", "running 0", "running 1", "checkpointing 2", "running 2",
-        "running 3", "checkpointing 4", "running 4", "running 5", "checkpointing 6",
+        "planning",
+        "launching",
+        "running 0",
+        "running 1",
+        "checkpointing 2",
+        "running 2",
+        "running 3",
+        "checkpointing 4",
+        "running 4",
+        "running 5",
+        "checkpointing 6",
         "finished",
-    ]  # fmt: skip
+    ]
     assert_exact(run, 6)
     assert run.ctl.plan.pipelines == 2 and run.ctl.plan.num_stages == 2
     (plan,) = run.events("plan")

@@ -18,30 +18,43 @@ from geopipe.model.family import ModelDesc, build_stage
 from geopipe.model.gpt import GPTConfig
 
 SMALL = dict(
-    vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-)  # fmt: skip
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
 CASES = {
     "llama-tied-split": (LlamaConfig, {"tie_word_embeddings": True}, [(0, 2), (2, 5)]),
     "llama-tied-one-stage": (LlamaConfig, {"tie_word_embeddings": True}, [(0, 5)]),
     "qwen2": (Qwen2Config, {"tie_word_embeddings": False}, [(0, 3), (3, 5)]),
-    "mistral": (MistralConfig, {"tie_word_embeddings": False, "sliding_window": 64},
-                [(0, 1), (1, 4), (4, 5)]),
-}  # fmt: skip
+    "mistral": (
+        MistralConfig,
+        {"tie_word_embeddings": False, "sliding_window": 64},
+        [(0, 1), (1, 4), (4, 5)],
+    ),
+}
 
 
 def hf_entry(cfg: dict, desc: ModelDesc) -> dict:
     """A checkpoint manifest's ``model`` for a transformers model (as runtime.models writes)."""
     return {
-        "n_layer": cfg["num_hidden_layers"], "n_embd": cfg["hidden_size"],
-        "n_head": cfg["num_attention_heads"], "vocab_size": cfg["vocab_size"],
-        "max_seq_len": cfg["max_position_embeddings"], "family": cfg["model_type"],
-        "tie_embeddings": desc.tie, "hf_config": cfg,
-    }  # fmt: skip
+        "n_layer": cfg["num_hidden_layers"],
+        "n_embd": cfg["hidden_size"],
+        "n_head": cfg["num_attention_heads"],
+        "vocab_size": cfg["vocab_size"],
+        "max_seq_len": cfg["max_position_embeddings"],
+        "family": cfg["model_type"],
+        "tie_embeddings": desc.tie,
+        "hf_config": cfg,
+    }
 
 
-def write_checkpoint(root: Path, desc: ModelDesc, split: list[tuple[int, int]], model: dict,
-                     data: str = "stdlib") -> list:  # fmt: skip
+def write_checkpoint(
+    root: Path, desc: ModelDesc, split: list[tuple[int, int]], model: dict, data: str = "stdlib"
+) -> list:
     """Stages built with seed 3 and perturbed (so no tensor keeps its init), saved as a
     checkpoint of step 7 the way the runtime saves it (``params/<name>`` per stage)."""
     stages = []
@@ -121,8 +134,16 @@ def test_sharded_bf16_export_with_the_runs_tokenizer(tmp_path: Path) -> None:
     model = hf_entry(cfg, desc)
     stages = write_checkpoint(tmp_path / "ck", desc, [(0, 5)], model, data=str(tmp_path / "ds"))
     out = tmp_path / "out"
-    args = ["export", str(tmp_path / "ck"), "--out", str(out), "--dtype", "bf16",
-            "--max-shard-bytes", "20000"]  # fmt: skip
+    args = [
+        "export",
+        str(tmp_path / "ck"),
+        "--out",
+        str(out),
+        "--dtype",
+        "bf16",
+        "--max-shard-bytes",
+        "20000",
+    ]
     assert main(args) == 0
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = set(index["weight_map"].values())

@@ -48,15 +48,22 @@ def frame(key, x: torch.Tensor, seq: int = 0, codec: str = "none") -> bytes:
 def raw_frame(meta: dict, payload: bytes = b"", seq: int = 0) -> bytes:
     """A frame with any header at all, its checksums right (as a peer of the run can)."""
     header = json.dumps(meta).encode()
-    prefix = frames._PREFIX.pack(frames._MAGIC, frames._VERSION, 0, len(header), len(payload),
-                                 seq, 0.0, 0.0, 0)  # fmt: skip
+    prefix = frames._PREFIX.pack(
+        frames._MAGIC, frames._VERSION, 0, len(header), len(payload), seq, 0.0, 0.0, 0
+    )
     hcrc = frames._HCRC.pack(zlib.crc32(header, zlib.crc32(prefix)))
     return prefix + hcrc + header + payload
 
 
 def meta(**changes) -> dict:
-    base = {"key": ["F", 0, 0], "codec": "none", "shape": list(SHAPE), "dtype": "float32",
-            "dir": "forward", "arrays": [["<f4", [64]]]}  # fmt: skip
+    base = {
+        "key": ["F", 0, 0],
+        "codec": "none",
+        "shape": list(SHAPE),
+        "dtype": "float32",
+        "dir": "forward",
+        "arrays": [["<f4", [64]]],
+    }
     return {**base, **changes}
 
 
@@ -125,8 +132,9 @@ def test_a_tensor_shape_beyond_the_payload_bound_is_refused_without_a_plan() -> 
     r = DirectReceiver(inbox, creds=CREDS, max_payload=1 << 20)  # no plan, only the bound
     try:
         # a top-k frame says little on the wire, but its decoding is 4 * numel bytes
-        data = raw_frame(meta(codec="topk", shape=[2**21, 2**21, 2**21],
-                              arrays=[["<f4", [0]], ["<i4", [0]]]))  # fmt: skip
+        data = raw_frame(
+            meta(codec="topk", shape=[2**21, 2**21, 2**21], arrays=[["<f4", [0]], ["<i4", [0]]])
+        )
         refused_at_once(r, data, "over the bound")
     finally:
         r.close()
@@ -247,8 +255,7 @@ def test_malformed_headers_are_refused_by_the_parser(bad) -> None:
 
 def test_a_deeply_nested_header_does_not_kill_the_reader(rx) -> None:
     header = ("[" * 20000 + "]" * 20000).encode()  # RecursionError in json, not ValueError
-    prefix = frames._PREFIX.pack(frames._MAGIC, frames._VERSION, 0, len(header), 0, 0, 0.0,
-                                 0.0, 0)  # fmt: skip
+    prefix = frames._PREFIX.pack(frames._MAGIC, frames._VERSION, 0, len(header), 0, 0, 0.0, 0.0, 0)
     data = prefix + frames._HCRC.pack(zlib.crc32(header, zlib.crc32(prefix))) + header
     refused_at_once(rx, data, "malformed frame header")
 
@@ -257,8 +264,9 @@ def test_a_refusal_is_logged_once_per_interval(rx, caplog) -> None:
     caplog.set_level("WARNING", logger="geopipe.transport.security")
     threads = []
     for _ in range(3):
-        t = threading.Thread(target=lambda: refused_at_once(
-            rx, frame(("Z", 0, 0), torch.randn(SHAPE)), "kind 'Z'"))  # fmt: skip
+        t = threading.Thread(
+            target=lambda: refused_at_once(rx, frame(("Z", 0, 0), torch.randn(SHAPE)), "kind 'Z'")
+        )
         threads.append(t)
         t.start()
         t.join()

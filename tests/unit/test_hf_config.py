@@ -26,9 +26,14 @@ ROOT = Path(__file__).resolve().parents[2]
 LOCAL = ROOT / "clusters" / "local-2dc.yaml"
 SOURCE = "c.yaml"
 SMALL = dict(
-    vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-)  # fmt: skip
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
 
 
 def _doc(model: dict[str, Any]) -> dict[str, Any]:
@@ -91,7 +96,11 @@ def test_family_specific_fields(tmp_path: Path) -> None:
     _, ll = _saved(tmp_path / "ll", attention_bias=True, mlp_bias=True, head_dim=16)
     qm = ModelSpec(hf=str(q))
     assert (qm.family, qm.attention_bias, qm.mlp_bias, qm.tie_embeddings) == (
-        "qwen2", True, False, False)  # fmt: skip
+        "qwen2",
+        True,
+        False,
+        False,
+    )
     mm = ModelSpec(hf=str(mi))
     assert (mm.family, mm.attention_bias, mm.mlp_bias) == ("mistral", False, False)
     lm = ModelSpec(hf=str(ll))
@@ -106,8 +115,14 @@ def test_config_only_directory_has_no_weights(tmp_path: Path) -> None:
 
 
 def test_absent_keys_take_the_family_defaults(tmp_path: Path) -> None:
-    cfg = {"model_type": "mistral", "hidden_size": 64, "num_attention_heads": 8,
-           "num_hidden_layers": 2, "vocab_size": 100, "intermediate_size": 96}  # fmt: skip
+    cfg = {
+        "model_type": "mistral",
+        "hidden_size": 64,
+        "num_attention_heads": 8,
+        "num_hidden_layers": 2,
+        "vocab_size": 100,
+        "intermediate_size": 96,
+    }
     m = ModelSpec(hf=str(_config_dir(tmp_path / "m", cfg)), max_seq_len=128)
     assert m.n_kv_head == 8  # mistral's own default, as transformers fills it
     assert m.rms_norm_eps == 1e-6 and m.head_dim == 8
@@ -175,8 +190,9 @@ def test_unsupported_family_names_the_supported_ones(tmp_path: Path) -> None:
     path = _config_dir(tmp_path / "m", {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
     msg = _find(_problems({"hf": str(path)}), "model.hf")
     assert "GPT2LMHeadModel" in msg  # not a *ForCausalLM class name
-    path = _config_dir(tmp_path / "n", {"model_type": "gpt_neox",
-                                        "architectures": ["GPTNeoXForCausalLM"]})  # fmt: skip
+    path = _config_dir(
+        tmp_path / "n", {"model_type": "gpt_neox", "architectures": ["GPTNeoXForCausalLM"]}
+    )
     msg = _find(_problems({"hf": str(path)}), "model.hf")
     assert "model_type 'gpt_neox' is not supported" in msg
     assert "llama, mistral, qwen2" in msg
@@ -186,8 +202,14 @@ def test_encoder_and_encoder_decoder_are_refused(tmp_path: Path) -> None:
     bert = _config_dir(tmp_path / "b", {"model_type": "bert", "architectures": ["BertForMaskedLM"]})
     msg = _find(_problems({"hf": str(bert)}), "model.hf")
     assert "BertForMaskedLM" in msg and "not a decoder-only causal LM" in msg
-    t5 = _config_dir(tmp_path / "t", {"model_type": "t5", "is_encoder_decoder": True,
-                                      "architectures": ["T5ForConditionalGeneration"]})  # fmt: skip
+    t5 = _config_dir(
+        tmp_path / "t",
+        {
+            "model_type": "t5",
+            "is_encoder_decoder": True,
+            "architectures": ["T5ForConditionalGeneration"],
+        },
+    )
     assert "encoder-decoder" in _find(_problems({"hf": str(t5)}), "model.hf")
 
 

@@ -69,8 +69,10 @@ def _train(name: str, tmp_path: Path, opt_name: str) -> tuple[list[float], list[
     for s in stages:
         s.train()
     params = [p for s in stages for p in s.parameters()]
-    make = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.5),
-            "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2)}[opt_name]  # fmt: skip
+    make = {
+        "sgd": lambda ps: torch.optim.SGD(ps, lr=0.5),
+        "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
+    }[opt_name]
     ours, theirs = make(params), make(model.parameters())
     copies = [t for t in (s.tied_parameter() for s in stages) if t is not None]
     got, want = [], []
@@ -164,8 +166,9 @@ def test_export_loads_in_transformers_with_equal_logits(tmp_path: Path, name: st
     _, path = saved(tmp_path, name)
     cfg = _config(path)
     desc = ModelDesc.from_hf(cfg)
-    stages = write_checkpoint(tmp_path / "run" / "checkpoints", desc, [(0, 2), (2, 5)],
-                              hf_entry(cfg, desc))  # fmt: skip
+    stages = write_checkpoint(
+        tmp_path / "run" / "checkpoints", desc, [(0, 2), (2, 5)], hf_entry(cfg, desc)
+    )
     assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "out")]) == 0
     hf, info = AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
     assert not any(info.values()), info

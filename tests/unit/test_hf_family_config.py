@@ -90,9 +90,14 @@ def test_stage_counts_and_flops_equal_the_modules(tmp_path: Path, name: str) -> 
 
 # -- RoPE: every supported variant exact; what transformers requires, required here ------------
 
-ROPE_VALUES = {"factor": 2.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "short_factor": [1.0, 1.5, 2.0, 2.5], "long_factor": [2.0, 3.0, 4.0, 5.0],
-               "original_max_position_embeddings": 16}  # fmt: skip
+ROPE_VALUES = {
+    "factor": 2.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "short_factor": [1.0, 1.5, 2.0, 2.5],
+    "long_factor": [2.0, 3.0, 4.0, 5.0],
+    "original_max_position_embeddings": 16,
+}
 
 
 def _rope(kind: str) -> dict[str, Any]:
@@ -113,8 +118,10 @@ def test_each_rope_variant_is_exact_and_its_keys_required(tmp_path: Path, kind: 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(llama(**fields, rope_parameters=_rope(kind)))
     model.save_pretrained(tmp_path / "m")
-    stages = [HFStage(json.loads((tmp_path / "m" / "config.json").read_text()), a, b)
-              for a, b in [(0, 3), (3, 5)]]  # fmt: skip
+    stages = [
+        HFStage(json.loads((tmp_path / "m" / "config.json").read_text()), a, b)
+        for a, b in [(0, 3), (3, 5)]
+    ]
     for s in stages:
         load_stage_weights(s, tmp_path / "m")
     x = tokens(seq=40)  # past the original 16 positions: the scaled frequencies are used
@@ -134,43 +141,103 @@ def test_each_rope_variant_is_exact_and_its_keys_required(tmp_path: Path, kind: 
 # (case, config.json change, what the refusal says, whether transformers fails on it too
 # when the model is built and run)
 LIMITS: dict[str, tuple[str, dict[str, Any], str, bool]] = {
-    "unknown-rope": ("qwen3-tied", {"rope_parameters": {"rope_type": "ntk-magic"}},
-                     "rope_parameters.rope_type 'ntk-magic' is not a RoPE variant", True),
-    "legacy-rope-key": ("olmo2-untied", {"rope_parameters": None,
-                                         "rope_scaling": {"type": "ntk-magic", "factor": 2}},
-                        "rope_scaling.rope_type 'ntk-magic'", True),
-    "phi3-linear-rope": ("phi3-untied-window", {"rope_parameters": {"rope_type": "linear",
-                                                                    "factor": 2.0}},
-                         "'linear' is not a RoPE variant geopipe's phi3 stages support", True),
-    "longrope-length": ("phi3-tied-longrope", {"rope_parameters": {
-        "rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0, 2.0],
-        "partial_rotary_factor": 0.5}}, "short_factor must be a list of 2 numbers", True),
-    "gemma3-nested-rope": ("gemma3-tied", {"rope_parameters": {
-        "sliding_attention": {"rope_type": "default"}, "full_attention": {"rope_type": "x"}}},
-        "rope_parameters.full_attention.rope_type 'x'", True),
-    "partial-rotary": ("qwen3-tied", {"rope_parameters": {"rope_type": "default",
-                                                          "partial_rotary_factor": 1.5}},
-                       "partial_rotary_factor must be a number in (0, 1]", False),
-    "layer-types-length": ("gemma2-tied", {"layer_types": ["full_attention"]},
-                           "layer_types must list 3 attention kinds", True),
-    "layer-types-kind": ("qwen3-tied", {"layer_types": ["full_attention", "chunked_attention",
-                                                        "full_attention"]},
-                         "layer_types must list 3", True),
-    "sliding-without-window": ("qwen3-untied-window", {"use_sliding_window": False,
-                                                       "sliding_window": None},
-                               "sliding_attention layers but no sliding window", True),
-    "window-zero": ("gemma2-untied", {"sliding_window": 0}, "sliding_window must be null or "
-                    "an integer >= 1", True),
-    "bidirectional": ("gemma3-untied", {"use_bidirectional_attention": True},
-                      "use_bidirectional_attention is true: geopipe trains causal LMs", False),
-    "pad-outside-vocab": ("phi3-untied-window", {"pad_token_id": 32000},
-                          "pad_token_id 32000 is not a row of the embedding", True),
-    "gemma-head-split": ("gemma2-tied", {"hidden_size": 36, "num_attention_heads": 8,
-                                         "num_key_value_heads": 4},
-                         "hidden_size (36) must be divisible by num_attention_heads (8)", True),
-    "softcap-negative": ("gemma2-tied", {"final_logit_softcapping": -1.0},
-                         "final_logit_softcapping must be null or a number > 0", False),
-}  # fmt: skip
+    "unknown-rope": (
+        "qwen3-tied",
+        {"rope_parameters": {"rope_type": "ntk-magic"}},
+        "rope_parameters.rope_type 'ntk-magic' is not a RoPE variant",
+        True,
+    ),
+    "legacy-rope-key": (
+        "olmo2-untied",
+        {"rope_parameters": None, "rope_scaling": {"type": "ntk-magic", "factor": 2}},
+        "rope_scaling.rope_type 'ntk-magic'",
+        True,
+    ),
+    "phi3-linear-rope": (
+        "phi3-untied-window",
+        {"rope_parameters": {"rope_type": "linear", "factor": 2.0}},
+        "'linear' is not a RoPE variant geopipe's phi3 stages support",
+        True,
+    ),
+    "longrope-length": (
+        "phi3-tied-longrope",
+        {
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "short_factor": [1.0],
+                "long_factor": [1.0, 2.0],
+                "partial_rotary_factor": 0.5,
+            }
+        },
+        "short_factor must be a list of 2 numbers",
+        True,
+    ),
+    "gemma3-nested-rope": (
+        "gemma3-tied",
+        {
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default"},
+                "full_attention": {"rope_type": "x"},
+            }
+        },
+        "rope_parameters.full_attention.rope_type 'x'",
+        True,
+    ),
+    "partial-rotary": (
+        "qwen3-tied",
+        {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 1.5}},
+        "partial_rotary_factor must be a number in (0, 1]",
+        False,
+    ),
+    "layer-types-length": (
+        "gemma2-tied",
+        {"layer_types": ["full_attention"]},
+        "layer_types must list 3 attention kinds",
+        True,
+    ),
+    "layer-types-kind": (
+        "qwen3-tied",
+        {"layer_types": ["full_attention", "chunked_attention", "full_attention"]},
+        "layer_types must list 3",
+        True,
+    ),
+    "sliding-without-window": (
+        "qwen3-untied-window",
+        {"use_sliding_window": False, "sliding_window": None},
+        "sliding_attention layers but no sliding window",
+        True,
+    ),
+    "window-zero": (
+        "gemma2-untied",
+        {"sliding_window": 0},
+        "sliding_window must be null or an integer >= 1",
+        True,
+    ),
+    "bidirectional": (
+        "gemma3-untied",
+        {"use_bidirectional_attention": True},
+        "use_bidirectional_attention is true: geopipe trains causal LMs",
+        False,
+    ),
+    "pad-outside-vocab": (
+        "phi3-untied-window",
+        {"pad_token_id": 32000},
+        "pad_token_id 32000 is not a row of the embedding",
+        True,
+    ),
+    "gemma-head-split": (
+        "gemma2-tied",
+        {"hidden_size": 36, "num_attention_heads": 8, "num_key_value_heads": 4},
+        "hidden_size (36) must be divisible by num_attention_heads (8)",
+        True,
+    ),
+    "softcap-negative": (
+        "gemma2-tied",
+        {"final_logit_softcapping": -1.0},
+        "final_logit_softcapping must be null or a number > 0",
+        False,
+    ),
+}
 
 
 def _transformers_fails(config: dict[str, Any]) -> bool:
@@ -219,9 +286,22 @@ def test_plan_exits_2_naming_the_field(tmp_path: Path, capsys) -> None:
 
 
 @pytest.mark.parametrize(
-    "family", ["gemma", "gemma3", "phi", "olmo", "olmoe", "mixtral", "qwen2_moe", "qwen3_moe",
-               "gpt_neox", "falcon", "cohere", "starcoder2"],
-)  # fmt: skip
+    "family",
+    [
+        "gemma",
+        "gemma3",
+        "phi",
+        "olmo",
+        "olmoe",
+        "mixtral",
+        "qwen2_moe",
+        "qwen3_moe",
+        "gpt_neox",
+        "falcon",
+        "cohere",
+        "starcoder2",
+    ],
+)
 def test_other_model_types_are_refused_by_name(tmp_path: Path, family: str) -> None:
     config = {"model_type": family, "architectures": [f"{family.title()}ForCausalLM"]}
     msg = _refusal(_config_dir(tmp_path / family, config))
@@ -235,24 +315,55 @@ def test_other_model_types_are_refused_by_name(tmp_path: Path, family: str) -> N
 
 _LEGACY_BASE = {**SMALL, "pad_token_id": None, "bos_token_id": None, "eos_token_id": None}
 LEGACY: dict[str, dict[str, Any]] = {
-    "gemma2": {"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"], "head_dim": 8,
-               "rope_theta": 10000.0, "sliding_window": 8, "attn_logit_softcapping": 2.0,
-               "final_logit_softcapping": 3.0, "query_pre_attn_scalar": 8,
-               "cache_implementation": "hybrid"},
-    "gemma3_text": {"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"],
-                    "head_dim": 8, "rope_theta": 1e6, "rope_local_base_freq": 10000.0,
-                    "rope_scaling": {"rope_type": "linear", "factor": 8.0},
-                    "sliding_window": 8, "sliding_window_pattern": 2},
-    "phi3": {"model_type": "phi3", "architectures": ["Phi3ForCausalLM"], "rope_theta": 10000.0,
-             "original_max_position_embeddings": 16, "sliding_window": 8,
-             "rope_scaling": {"type": "longrope", "short_factor": [1.0, 1.1, 1.2, 1.3],
-                              "long_factor": [2.0, 3.0, 4.0, 5.0]}},
-    "qwen3": {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "head_dim": 8,
-              "rope_theta": 1e6, "rope_scaling": None, "sliding_window": None,
-              "use_sliding_window": False},
-    "olmo2": {"model_type": "olmo2", "architectures": ["Olmo2ForCausalLM"],
-              "rope_theta": 500000.0, "rope_scaling": None},
-}  # fmt: skip
+    "gemma2": {
+        "model_type": "gemma2",
+        "architectures": ["Gemma2ForCausalLM"],
+        "head_dim": 8,
+        "rope_theta": 10000.0,
+        "sliding_window": 8,
+        "attn_logit_softcapping": 2.0,
+        "final_logit_softcapping": 3.0,
+        "query_pre_attn_scalar": 8,
+        "cache_implementation": "hybrid",
+    },
+    "gemma3_text": {
+        "model_type": "gemma3_text",
+        "architectures": ["Gemma3ForCausalLM"],
+        "head_dim": 8,
+        "rope_theta": 1e6,
+        "rope_local_base_freq": 10000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+        "sliding_window": 8,
+        "sliding_window_pattern": 2,
+    },
+    "phi3": {
+        "model_type": "phi3",
+        "architectures": ["Phi3ForCausalLM"],
+        "rope_theta": 10000.0,
+        "original_max_position_embeddings": 16,
+        "sliding_window": 8,
+        "rope_scaling": {
+            "type": "longrope",
+            "short_factor": [1.0, 1.1, 1.2, 1.3],
+            "long_factor": [2.0, 3.0, 4.0, 5.0],
+        },
+    },
+    "qwen3": {
+        "model_type": "qwen3",
+        "architectures": ["Qwen3ForCausalLM"],
+        "head_dim": 8,
+        "rope_theta": 1e6,
+        "rope_scaling": None,
+        "sliding_window": None,
+        "use_sliding_window": False,
+    },
+    "olmo2": {
+        "model_type": "olmo2",
+        "architectures": ["Olmo2ForCausalLM"],
+        "rope_theta": 500000.0,
+        "rope_scaling": None,
+    },
+}
 
 
 @pytest.mark.parametrize("family", sorted(LEGACY))

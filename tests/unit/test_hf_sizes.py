@@ -33,19 +33,26 @@ ROOT = Path(__file__).resolve().parents[2]
 LOCAL = ROOT / "clusters" / "local-2dc.yaml"
 LLAMA3 = ROOT / "clusters" / "llama3-8b-2dc.yaml"
 SMALL = dict(
-    vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-)  # fmt: skip
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
 CASES: dict[str, tuple[type, dict[str, Any]]] = {
     "llama-gqa-tied": (LlamaConfig, {"tie_word_embeddings": True}),
     "llama-untied": (LlamaConfig, {}),
     "llama-mha": (LlamaConfig, {"num_key_value_heads": 4}),
-    "llama-biases-head-dim": (LlamaConfig, {"attention_bias": True, "mlp_bias": True,
-                                            "head_dim": 16}),
+    "llama-biases-head-dim": (
+        LlamaConfig,
+        {"attention_bias": True, "mlp_bias": True, "head_dim": 16},
+    ),
     "qwen2": (Qwen2Config, {}),
     "qwen2-tied": (Qwen2Config, {"tie_word_embeddings": True}),
     "mistral": (MistralConfig, {}),
-}  # fmt: skip
+}
 
 
 def _spec(tmp_path: Path, name: str) -> tuple[ModelSpec, Any]:
@@ -155,8 +162,9 @@ def test_tie_exchange_between_unlinked_sites_goes_hop_by_hop(tmp_path: Path) -> 
     hop = spec.links[0].model_copy(update={"src": "west", "dst": "north", "latency_ms": 5.0})
     three = spec.model_copy(update={"sites": [*spec.sites, north], "links": [*spec.links, hop]})
     ev = Evaluator(three)
-    c = Candidate(pipelines=2, micro_batch_size=1, seq_len=32, delta_n=(0, 0),
-                  codecs=("none", "none"))  # fmt: skip
+    c = Candidate(
+        pipelines=2, micro_batch_size=1, seq_len=32, delta_n=(0, 0), codecs=("none", "none")
+    )
     plan = ev.evaluate(c).plan
     assert {plan.stage_sites[0], plan.stage_sites[-1]} == {"east", "north"}
     nbytes = 96 * 32 * 4

@@ -18,16 +18,23 @@ from geopipe.model.family import ModelDesc, build_stage, stage_param_names
 from geopipe.model.hf import EMBED, HEAD, HFStage, hf_layer_of, load_stage_weights
 
 SMALL = dict(
-    vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-)  # fmt: skip
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
 FAMILIES = {
     "llama-gqa-tied": (LlamaConfig, {"tie_word_embeddings": True}),
-    "llama-gqa-untied": (LlamaConfig, {"tie_word_embeddings": False,
-                                       "rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+    "llama-gqa-untied": (
+        LlamaConfig,
+        {"tie_word_embeddings": False, "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+    ),
     "qwen2": (Qwen2Config, {"tie_word_embeddings": False}),
     "mistral": (MistralConfig, {"tie_word_embeddings": False, "sliding_window": 32}),
-}  # fmt: skip
+}
 
 
 def _saved(tmp_path: Path, name: str) -> tuple[torch.nn.Module, Path]:

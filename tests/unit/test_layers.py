@@ -24,12 +24,21 @@ def heavy_imports(*modules: str) -> list[str]:
 
 
 def test_planner_and_cli_import_without_ray_deepspeed_or_torch() -> None:
-    assert heavy_imports(
-        "geopipe.cli.main", "geopipe.config", "geopipe.plan", "geopipe.model.sizes",
-        "geopipe.optimizer.planner", "geopipe.optimizer.policies",
-        "geopipe.optimizer.instantiate", "geopipe.optimizer.refine",
-        "geopipe.pipeline.schedule", "geopipe.pipeline.partition",
-    ) == []  # fmt: skip
+    assert (
+        heavy_imports(
+            "geopipe.cli.main",
+            "geopipe.config",
+            "geopipe.plan",
+            "geopipe.model.sizes",
+            "geopipe.optimizer.planner",
+            "geopipe.optimizer.policies",
+            "geopipe.optimizer.instantiate",
+            "geopipe.optimizer.refine",
+            "geopipe.pipeline.schedule",
+            "geopipe.pipeline.partition",
+        )
+        == []
+    )
 
 
 def test_site_store_and_restore_policy_import_without_torch() -> None:

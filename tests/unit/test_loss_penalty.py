@@ -156,9 +156,16 @@ def test_rows_price_only_candidates_of_their_own_outer_optimizer() -> None:
 
     rows = [
         {"replicas": 2, "h": 10, "fragments": 1, "codec": "none", "rel_gap": 0.14},
-        {"replicas": 2, "h": 10, "fragments": 1, "codec": "none", "rel_gap": 0.04,
-         "outer_lr": 1.0, "outer_momentum": 0.0},
-    ]  # fmt: skip
+        {
+            "replicas": 2,
+            "h": 10,
+            "fragments": 1,
+            "codec": "none",
+            "rel_gap": 0.04,
+            "outer_lr": 1.0,
+            "outer_momentum": 0.0,
+        },
+    ]
     doc = {"source": "t", "model": "t", "steps": 1, "tokens_per_step": 1, "sync_noise": 0.0}
     model = PenaltyModel(parse_table({**doc, "rows": rows}), "t.json")
     assert model.predict(2, 10, 1, "none").value == 0.14

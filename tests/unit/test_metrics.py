@@ -12,10 +12,20 @@ from geopipe.runtime.control.metrics import aggregate
 
 def result(stage: int, replica: int, busy: float, duration: float, losses=(), **parts):
     return IterationResult(
-        stage=stage, replica=replica, step=3, losses=list(losses), busy_s=busy, wait_s=0.0,
-        duration_s=duration, start=0.0, wan_bytes=10, micro_batches=2, optimizer_steps=1,
-        breakdown=parts, peak_activation_bytes=100 * (stage + 1) + replica,
-    )  # fmt: skip
+        stage=stage,
+        replica=replica,
+        step=3,
+        losses=list(losses),
+        busy_s=busy,
+        wait_s=0.0,
+        duration_s=duration,
+        start=0.0,
+        wan_bytes=10,
+        micro_batches=2,
+        optimizer_steps=1,
+        breakdown=parts,
+        peak_activation_bytes=100 * (stage + 1) + replica,
+    )
 
 
 def test_aggregate_means_replicas_per_stage_and_keeps_stage_order():
@@ -47,9 +57,17 @@ def test_tensorboard_gets_every_step_scalar(tmp_path) -> None:
 
     sink = MetricsSink(tmp_path / "m.jsonl", "r", use_ray=False, tensorboard=tmp_path / "tb")
     for step in range(3):
-        m = StepMetrics(step=step, loss=5.0 - step, iteration_time_s=0.5, tokens=100,
-                        bubble_ratio=0.25, wan_bytes=1000 * (step + 1), tokens_per_s=200.0,
-                        lr=1e-3 * (step + 1), grad_norm=2.0 + step)  # fmt: skip
+        m = StepMetrics(
+            step=step,
+            loss=5.0 - step,
+            iteration_time_s=0.5,
+            tokens=100,
+            bubble_ratio=0.25,
+            wan_bytes=1000 * (step + 1),
+            tokens_per_s=200.0,
+            lr=1e-3 * (step + 1),
+            grad_norm=2.0 + step,
+        )
         sink.write(m, {"predicted_iteration_time_s": 0.4})
     sink.close()
     acc = EventAccumulator(str(tmp_path / "tb"))

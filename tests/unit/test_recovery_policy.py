@@ -77,15 +77,17 @@ def check_layout(dec: Reconfigure | RestoreFromCheckpoint, f: Failure, ts: Templ
         one = new.pipeline(r)
         assert one.partition[0][0] == 0 and one.partition[-1][1] == ts.num_layers
         assert all(a < z for a, z in one.partition)
-        assert all(one.partition[i][1] == one.partition[i + 1][0]
-                   for i in range(one.num_stages - 1))  # fmt: skip
+        assert all(
+            one.partition[i][1] == one.partition[i + 1][0] for i in range(one.num_stages - 1)
+        )
         # Uses exactly the sites with devices, each a contiguous run of ≥ 1 stages.
         assert set(one.stage_sites) == {s for s, n in alive.items() if n > 0}
         runs = [s for i, s in enumerate(one.stage_sites) if i == 0 or one.stage_sites[i - 1] != s]
         assert len(runs) == len(set(runs))
         # Every pipeline puts each layer in the same site (no reduction crosses a WAN link).
-        sites = [s for (a, z), s in zip(one.partition, one.stage_sites, strict=True)
-                 for _ in range(a, z)]  # fmt: skip
+        sites = [
+            s for (a, z), s in zip(one.partition, one.stage_sites, strict=True) for _ in range(a, z)
+        ]
         assert layer_sites in (None, sites)
         layer_sites = sites
     # Within the alive devices.
@@ -251,8 +253,9 @@ def test_grow_back_when_devices_return() -> None:
     assert d == 2
     plan = ts.plan_for(full, d, ts.num_microbatches // d)
     lost = frozenset({(0, 1)})
-    shrunk = decide(Failure(plan, lost, {"s0": 1, "s1": 2}, frozenset({0, 1}),
-                            frozenset({0, 1}), None), ts)  # fmt: skip
+    shrunk = decide(
+        Failure(plan, lost, {"s0": 1, "s1": 2}, frozenset({0, 1}), frozenset({0, 1}), None), ts
+    )
     assert isinstance(shrunk, Reconfigure) and shrunk.pipelines == 1
     small = shrunk.plan
     dec = decide_grow(ts, small, {"s0": 2, "s1": 2}, 8, small.micro_batch_size)

@@ -33,8 +33,11 @@ def save(root: Path, step: int, run_id: str | None, lineage: dict | None = None)
 
 
 def digests(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}  # fmt: skip
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 def test_accepts_own_and_ancestors_up_to_the_resume_point() -> None:
@@ -92,8 +95,9 @@ def test_listing_reports_the_run(tmp_path: Path, verify: bool) -> None:
     save(tmp_path, 2, "A")
     save(tmp_path, 4, None)
     assert [(i.step, i.run_id) for i in list_checkpoints(tmp_path, verify=verify)] == [
-        (2, "A"), (4, None)
-    ]  # fmt: skip
+        (2, "A"),
+        (4, None),
+    ]
 
 
 def test_a_resumed_run_keeps_its_parents_later_checkpoint_of_the_same_step(tmp_path: Path) -> None:

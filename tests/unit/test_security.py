@@ -106,8 +106,13 @@ def test_strangers_get_nothing_and_change_nothing(creds: RunCredentials) -> None
         if not creds.encrypt:  # over TLS a replay cannot even start: it needs the run's cert
             assert len(replayed_handshake(rx.address, creds)) == 32  # a fresh nonce, no more
         with pytest.raises(PeerLostError, match="cannot authenticate"):
-            DirectSender(rx.address, "none", "forward", creds=make_credentials("run-a", False),
-                         connect_timeout_s=5)  # fmt: skip
+            DirectSender(
+                rx.address,
+                "none",
+                "forward",
+                creds=make_credentials("run-a", False),
+                connect_timeout_s=5,
+            )
         if creds.encrypt:
             with pytest.raises(PeerLostError, match="cannot authenticate"):
                 DirectSender(rx.address, "none", "forward", creds=OTHER_TLS, connect_timeout_s=5)
@@ -190,8 +195,11 @@ def test_chunk_server_serves_only_the_run(creds: RunCredentials, tmp_path) -> No
         assert stranger(server.address, os.urandom(4096)) == b""
         other = make_credentials("run-b", encrypt=creds.encrypt)
         with pytest.raises(ChunkError):
-            next(ChunkClient(server.address, creds=other, timeout_s=5).read_all(
-                1, "stage-0.safetensors", [(0, 10)]))  # fmt: skip
+            next(
+                ChunkClient(server.address, creds=other, timeout_s=5).read_all(
+                    1, "stage-0.safetensors", [(0, 10)]
+                )
+            )
         client = ChunkClient(server.address, creds=creds)
         got = b"".join(client.read_all(1, "stage-0.safetensors", [(0, 5000), (5000, 5000)]))
         assert got == blob

@@ -133,8 +133,7 @@ def test_newest_restorable_matches_brute_force() -> None:
                 assert (got.step if got else None) == want, (holdings, live)
                 if got is None:
                     continue
-                held = {s: next((c for c in holdings[s] if c.step == got.step), None)
-                        for s in live}  # fmt: skip
+                held = {s: next((c for c in holdings[s] if c.step == got.step), None) for s in live}
                 for k, s in got.sources.items():  # every source is live and holds the shard
                     assert s in live and k in held[s].stages
                 assert set(got.complete_at) == {s for s, c in held.items() if c and c.complete}
@@ -235,24 +234,30 @@ def _shards(step: int, big: bool = False) -> list[tuple[bytes, Any]]:
     g = torch.Generator().manual_seed(step)
     n = 600_000 if big else 64  # big: more than one 4 MiB chunk
     return [
-        shard_bytes(k, {f"params/blocks.{k}.w": torch.randn(n, 4, generator=g)},
-                    {"adam_step": step, "lr_step": step, "layers": [k, k + 1]})
+        shard_bytes(
+            k,
+            {f"params/blocks.{k}.w": torch.randn(n, 4, generator=g)},
+            {"adam_step": step, "lr_step": step, "layers": [k, k + 1]},
+        )
         for k in range(2)
-    ]  # fmt: skip
+    ]
 
 
 MANIFEST = {
-    "config_hash": "h", "plan": {}, "data": {"step": 0},
+    "config_hash": "h",
+    "plan": {},
+    "data": {"step": 0},
     "model": {"n_layer": 2, "n_embd": 4, "n_head": 1, "vocab_size": 256, "max_seq_len": 8},
     "copies": {"east": "/e", "west": "/w"},
-}  # fmt: skip
+}
 
 
 def _save(store: SiteStore, step: int, shards: list, save_id: str = "s") -> dict:
     holders = [_Holder(b) for b, _ in shards]
     sources = [ShardSource(k, h, None if k == 0 else 1e12) for k, h in enumerate(holders)]
-    return store.save(step, save_id, {**MANIFEST, "data": {"step": step}}, sources,
-                      *[i for _, i in shards])  # fmt: skip
+    return store.save(
+        step, save_id, {**MANIFEST, "data": {"step": step}}, sources, *[i for _, i in shards]
+    )
 
 
 def test_pulled_copy_is_a_complete_verified_checkpoint(tmp_path: Path) -> None:
@@ -276,8 +281,10 @@ def test_corrupt_transfer_or_abandoned_save_keeps_the_last_good_copy(tmp_path: P
     east = _store(tmp_path, "east")
     _save(east, 2, _shards(2))
     shards = _shards(4)
-    bad = [ShardSource(0, _Holder(shards[0][0]), None),
-           ShardSource(1, _Holder(shards[1][0], corrupt_at=100), None)]  # fmt: skip
+    bad = [
+        ShardSource(0, _Holder(shards[0][0]), None),
+        ShardSource(1, _Holder(shards[1][0], corrupt_at=100), None),
+    ]
     with pytest.raises(CheckpointError, match="sha256"):
         east.fetch(4, "t", bad, *[i for _, i in shards])
     assert [i.status for i in list_checkpoints(east.root)] == ["complete", "partial"]
@@ -349,11 +356,18 @@ def test_status_and_checkpoints_show_each_sites_copies(tmp_path: Path, capsys) -
     run = tmp_path / "run"
     run.mkdir()
     status = {
-        "run": "r", "state": "running", "step": 5, "steps": 9, "stages": [],
-        "checkpoint": {"step": 4, "copies": {"east": east.path_of(4)},
-                       "failed": {"west": "the actor died"}},
+        "run": "r",
+        "state": "running",
+        "step": 5,
+        "steps": 9,
+        "stages": [],
+        "checkpoint": {
+            "step": 4,
+            "copies": {"east": east.path_of(4)},
+            "failed": {"west": "the actor died"},
+        },
         "checkpoint_dirs": {"east": str(east.root), "west": str(west.root)},
-    }  # fmt: skip
+    }
     (run / "status.json").write_text(json.dumps(status))
     text = format_status(status, "running")
     assert "latest checkpoint: step 4" in text and east.path_of(4) in text

@@ -218,8 +218,10 @@ class StageEngine:
         self.dtype = DTYPES[cfg.precision]
         self._tied = self.module.tied_parameter()
         if self._tied is not None and not cfg.defer_step:
-            raise ValueError("a tied embedding split over two stages needs defer_step (its "
-                             "gradients are summed after the step's sends)")  # fmt: skip
+            raise ValueError(
+                "a tied embedding split over two stages needs defer_step (its "
+                "gradients are summed after the step's sends)"
+            )
         active = {
             id(p)
             for n, p in self.module.named_parameters()
@@ -398,8 +400,10 @@ class StageEngine:
         copies receive bitwise-equal gradients."""
         if self._tied is not None:
             if exchange is None:
-                raise RuntimeError("this stage holds a tied embedding: end_iteration needs the "
-                                   "exchange with the other copy")  # fmt: skip
+                raise RuntimeError(
+                    "this stage holds a tied embedding: end_iteration needs the "
+                    "exchange with the other copy"
+                )
             if self._tied.grad is None:
                 self._tied.grad = torch.zeros_like(self._tied)
             other = exchange(self._tied.grad.detach())

@@ -63,8 +63,10 @@ class EngineConfig:
         if not (self.grad_scale > 0 and math.isfinite(self.grad_scale)):
             raise ValueError(f"EngineConfig.grad_scale must be > 0, got {self.grad_scale}")
         if self.precision not in PRECISIONS:
-            raise ValueError(f"EngineConfig.precision must be one of {sorted(PRECISIONS)}, "
-                             f"got {self.precision!r}")  # fmt: skip
+            raise ValueError(
+                f"EngineConfig.precision must be one of {sorted(PRECISIONS)}, "
+                f"got {self.precision!r}"
+            )
         if self.lr_schedule not in ("cosine", "constant"):
             raise ValueError(
                 f"EngineConfig.lr_schedule must be 'cosine' or 'constant', got {self.lr_schedule!r}"

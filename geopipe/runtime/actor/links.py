@@ -80,10 +80,14 @@ class StageLinks:
         every well-formed frame within the payload bound."""
         if self.wan_recv is None:
             self.wan_recv = DirectReceiver(
-                self.inbox, host="0.0.0.0" if self.listen_all else host, advertise_host=host,
-                creds=self.creds, max_payload=self.max_payload,
-                user_timeout_s=self.user_timeout_s, expect=expect,
-            )  # fmt: skip
+                self.inbox,
+                host="0.0.0.0" if self.listen_all else host,
+                advertise_host=host,
+                creds=self.creds,
+                max_payload=self.max_payload,
+                user_timeout_s=self.user_timeout_s,
+                expect=expect,
+            )
         elif expect is not None:
             self.wan_recv.expect = expect
         return self.wan_recv.address
@@ -97,14 +101,28 @@ class StageLinks:
         self.down_recv = P2PReceiver(rank, self.inbox)
 
     def connect_up_wan(self, address: tuple[str, int], peer: WanPeer, topk_ratio: float) -> None:
-        self.up_send = DirectSender(address, peer.codec, "backward", peer.link, topk_ratio,
-                                    user_timeout_s=self.user_timeout_s, creds=self.creds,
-                                    seed=2 * self.codec_seed + 1)  # fmt: skip
+        self.up_send = DirectSender(
+            address,
+            peer.codec,
+            "backward",
+            peer.link,
+            topk_ratio,
+            user_timeout_s=self.user_timeout_s,
+            creds=self.creds,
+            seed=2 * self.codec_seed + 1,
+        )
 
     def connect_down_wan(self, address: tuple[str, int], peer: WanPeer, topk_ratio: float) -> None:
-        self.down_send = DirectSender(address, peer.codec, "forward", peer.link, topk_ratio,
-                                      user_timeout_s=self.user_timeout_s, creds=self.creds,
-                                      seed=2 * self.codec_seed)  # fmt: skip
+        self.down_send = DirectSender(
+            address,
+            peer.codec,
+            "forward",
+            peer.link,
+            topk_ratio,
+            user_timeout_s=self.user_timeout_s,
+            creds=self.creds,
+            seed=2 * self.codec_seed,
+        )
 
     def connect_tie(self, address: tuple[str, int], peer: WanPeer | None) -> None:
         """The stage holding the other copy of a tied embedding (the first or last stage of
@@ -188,8 +206,9 @@ class StageLinks:
 
     def encode_s(self) -> float:
         """Seconds the WAN senders have spent encoding, cumulative."""
-        return sum(ch.encode_s for ch in (self.up_send, self.down_send)
-                   if isinstance(ch, DirectSender))  # fmt: skip
+        return sum(
+            ch.encode_s for ch in (self.up_send, self.down_send) if isinstance(ch, DirectSender)
+        )
 
     # -- codec state (top-k error feedback), checkpointed with the stage -----------------------
     def codec_state(self) -> dict[str, torch.Tensor]:

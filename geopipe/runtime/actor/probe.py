@@ -32,8 +32,13 @@ def burst_sizes(bandwidth_bps: float) -> list[int]:
     return [total // BURST_MESSAGES] * BURST_MESSAGES
 
 
-def probe(inbox: Any, address: tuple[str, int], link: LinkParams | None, sizes: list[int],
-          creds: Any = None) -> dict:  # fmt: skip
+def probe(
+    inbox: Any,
+    address: tuple[str, int],
+    link: LinkParams | None,
+    sizes: list[int],
+    creds: Any = None,
+) -> dict:
     """Upstream side: ping the neighbour at ``address`` and stream the burst. Returns
     ``rtt_s`` (median round trip), and per ping when it was sent and its answer in (this
     clock). The neighbour runs :func:`echo` at the same time."""
@@ -58,8 +63,13 @@ def probe(inbox: Any, address: tuple[str, int], link: LinkParams | None, sizes: 
         tx.close()
 
 
-def echo(inbox: Any, address: tuple[str, int], link: LinkParams | None, sizes: list[int],
-         creds: Any = None) -> dict:  # fmt: skip
+def echo(
+    inbox: Any,
+    address: tuple[str, int],
+    link: LinkParams | None,
+    sizes: list[int],
+    creds: Any = None,
+) -> dict:
     """Downstream side: answer the pings, then time the burst's arrivals on this clock
     (stamped by the transport as each message is in, see ``Inbox.watched``). Returns the
     burst's ``arrivals`` and per ping when it was in and its answer sent (this clock)."""

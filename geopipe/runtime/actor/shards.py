@@ -72,8 +72,9 @@ class ShardWriter:
             st = state.result()
             out = dict(tensors)
             for group in ADAM_STATE_GROUPS:
-                out.update({f"{group}/{n}": t for n, t in st[group].items()
-                            if only is None or n in only})  # fmt: skip
+                out.update(
+                    {f"{group}/{n}": t for n, t in st[group].items() if only is None or n in only}
+                )
             meta = {"adam_step": st["step"], "lr_step": st["lr_step"], "layers": layers}
             if self.write_delay_s:
                 time.sleep(self.write_delay_s)

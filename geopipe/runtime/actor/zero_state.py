@@ -125,12 +125,13 @@ def local_snapshot(engine: Any, module: nn.Module) -> dict[str, Any]:
                 "layout": [
                     (names[id(p)], int(off), tuple(p.shape))
                     for p, off in zip(
-                        zo.round_robin_bit16_groups[i], zo.round_robin_bit16_offsets[i],
+                        zo.round_robin_bit16_groups[i],
+                        zo.round_robin_bit16_offsets[i],
                         strict=True,
                     )
                 ],
             }
-        )  # fmt: skip
+        )
     return {
         "groups": groups,
         "step": int(states[0]["step"].item()),
@@ -147,8 +148,10 @@ def load_full_state(engine: Any, module: nn.Module, state: dict[str, Any], devic
     where one stage held both ends) is taken from the embedding it equals.
     """
     aliases = module.state_aliases()
-    source = {n: n if n in state[PARAMS_GROUP] else aliases.get(n, n)
-              for n, _ in module.named_parameters()}  # fmt: skip
+    source = {
+        n: n if n in state[PARAMS_GROUP] else aliases.get(n, n)
+        for n, _ in module.named_parameters()
+    }
     missing = [n for n, src in source.items() if src not in state[PARAMS_GROUP]]
     if missing:
         raise KeyError(f"state lacks parameters of this stage: {missing}")

@@ -124,8 +124,17 @@ class CheckpointCoordinator:
         self.skipped: list[tuple[str, str]] = []  # (checkpoint, why) skipped on resume
         self.copies: SiteCopies | None = None
         if spec.training.checkpoint.per_site:
-            self.copies = SiteCopies(spec, reporter, actors, stage_sites, manifest, actor_sites,
-                                     creds, link, workers=workers)  # fmt: skip
+            self.copies = SiteCopies(
+                spec,
+                reporter,
+                actors,
+                stage_sites,
+                manifest,
+                actor_sites,
+                creds,
+                link,
+                workers=workers,
+            )
         # Which checkpoints are this run's (set by the controller at launch): its id, and
         # its lineage (checkpoint.store.accepts); fresh: a launch without --resume, which
         # moves another run's checkpoints aside before saving any of its own.
@@ -186,21 +195,27 @@ class CheckpointCoordinator:
                 "cannot reach a checkpoint; use shared storage, or put {site} in the path "
                 "(each site then keeps a complete, replicated copy)"
             )
-        self._storage_event("shared", {s: str(self.root.absolute()) for s in site_actors},
-                            warning)  # fmt: skip
+        self._storage_event("shared", {s: str(self.root.absolute()) for s in site_actors}, warning)
         return warning
 
     def _say_moved(self, path: Path | str, run: str, site: str | None) -> None:
         """A fresh launch found another run's checkpoints: they were moved, not adopted."""
         where = f" (site {site})" if site else ""
-        self.reporter.say(f"moved the checkpoints of run {run}{where} to {path}; resume them "
-                          f"with --resume {path}/step-…")  # fmt: skip
+        self.reporter.say(
+            f"moved the checkpoints of run {run}{where} to {path}; resume them "
+            f"with --resume {path}/step-…"
+        )
         self.reporter.event("checkpoints_moved_aside", run=run, path=str(path), site=site)
 
     def _storage_event(self, mode: str, dirs: dict[str, str], warning: str | None) -> None:
         self.reporter.checkpoint_dirs = dirs
-        self.reporter.event("checkpoint_storage", mode=mode, dirs=dirs, warning=warning,
-                            replicated=self.spec.training.checkpoint.replicated)  # fmt: skip
+        self.reporter.event(
+            "checkpoint_storage",
+            mode=mode,
+            dirs=dirs,
+            warning=warning,
+            replicated=self.spec.training.checkpoint.replicated,
+        )
         if warning:
             self.reporter.say(warning, warning=True)
 
@@ -360,6 +375,23 @@ class CheckpointCoordinator:
         if self.copies is None:
             return RestoreFrom(found.step, {s: str(found.handle.path) for s in sites}, None)
         return RestoreFrom(found.step, self.copies.paths_for(found.handle, sites), found.site)
+
+    def load_into(self, resume: ResumePoint, rows: list[list[Any]], sites: list[str]) -> None:
+        """Every stage actor (``rows[stage][replica]``, stage ``k`` in ``sites[k]``) loads its
+        layers of the checkpoint ``resume`` names, from its own site's copy."""
+        paths = self.resume_paths(resume, sites)
+        w = self.workers
+        steps = w.get(
+            [
+                w.call(a, "load_checkpoint", paths[sites[k]])
+                for k, row in enumerate(rows)
+                for a in row
+            ]
+        )
+        if set(steps) != {resume.step}:
+            raise LaunchError(
+                f"--resume: the stages loaded steps {sorted(set(steps))}, not {resume.step}"
+            )
 
     def find_resume(self, resume: str | bool) -> ResumePoint | None:
         """The checkpoint ``--resume`` names (True: the newest complete one of the run)."""

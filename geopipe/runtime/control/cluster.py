@@ -24,9 +24,14 @@ if TYPE_CHECKING:
     from geopipe.runtime.control.workers import Workers
 
 __all__ = [
-    "ClusterInfo", "LaunchError", "check_sites", "connect", "kill_actors", "site_resource",
+    "ClusterInfo",
+    "LaunchError",
+    "check_sites",
+    "connect",
+    "kill_actors",
+    "site_resource",
     "wait_released",
-]  # fmt: skip
+]
 
 # [Note: killing a frozen actor]
 # ray.kill asks an actor's worker to exit and SIGKILLs it only after Ray's
@@ -115,9 +120,11 @@ def connect(spec: ClusterSpec, log_to_driver: bool = False) -> ClusterInfo:
         return ClusterInfo(ctx.address_info.get("address", "local"), url, True)
     try:
         ctx = ray.init(
-            address=r.address, namespace=r.namespace, log_to_driver=log_to_driver,
+            address=r.address,
+            namespace=r.namespace,
+            log_to_driver=log_to_driver,
             logging_level="WARNING",
-        )  # fmt: skip
+        )
     except (ConnectionError, RuntimeError, ValueError) as exc:
         raise LaunchError(
             f"cannot attach to the Ray cluster at ray.address={r.address!r}: {exc}. "
@@ -152,6 +159,17 @@ def check_sites(spec: ClusterSpec, plan: Plan, available: dict[str, float]) -> N
             else ""
         )
         raise LaunchError("; ".join(missing) + hint)
+
+
+def plaintext_warning(spec: ClusterSpec) -> str | None:
+    """What launch says when the data plane runs without TLS across more than one node
+    (``security.encrypt: false``: a trusted private network); None otherwise."""
+    if spec.encrypted or spec.ray.address == "local":
+        return None
+    return (
+        "security.encrypt is off: activations, gradients and checkpoint copies cross the "
+        "network in clear (authenticated, not encrypted)"
+    )
 
 
 def check_precision(precision: str, use_gpu: bool) -> None:

@@ -67,6 +67,30 @@ class RunContext:
     def resumed(self, lineage: dict[str, int | None]) -> RunContext:
         return replace(self, lineage=lineage)
 
+    def plan_event(
+        self,
+        plan: Plan,
+        predicted: Evaluation,
+        planned_with: Measurements,
+        links_measured: list[dict],
+        outer: dict | None,
+    ) -> dict:
+        """The launch's ``plan`` event: identity, what was planned with what, and the plan's
+        prediction under the measurements as they are now."""
+        return {
+            "run_id": self.run_id,
+            "lineage": self.lineage,
+            "config_hash": self.config_hash,
+            "overrides": self.overrides.to_dict(),
+            "plan": plan.to_dict(),
+            "predicted": predicted.summary(),
+            "outer": outer,
+            "links_measured": links_measured,
+            "planned_with": planned_with.to_dict(),
+            "measurements": self.measurements.to_dict(),
+            "codec_gb_per_s": {s.name: s.codec_gb_per_s for s in self.priced.sites},
+        }
+
     def manifest(self, plan: Plan, step: int, data_digest: str | None) -> dict:
         """The run's fields of a checkpoint manifest at ``step`` (identity: the config hash
         of the YAML as loaded, run id and lineage; what runs: the settings and ``plan``)."""

@@ -49,6 +49,7 @@ from geopipe.runtime.control.cluster import (
     auth_env,
     check_precision,
     check_sites,
+    plaintext_warning,
 )
 from geopipe.runtime.control.context import RunContext
 from geopipe.runtime.control.guards import guard_codecs
@@ -68,7 +69,7 @@ from geopipe.runtime.control.placement import Placement
 from geopipe.runtime.control.planning import measure_before_planning
 from geopipe.runtime.control.recovery import Recovery
 from geopipe.runtime.control.reporting import Reporter
-from geopipe.runtime.control.signals import graceful_sigint
+from geopipe.runtime.control.signals import StopRequest, graceful_sigint
 from geopipe.runtime.control.states import (
     TERMINAL,
     Checkpointing,
@@ -83,6 +84,7 @@ from geopipe.runtime.control.states import (
     State,
     Waiting,
 )
+from geopipe.runtime.control.teardown import stop_actors
 from geopipe.runtime.control.workers import (
     RayWorkers,
     WorkerFailed,
@@ -159,39 +161,48 @@ class Controller:
         # writes; recovery restores only checkpoints of its lineage (see _plan()).
         run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
         self.overrides = Overrides(opts.steps, opts.schedule, opts.plan)
-        self.ctx = RunContext(spec, self.overrides, opts.health, run_id=run_id,
-                              lineage={run_id: None})  # fmt: skip
+        self.ctx = RunContext(
+            spec, self.overrides, opts.health, run_id=run_id, lineage={run_id: None}
+        )
         auth_env(self.spec)  # before anything imports ray: it reads RAY_AUTH_MODE at import
         self.workers = workers if workers is not None else RayWorkers()
         self.opts = opts
         self.state = Planning()
         self.run_dir = run_dir_for(self.spec, opts.run_dir)
         self.history = RunHistory()  # failures, recoveries, grow-backs: the run's own record
-        self.reporter = Reporter(self.spec.name, self.run_dir, self.spec.training.steps,
-                                 self.history)  # fmt: skip
+        self.reporter = Reporter(
+            self.spec.name, self.run_dir, self.spec.training.steps, self.history
+        )
         # The data plane's secret (and TLS CA): made here, handed to the actors over Ray.
         self.creds = make_credentials(run_id, self.spec.encrypted)
         self.reporter.run_id = run_id
         # The checkpoint coordinator reads the settings (directories, keep, clocks); site
         # copies are paced by the link rates of the context current when they run.
         self.checkpoints = CheckpointCoordinator(
-            self.spec, self.run_dir, self.reporter, self._rows, self._manifest,
+            self.spec,
+            self.run_dir,
+            self.reporter,
+            self._rows,
+            self._manifest,
             synchronous=opts.checkpoint_sync,
             stage_sites=lambda: list(self.plan.stage_sites) if self.plan else [],
             actor_sites=lambda: self.placement.actor_sites() if self.placement else [],
-            creds=self.creds, link=lambda a, b: self.ctx.priced.link(a, b), workers=self.workers,
-        )  # fmt: skip
+            creds=self.creds,
+            link=lambda a, b: self.ctx.priced.link(a, b),
+            workers=self.workers,
+        )
         self.placement = self.recovery = self.calibrator = None
         self.cluster = self.plan = self.predicted = None
         self.start_step, self.data_digest = 0, None
-        self.chaos = ChaosMonkey(opts.chaos_kill_every, self.spec.training.seed, 0, self.reporter,
-                                 self.workers)  # fmt: skip
+        self.chaos = ChaosMonkey(
+            opts.chaos_kill_every, self.spec.training.seed, 0, self.reporter, self.workers
+        )
         self._resume: Any = None
         self.links_measured: list = []  # the WAN links as probed at launch
         self.outer_run: OuterRun | None = None  # the strategy's outer loop, when chosen
         self.outer: OuterRounds | None = None  # its driver half, from Launching on
         self.planned_with = Measurements()  # what the plan was made with (the plan event)
-        self._stop_requested = False  # set by the first Ctrl-C while training
+        self.stop = StopRequest(self.reporter.say)  # set by the first Ctrl-C while training
         self._nested_failures = 0  # recoveries in a row that a further death interrupted
 
     @property
@@ -286,10 +297,8 @@ class Controller:
         check_sites(self.spec, self.plan, self.workers.resources())
         use_gpu = self.workers.resources().get("GPU", 0) >= len(self.plan.actors())
         check_precision(self.spec.training.precision, use_gpu)
-        if not self.spec.encrypted and not self.spec.ray.links_emulated:
-            self.reporter.say("security.encrypt is off: activations, gradients and checkpoint "
-                              "copies cross the network in clear (authenticated, not "
-                              "encrypted)")  # fmt: skip
+        if (plaintext := plaintext_warning(self.spec)) is not None:
+            self.reporter.say(plaintext)
         # Placement reads settings only (names, data, the emulated links' YAML figures).
         self.placement = Placement(self.spec, self.lr_horizon, use_gpu, self.creds, self.workers)
         self.placement.place(self.plan)
@@ -307,32 +316,34 @@ class Controller:
                 self.ctx = self.ctx.planned(self.plan, self.predicted)
         self._opened_events()
         sites = self.plan.stage_sites
-        first_actor: dict[str, Any] = {}
-        for k, row in enumerate(self.actors):
-            first_actor.setdefault(sites[k], row[0])
-        self.checkpoints.check_storage(first_actor)
+        self.checkpoints.check_storage(self.placement.first_actor_per_site())
         if self._resume is not None:
-            paths = self.checkpoints.resume_paths(self._resume, list(sites))
-            w = self.workers
-            steps = w.get([w.call(a, "load_checkpoint", paths[sites[k]])
-                           for k, row in enumerate(self.actors) for a in row])  # fmt: skip
-            assert set(steps) == {self.start_step}
+            self.checkpoints.load_into(self._resume, self.actors, list(sites))
         from geopipe.optimizer.templates import build_templates
 
         priced = self.ctx.priced
         if self.outer_run is not None:  # theta_global from the weights every group now holds
-            self.outer = OuterRounds(priced, self.outer_run, self.workers, self.reporter.say,
-                                     self.reporter.event)  # fmt: skip
+            self.outer = OuterRounds(
+                priced, self.outer_run, self.workers, self.reporter.say, self.reporter.event
+            )
             sites = [site for _, site in self.placement.actor_sites()]
             self.outer.begin([a for a, _ in self.placement.actor_sites()], sites)
         # Pipeline templates for every device count are ready before anything fails (an
         # outer-loop run does not recover yet: OUTER_NO_RECOVERY).
         templates = None if self.outer is not None else build_templates(priced, plan=self.plan)
-        self.recovery = Recovery(priced, self.placement, self.checkpoints, self.reporter,
-                                 priced.health, self.history, templates, self.workers)  # fmt: skip
-        self.calibrator = Calibrator(priced, self.opts.plan is not None,
-                                     self.predicted.iteration_time_s,
-                                     self.links_measured)  # fmt: skip
+        self.recovery = Recovery(
+            priced,
+            self.placement,
+            self.checkpoints,
+            self.reporter,
+            priced.health,
+            self.history,
+            templates,
+            self.workers,
+        )
+        self.calibrator = Calibrator(
+            priced, self.opts.plan is not None, self.predicted.iteration_time_s, self.links_measured
+        )
         if self._resume is not None:
             self.reporter.event("resumed", path=self._resume.path, step=self.start_step)
         self._status(self.start_step)  # `geopipe status` works from the first step on
@@ -342,17 +353,16 @@ class Controller:
         """Open the metrics and write the launch's security and plan events."""
         metrics = Path(self.opts.metrics_out) if self.opts.metrics_out else None
         self.reporter.open(metrics or self.run_dir / "metrics.jsonl", self.workers.ray_metrics)
-        self.reporter.event("security", encrypt=self.creds.encrypt, authenticated=True,
-                            listen=self.spec.security.listen)  # fmt: skip
         self.reporter.event(
-            "plan", run_id=self.run_id, lineage=self.lineage, config_hash=self.ctx.config_hash,
-            overrides=self.overrides.to_dict(),
-            plan=self.plan.to_dict(), predicted=self.predicted.summary(),
-            outer=self.outer_run.to_dict() if self.outer_run else None,
-            links_measured=[m.to_dict() for m in self.links_measured],
-            planned_with=self.planned_with.to_dict(), measurements=self.ctx.measurements.to_dict(),
-            codec_gb_per_s={s.name: s.codec_gb_per_s for s in self.ctx.priced.sites},
-        )  # fmt: skip
+            "security",
+            encrypt=self.creds.encrypt,
+            authenticated=True,
+            listen=self.spec.security.listen,
+        )
+        outer = self.outer_run.to_dict() if self.outer_run else None
+        links = [m.to_dict() for m in self.links_measured]
+        fields = self.ctx.plan_event(self.plan, self.predicted, self.planned_with, links, outer)
+        self.reporter.event("plan", **fields)
 
     def _status_early(self) -> None:
         """status.json during Planning and Launching (once there is a plan to show)."""
@@ -369,14 +379,16 @@ class Controller:
         """
         self.calibrator.restart(self.start_step)
         self._result = RunResult(
-            self.plan, self.predicted, run_dir=self.run_dir,
+            self.plan,
+            self.predicted,
+            run_dir=self.run_dir,
             dashboard_url=self.cluster.dashboard_url if self.cluster else None,
             actor_names=list(self.names),
-        )  # fmt: skip
+        )
         self._last_results: list = []
         self.reporter.start_progress(self.opts.progress, self.start_step)
-        self._stop_requested = False
-        with graceful_sigint(self._request_stop):
+        self.stop.requested = False
+        with graceful_sigint(self.stop):
             try:
                 while not isinstance(self.state, TERMINAL):
                     self.state = self._step(self.state)
@@ -385,8 +397,11 @@ class Controller:
         if self.opts.trace and self._last_results:
             from geopipe.timeline import write_chrome_trace
 
-            write_chrome_trace(self.opts.trace, measured_events(self._last_results),
-                               process=f"{self.spec.name} (measured)")  # fmt: skip
+            write_chrome_trace(
+                self.opts.trace,
+                measured_events(self._last_results),
+                process=f"{self.spec.name} (measured)",
+            )
         if isinstance(self.state, Interrupted):
             raise KeyboardInterrupt
         return self._result
@@ -437,13 +452,21 @@ class Controller:
         flat = self.flat_actors()
         refs = call_all(self.workers, flat, "run_iteration", step, record)
         self.chaos.maybe_strike(step, self._rows(), self.calibrator.predicted_s)
-        hang_s = hang_timeout_s(self.calibrator.predicted_s, self.calibrator.calibrated,
-                                self.spec.health)  # fmt: skip
+        hang_s = hang_timeout_s(
+            self.calibrator.predicted_s, self.calibrator.calibrated, self.spec.health
+        )
         site_of = {id(a): s for a, s in self.placement.actor_sites()}
         sites = [site_of.get(id(a), "?") for a in flat]
         try:
-            results = await_step(self.workers, flat, refs, hang_s, self.spec.health, sites,
-                                 lambda *e: self._silence(step, sites, *e))  # fmt: skip
+            results = await_step(
+                self.workers,
+                flat,
+                refs,
+                hang_s,
+                self.spec.health,
+                sites,
+                lambda *e: self._silence(step, sites, *e),
+            )
         except (WorkerLost, WorkerFailed, StepHung, ActorsUnresponsive) as exc:
             return Recovering(step, exc, refs)
         nxt = step + 1
@@ -453,7 +476,7 @@ class Controller:
                 self.outer.after_step(nxt, [a for a, _ in self.placement.actor_sites()])
         except (WorkerLost, WorkerFailed) as exc:  # an actor died between steps (ΔN)
             return Recovering(nxt, exc, self._pings())
-        if self._stop_requested:
+        if self.stop.requested:
             return Checkpointing(nxt, final=True, interrupted=True)
         if nxt == total:
             return Checkpointing(nxt, final=True)
@@ -500,8 +523,9 @@ class Controller:
 
     def _guard_codecs(self, step: int, results: list) -> None:
         """A hop erring past ``plan.max_codec_error`` falls back (:func:`guard_codecs`)."""
-        plan = guard_codecs(self.spec, self.plan, step, results, self.workers,
-                            self.flat_actors(), self.reporter)  # fmt: skip
+        plan = guard_codecs(
+            self.spec, self.plan, step, results, self.workers, self.flat_actors(), self.reporter
+        )
         if plan is not None:
             self._set_plan(plan)
 
@@ -539,17 +563,6 @@ class Controller:
         names = self.placement.current_names() if self.placement else []
         self.reporter.status((state or self.state).name, step, self.plan, names)
 
-    def _request_stop(self) -> bool:
-        """The first Ctrl-C: finish the step in flight, save, stop (True); the second: False,
-        abandon it (:func:`~geopipe.runtime.control.signals.graceful_sigint`)."""
-        if self._stop_requested:
-            return False
-        self._stop_requested = True
-        self.reporter.say(
-            "\nfinishing the step in flight, then saving a checkpoint (Ctrl-C again to abandon it)"
-        )
-        return True
-
     # -- state of the whole model ---------------------------------------------------------------
     def _manifest(self, step: int) -> dict:
         return self.ctx.manifest(self.plan, step, self.data_digest)
@@ -571,16 +584,12 @@ class Controller:
                     self._status(self.start_step)
                 self.reporter.final_status(self.state.name)
         if self.workers.connected():
-            names = self.checkpoints.close()
-            if self.placement is not None:
-                names += self.placement.kill_all()
-            if self.cluster is not None and self.cluster.started_here:
-                with contextlib.suppress(Exception):
-                    self.workers.shutdown()  # the names go with the cluster
-            elif names and (held := self.workers.wait_released(names, self.spec.ray.namespace)):
-                self.reporter.say(
-                    f"Ray still holds {len(held)} actor name(s) of this run ({held[0]}, …): a "
-                    "relaunch on this cluster may find them taken until their processes exit",
-                    warning=True,
-                )
+            stop_actors(
+                self.workers,
+                self.checkpoints,
+                self.placement,
+                self.cluster,
+                self.spec.ray.namespace,
+                self.reporter,
+            )
         self.reporter.close()

@@ -36,9 +36,16 @@ def guard_codecs(
         return None
     ask(workers, actors, "set_codecs", fallbacks)
     for fb in fallbacks:
-        reporter.event("codec_fallback", step=step, link=f"{fb.src}→{fb.dst}",
-                       direction=fb.direction, codec=fb.old, to=fb.new,
-                       error=round(fb.error, 6), bound=bound)  # fmt: skip
+        reporter.event(
+            "codec_fallback",
+            step=step,
+            link=f"{fb.src}→{fb.dst}",
+            direction=fb.direction,
+            codec=fb.old,
+            to=fb.new,
+            error=round(fb.error, 6),
+            bound=bound,
+        )
         reporter.say(
             f"step {step}: {fb.direction} codec {fb.old} on {fb.src}→{fb.dst} errs "
             f"{fb.error:.3g} > plan.max_codec_error {bound:g}: {fb.new} from the next step"

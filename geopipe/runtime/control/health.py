@@ -79,15 +79,21 @@ def silent_sites(stale: list[int], pending: list[int], sites: list[str]) -> set[
     for i, site in enumerate(sites):
         by_site.setdefault(site, []).append(i)
     return {
-        s for s, members in by_site.items()
+        s
+        for s, members in by_site.items()
         if all(i in stale_set for i in members) and any(i in pending_set for i in members)
-    }  # fmt: skip
+    }
 
 
 def await_step(
-    workers: Workers, actors: list[Actor], refs: list[Pending], hang_s: float, cfg: HealthSpec,
-    sites: list[str] | None = None, on_silence: OnSilence | None = None,
-) -> list:  # fmt: skip
+    workers: Workers,
+    actors: list[Actor],
+    refs: list[Pending],
+    hang_s: float,
+    cfg: HealthSpec,
+    sites: list[str] | None = None,
+    on_silence: OnSilence | None = None,
+) -> list:
     """The step's results (``refs[i]`` is ``actors[i]``'s call, in site ``sites[i]``), failing
     fast: an actor error (:class:`~geopipe.runtime.control.workers.WorkerLost`,
     :class:`~geopipe.runtime.control.workers.WorkerFailed`) as soon as one is known,

@@ -93,17 +93,21 @@ def burst_rate(sizes: list[int], arrivals: list[float]) -> float | None:
     sync needed): the median over consecutive arrivals of a message's bytes over the gap
     before it, so slow start (the first few gaps) and a stray delay do not count. None when
     the arrivals carry no timing (all at once)."""
-    rates = [n * 8 / (b - a) for n, a, b in zip(sizes[1:], arrivals, arrivals[1:], strict=False)
-             if b > a]  # fmt: skip
+    rates = [
+        n * 8 / (b - a) for n, a, b in zip(sizes[1:], arrivals, arrivals[1:], strict=False) if b > a
+    ]
     return statistics.median(rates) if rates else None
 
 
 def clock_offset(up: dict, down: dict) -> float:
     """Downstream clock minus upstream clock, from the ping with the shortest round trip
     (NTP's estimate: its error is at most half of that ping's round-trip asymmetry)."""
-    best = min(range(len(up["ping_sent"])),
-               key=lambda i: (up["pong_in"][i] - up["ping_sent"][i])
-               - (down["pong_sent"][i] - down["ping_in"][i]))  # fmt: skip
+    best = min(
+        range(len(up["ping_sent"])),
+        key=lambda i: (
+            (up["pong_in"][i] - up["ping_sent"][i]) - (down["pong_sent"][i] - down["ping_in"][i])
+        ),
+    )
     t0, t3 = up["ping_sent"][best], up["pong_in"][best]
     t1, t2 = down["ping_in"][best], down["pong_sent"][best]
     return ((t1 - t0) + (t2 - t3)) / 2
@@ -133,10 +137,15 @@ def measure_links(
         bw = burst_rate(sizes, got_down["arrivals"]) or yaml_link.bandwidth_bps
         out.append(
             LinkMeasurement(
-                a, b, got_up["rtt_s"], bw, yaml_link.latency_s, yaml_link.bandwidth_bps,
+                a,
+                b,
+                got_up["rtt_s"],
+                bw,
+                yaml_link.latency_s,
+                yaml_link.bandwidth_bps,
                 clock_offset(got_up, got_down),
             )
-        )  # fmt: skip
+        )
     return out
 
 

@@ -214,9 +214,15 @@ class MetricsSink:
 
 
 TENSORBOARD_SCALARS = (
-    "loss", "tokens_per_s", "iteration_time_s", "bubble_ratio", "wan_bytes",
-    "predicted_iteration_time_s", "lr", "grad_norm",
-)  # fmt: skip
+    "loss",
+    "tokens_per_s",
+    "iteration_time_s",
+    "bubble_ratio",
+    "wan_bytes",
+    "predicted_iteration_time_s",
+    "lr",
+    "grad_norm",
+)
 
 
 def say(message: str, warning: bool = False) -> None:

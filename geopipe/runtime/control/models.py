@@ -26,10 +26,18 @@ def model_desc(m: ModelSpec) -> ModelDesc:
     `transformers` family's config.json (and its weights' directory, when it has them)."""
     if m.family == "gpt":
         return ModelDesc(
-            "gpt", m.n_layer, m.n_embd, m.vocab_size,
-            gpt={"n_layer": m.n_layer, "n_embd": m.n_embd, "n_head": m.n_head,
-                 "vocab_size": m.vocab_size, "block_size": m.max_seq_len},
-        )  # fmt: skip
+            "gpt",
+            m.n_layer,
+            m.n_embd,
+            m.vocab_size,
+            gpt={
+                "n_layer": m.n_layer,
+                "n_embd": m.n_embd,
+                "n_head": m.n_head,
+                "vocab_size": m.vocab_size,
+                "block_size": m.max_seq_len,
+            },
+        )
     config = json.loads((Path(m.hf) / "config.json").read_text())
     return ModelDesc.from_hf(config, weights_dir=m.hf if m.hf_weights else None)
 
@@ -39,9 +47,12 @@ def model_shape(spec: ClusterSpec) -> dict[str, Any]:
     for `transformers` models: a Llama and a Mistral of one shape are different models)."""
     m = spec.model
     shape: dict[str, Any] = {
-        "n_layer": m.n_layer, "n_embd": m.n_embd, "n_head": m.n_head,
-        "vocab_size": m.vocab_size, "max_seq_len": m.max_seq_len,
-    }  # fmt: skip
+        "n_layer": m.n_layer,
+        "n_embd": m.n_embd,
+        "n_head": m.n_head,
+        "vocab_size": m.vocab_size,
+        "max_seq_len": m.max_seq_len,
+    }
     if m.family != "gpt":
         shape["family"] = m.family
     return shape

@@ -31,18 +31,22 @@ from geopipe.transport.link import LinkParams
 __all__ = ["OuterRounds", "peers_of"]
 
 
-def peers_of(endpoints: list[dict], link: Callable[[str, str], LinkParams | None],
-             sites: list[str]) -> list[list[OuterPeer]]:  # fmt: skip
+def peers_of(
+    endpoints: list[dict], link: Callable[[str, str], LinkParams | None], sites: list[str]
+) -> list[list[OuterPeer]]:
     """For each actor (``endpoints[i]``, in site ``sites[i]``), the actors of the other groups
     that hold its stage and partition."""
     out = []
     for i, me in enumerate(endpoints):
-        out.append([
-            OuterPeer(ep["group"], tuple(ep["address"]), ep["layout"], link(sites[i], sites[j]))
-            for j, ep in enumerate(endpoints)
-            if ep["group"] != me["group"] and ep["stage"] == me["stage"]
-            and ep["partition"] == me["partition"]
-        ])  # fmt: skip
+        out.append(
+            [
+                OuterPeer(ep["group"], tuple(ep["address"]), ep["layout"], link(sites[i], sites[j]))
+                for j, ep in enumerate(endpoints)
+                if ep["group"] != me["group"]
+                and ep["stage"] == me["stage"]
+                and ep["partition"] == me["partition"]
+            ]
+        )
     return out
 
 
@@ -63,10 +67,14 @@ class OuterRounds:
         self.run = run
         self.schedule = StreamingSchedule(s.h, s.fragments, s.overlap)
         self.settings = OuterSettings(
-            lr=run.lr, momentum=run.momentum, fragments=s.fragments, codec=s.codec,
-            topk_ratio=spec.plan.topk_ratio, timeout_s=spec.health.wan_outage_s,
+            lr=run.lr,
+            momentum=run.momentum,
+            fragments=s.fragments,
+            codec=s.codec,
+            topk_ratio=spec.plan.topk_ratio,
+            timeout_s=spec.health.wan_outage_s,
             seed=spec.training.seed,
-        )  # fmt: skip
+        )
         self.say, self.event = say, event
         self.rounds: list[dict] = []  # what each applied fragment cost (the run's record)
         self._sent: dict[int, tuple[float, list[dict]]] = {}  # fragment -> (sent at, results)
@@ -94,8 +102,15 @@ class OuterRounds:
         sent_at, sent = self._sent.pop(f, (t0, []))
         self._record(done, f, time.perf_counter() - t0, t0 - sent_at, sent, applied)
 
-    def _record(self, step: int, fragment: int, apply_s: float, overlapped_s: float,
-                sent: list[dict], applied: list[dict]) -> None:  # fmt: skip
+    def _record(
+        self,
+        step: int,
+        fragment: int,
+        apply_s: float,
+        overlapped_s: float,
+        sent: list[dict],
+        applied: list[dict],
+    ) -> None:
         # theta_global must be bit-identical in every group: one digest per partition
         by_part: dict[tuple[int, int], set[str]] = {}
         for part, a in zip(self._partitions, applied, strict=True):
@@ -128,5 +143,9 @@ class OuterRounds:
         lk = self.spec.link(src, dst)
         if lk is None:
             return None
-        return LinkParams(bandwidth_bps=lk.bandwidth_bps, latency_s=lk.latency_s,
-                          loss=lk.loss, seed=self.spec.training.seed)  # fmt: skip
+        return LinkParams(
+            bandwidth_bps=lk.bandwidth_bps,
+            latency_s=lk.latency_s,
+            loss=lk.loss,
+            seed=self.spec.training.seed,
+        )

@@ -97,10 +97,20 @@ class Placement:
             for r in range(plan.replicas(k)):
                 self.rows[k].append(self.create(k, r))
 
+    def first_actor_per_site(self) -> dict[str, Any]:
+        """One stage actor of each site the layout uses (checks of a site's disk)."""
+        out: dict[str, Any] = {}
+        for k, row in enumerate(self.rows):
+            out.setdefault(self.plan.stage_sites[k], row[0])
+        return out
+
     def actor_sites(self) -> list[tuple[Any, str]]:
         """Every actor of the layout with its site."""
-        return [(a, self.plan.site_of(k, r)) for k, row in enumerate(self.rows)
-                for r, a in enumerate(row)]  # fmt: skip
+        return [
+            (a, self.plan.site_of(k, r))
+            for k, row in enumerate(self.rows)
+            for r, a in enumerate(row)
+        ]
 
     def create(self, k: int, r: int) -> Any:
         """A new actor for stage ``k`` replica ``r`` of the current plan."""
@@ -182,24 +192,41 @@ class Placement:
             first = full.first_microbatch(r)
             stand_in = full.layers_of(k, r) == full.layers_of(k, 0)
         engine = EngineConfig(
-            lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
-            warmup_steps=t.warmup_steps, total_steps=max(self.lr_horizon, t.steps),
-            micro_batches=plan.num_microbatches, seed=t.seed,
-            micro_batch_size=plan.micro_batch_size, grad_scale=scale,
+            lr=t.lr,
+            weight_decay=t.weight_decay,
+            grad_clip=t.grad_clip,
+            warmup_steps=t.warmup_steps,
+            total_steps=max(self.lr_horizon, t.steps),
+            micro_batches=plan.num_microbatches,
+            seed=t.seed,
+            micro_batch_size=plan.micro_batch_size,
+            grad_scale=scale,
             defer_step=True,  # [Note: the step after the sends] in geopipe.runtime.actor.engine
             precision=t.precision,
-        )  # fmt: skip
+        )
         return StageSpec(
-            run=spec.name, stage=k, replica=r, plan=plan, model=self.model,
-            engine=engine, global_batch=t.global_batch_size, seed=t.seed, data=t.data,
-            data_max_bytes=t.data_max_bytes, topk_ratio=spec.plan.topk_ratio,
+            run=spec.name,
+            stage=k,
+            replica=r,
+            plan=plan,
+            model=self.model,
+            engine=engine,
+            global_batch=t.global_batch_size,
+            seed=t.seed,
+            data=t.data,
+            data_max_bytes=t.data_max_bytes,
+            topk_ratio=spec.plan.topk_ratio,
             up_wan=self._wan_peer(plan, k, k - 1) if k > 0 else None,
             down_wan=self._wan_peer(plan, k, k + 1) if k < plan.num_stages - 1 else None,
-            recovery_snapshots=t.recovery_snapshots, hold=hold,
-            stand_in_writer=stand_in, tie_peer=self._tie_peer(plan, k),
-            creds=self.creds, listen_all=spec.security.listen == "all",
-            wan_outage_s=spec.health.wan_outage_s, **_group_of(full, r, first),
-        )  # fmt: skip
+            recovery_snapshots=t.recovery_snapshots,
+            hold=hold,
+            stand_in_writer=stand_in,
+            tie_peer=self._tie_peer(plan, k),
+            creds=self.creds,
+            listen_all=spec.security.listen == "all",
+            wan_outage_s=spec.health.wan_outage_s,
+            **_group_of(full, r, first),
+        )
 
     def _tie_peer(self, plan: Plan, k: int) -> WanPeer | None:
         """How the first (last) stage reaches the last (first) one when they hold the two
@@ -242,8 +269,10 @@ class Placement:
 
         # Receivers first: a sender connects to its WAN neighbour's address at setup.
         def crosses(k: int, r: int) -> bool:
-            return any(0 <= j < plan.depth(r) and plan.site_of(j, r) != plan.site_of(k, r)
-                       for j in (k - 1, k + 1))  # fmt: skip
+            return any(
+                0 <= j < plan.depth(r) and plan.site_of(j, r) != plan.site_of(k, r)
+                for j in (k - 1, k + 1)
+            )
 
         def tie_end(k: int, r: int) -> bool:
             return self.ties(plan.pipeline(r)) and k in (0, plan.depth(r) - 1)
@@ -267,11 +296,20 @@ class Placement:
                 tie = addr[(plan.depth(r) - 1 - k, r)] if tie_end(k, r) else None
                 calls.append(
                     w.call(
-                        self.rows[k][r], "setup", master, rank[(k, r)], len(world.members),
-                        groups, world.group_of[(k, r)], up_rank, down_rank, up, down,
+                        self.rows[k][r],
+                        "setup",
+                        master,
+                        rank[(k, r)],
+                        len(world.members),
+                        groups,
+                        world.group_of[(k, r)],
+                        up_rank,
+                        down_rank,
+                        up,
+                        down,
                         tie_addr=tie,
                     )
-                )  # fmt: skip
+                )
         w.get(calls)
 
     def gather_state(self) -> dict:

@@ -39,9 +39,12 @@ def start_reaper() -> None:
     r, w = os.pipe()  # both close-on-exec: Ray's processes never inherit the write end
     subprocess.Popen(
         [sys.executable, "-m", "geopipe.runtime.control.reaper", str(os.getpid())],
-        stdin=r, start_new_session=True, close_fds=True,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        stdin=r,
+        start_new_session=True,
+        close_fds=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     os.close(r)
     _write_ends.append(w)
 

@@ -101,19 +101,24 @@ class Recovery:
         # for a dead writer); only now, with the frozen killed, can its calls all finish.
         self.checkpoints.settle()
         err = str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else type(exc).__name__
-        self.reporter.event("failure", step=step, dead=[names[k] for k in dead], error=err,
-                            lost_sites=lost_sites)  # fmt: skip
+        self.reporter.event(
+            "failure", step=step, dead=[names[k] for k in dead], error=err, lost_sites=lost_sites
+        )
         lost = f"; site(s) {', '.join(lost_sites)} lost entirely" if lost_sites else ""
         self.reporter.say(f"step {step} failed ({len(dead)} actor(s) lost{lost}): recovering")
         survivors = {key: a for key, a in roles.items() if key not in dead}
         released = self._release(survivors, ref_of, grace_s)
         w = self.workers
-        have = {k: set(quiet_get(w, [w.call(a, "boundary_steps")], 30)[0] or [])
-                for k, a in survivors.items()}  # fmt: skip
-        boundary, holders = newest_common_boundary(have, self.plan.num_stages, step,
-                                                   self._covers(list(have)))  # fmt: skip
-        decision, ckpt = self._decide([*dead, *released], [*survivors, *released], boundary,
-                                      holders)  # fmt: skip
+        have = {
+            k: set(quiet_get(w, [w.call(a, "boundary_steps")], 30)[0] or [])
+            for k, a in survivors.items()
+        }
+        boundary, holders = newest_common_boundary(
+            have, self.plan.num_stages, step, self._covers(list(have))
+        )
+        decision, ckpt = self._decide(
+            [*dead, *released], [*survivors, *released], boundary, holders
+        )
         if isinstance(decision, Fail):
             raise LaunchError(
                 f"unrecoverable: {decision.reason} (survivors hold step boundaries "
@@ -121,8 +126,11 @@ class Recovery:
                 f"checkpoint under {self.checkpoints.where()} is intact"
             )
         new_plan = decision.plan
-        sources = [] if ckpt is not None else [(survivors[key], key) for key in survivors
-                                               if boundary in have[key]]  # fmt: skip
+        sources = (
+            []
+            if ckpt is not None
+            else [(survivors[key], key) for key in survivors if boundary in have[key]]
+        )
         pool = list((a, key) for key, a in survivors.items())
         moved = self.relayout(new_plan, pool, boundary, sources, ckpt)
         self.layout_s = decision.predicted_s
@@ -187,8 +195,14 @@ class Recovery:
         layers: in a mixed plan possibly more than its own stage's)."""
         plan = self.plan
         hold = plan.held_layers()
-        return {key: {j for j, (a, z) in enumerate(plan.partition)
-                      if hold[key][0] <= a and z <= hold[key][1]} for key in keys}  # fmt: skip
+        return {
+            key: {
+                j
+                for j, (a, z) in enumerate(plan.partition)
+                if hold[key][0] <= a and z <= hold[key][1]
+            }
+            for key in keys
+        }
 
     def _release(self, survivors: dict[Key, Any], ref_of: dict[Key, Any], grace_s: float) -> list:
         """Stop the survivors' iteration and have them leave their process groups; returns
@@ -210,8 +224,11 @@ class Recovery:
         kept = set().union(*(cov[j] for j in survivors if j not in released))
         needed = [k for k in released if not cov[k] <= kept]  # holds state no one else does
         if needed:
-            done, _ = self.workers.wait([ref_of[k] for k in needed], num_returns=len(needed),
-                                        timeout=self.health.stuck_release_s)  # fmt: skip
+            done, _ = self.workers.wait(
+                [ref_of[k] for k in needed],
+                num_returns=len(needed),
+                timeout=self.health.stuck_release_s,
+            )
             released = [k for k in released if ref_of[k] not in done]
         for k in released:
             self.placement.kill(survivors.pop(k))
@@ -227,8 +244,9 @@ class Recovery:
         and not waited for: recovery goes on without waiting out the grace. Those are
         remembered in :attr:`seen_reducing`."""
         pending = {k: ref_of[k] for k in survivors}
-        group_of = {k: set(g) for groups in self.plan.shared_groups().values()
-                    for g in groups for k in g}  # fmt: skip
+        group_of = {
+            k: set(g) for groups in self.plan.shared_groups().values() for g in groups for k in g
+        }
         seen: dict[Key, int] = {}
         self.seen_reducing = []
         deadline = time.monotonic() + grace_s
@@ -295,8 +313,14 @@ class Recovery:
         if devices == used:
             return Stay("no free devices")
         now_s = self.layout_s if plan.heterogeneous else None
-        return decide_grow(self.templates, plan, devices, spec.training.global_batch_size,
-                           plan.micro_batch_size, now_s=now_s)  # fmt: skip
+        return decide_grow(
+            self.templates,
+            plan,
+            devices,
+            spec.training.global_batch_size,
+            plan.micro_batch_size,
+            now_s=now_s,
+        )
 
     def grow(self, step: int, decision: GrowBack) -> float:
         """Switch to ``decision.plan`` at step boundary ``step``: new actors take the free
@@ -316,8 +340,9 @@ class Recovery:
         self.layout_s = decision.predicted_new_s
         seconds = time.perf_counter() - t0
         self.history.grown(seconds, step, decision.plan.pipelines)
-        self.reporter.event("grown", step=step, seconds=seconds, moved=moved,
-                            plan=decision.plan.to_dict())  # fmt: skip
+        self.reporter.event(
+            "grown", step=step, seconds=seconds, moved=moved, plan=decision.plan.to_dict()
+        )
         self.reporter.say(
             f"devices are back: now {decision.plan.describe()} (took {seconds:.1f} s), "
             f"at step {step}"
@@ -353,8 +378,9 @@ class Recovery:
             w.get([w.call(a, "reconfigure", pl.stage_spec(k, r)) for a, k, r in keep])
             pl.wire()
             if ckpt is not None:  # each site's actors read their own site's copy
-                w.get([w.call(a, "load_checkpoint", ckpt.paths[site])
-                       for a, site in pl.actor_sites()])  # fmt: skip
+                w.get(
+                    [w.call(a, "load_checkpoint", ckpt.paths[site]) for a, site in pl.actor_sites()]
+                )
                 moved = {"checkpoint": len(pl.flat())}
             else:
                 moved = self._handoff(step, holders, old_plan)
@@ -417,8 +443,10 @@ class Recovery:
             Holder(id(a), old_plan.site_of(*key), pl.site_rank.get(id(a)), frozenset(n))
             for (a, key), n in zip(holders, names, strict=True)
         ]
-        rs = [Receiver(id(a), site[id(a)], pl.site_rank[id(a)], sh)
-              for a, sh in zip(flat, shapes, strict=True)]  # fmt: skip
+        rs = [
+            Receiver(id(a), site[id(a)], pl.site_rank[id(a)], sh)
+            for a, sh in zip(flat, shapes, strict=True)
+        ]
         aliases = {HEAD: EMBED} if pl.model.tie else None  # the head's copy of a tie
         todo = plan_handoff(rs, hs, aliases)
         calls = []

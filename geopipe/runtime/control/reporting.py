@@ -33,9 +33,12 @@ class Progress:
         # Redrawn once per step, not by rich's 10 Hz refresh thread: on a 2-core machine
         # that thread competes with the stage actors for nothing (no column animates).
         self._p = Progress(
-            TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(),
-            TextColumn("{task.fields[info]}"), auto_refresh=False,
-        )  # fmt: skip
+            TextColumn("[bold]step"),
+            MofNCompleteColumn(),
+            BarColumn(),
+            TextColumn("{task.fields[info]}"),
+            auto_refresh=False,
+        )
         self._p.start()
         self._task = self._p.add_task("train", total=total, completed=done, info="")
 
@@ -96,12 +99,14 @@ class Reporter:
                 f"step {step}: link {link} silent for {secs:.0f} s: waiting up to "
                 f"{limit:.0f} s (health.wan_outage_s) before writing site {site} off"
             )
-            self.event("link_silent", step=step, link=link, site=site, silent_s=secs,
-                       at=time.time())  # fmt: skip
+            self.event(
+                "link_silent", step=step, link=link, site=site, silent_s=secs, at=time.time()
+            )
         if event == "healed":
             self.say(f"step {step}: link {link} answers again after {secs:.0f} s")
-            self.event("link_healed", step=step, link=link, site=site, silent_s=secs,
-                       at=time.time())  # fmt: skip
+            self.event(
+                "link_healed", step=step, link=link, site=site, silent_s=secs, at=time.time()
+            )
             self.waiting = None
             return False
         self.waiting = {"link": link, "silent_s": round(secs, 1), "limit_s": limit}

@@ -9,7 +9,26 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["graceful_sigint"]
+__all__ = ["StopRequest", "graceful_sigint"]
+
+
+class StopRequest:
+    """The run's stop flag: the first Ctrl-C sets it and says what happens (the step in
+    flight finishes, a checkpoint is saved, the run stops) and returns True; the second
+    returns False (abandon the step)."""
+
+    def __init__(self, say: Callable[[str], None]) -> None:
+        self.requested = False
+        self._say = say
+
+    def __call__(self) -> bool:
+        if self.requested:
+            return False
+        self.requested = True
+        self._say(
+            "\nfinishing the step in flight, then saving a checkpoint (Ctrl-C again to abandon it)"
+        )
+        return True
 
 
 @contextlib.contextmanager

@@ -138,8 +138,12 @@ class SiteCopies:
             cands = [a for a, s in self._actor_sites() if s == site]
         else:
             rows = self._actors()
-            cands = [a for k, s in enumerate(self._stage_sites()) if s == site and k < len(rows)
-                     for a in rows[k]]  # fmt: skip
+            cands = [
+                a
+                for k, s in enumerate(self._stage_sites())
+                if s == site and k < len(rows)
+                for a in rows[k]
+            ]
         for a in cands:
             node = quiet_get(self.workers, [self.workers.call(a, "node_id")], 10)[0]
             if node is not None:
@@ -239,12 +243,23 @@ class SiteCopies:
         flat_refs = call_all(self.workers, flat, "shard_written")
         first = [sum(len(r) for r in rows[:k]) for k in range(len(rows))]
         targets = self.copy_sites()
-        manifest = {**self._manifest(step), "time": time.time(),
-                    "copies": {s: str(self.root(s)) for s in targets}}  # fmt: skip
+        manifest = {
+            **self._manifest(step),
+            "time": time.time(),
+            "copies": {s: str(self.root(s)) for s in targets},
+        }
         save = _Save(
-            step, uuid.uuid4().hex, manifest, targets, [row[0] for row in rows],
-            [flat_refs[i] for i in first], flat_refs, {}, t0, max(stalls),
-        )  # fmt: skip
+            step,
+            uuid.uuid4().hex,
+            manifest,
+            targets,
+            [row[0] for row in rows],
+            [flat_refs[i] for i in first],
+            flat_refs,
+            {},
+            t0,
+            max(stalls),
+        )
         self.live_stores(1.0)  # one that died (its node went, then came back) is re-made
         stores = {}
         for s in save.sites:
@@ -254,8 +269,9 @@ class SiteCopies:
                 save.failed[s] = _short(exc)
         for s, st in stores.items():
             srcs = self._sources(save, s, sites)
-            save.fetches[s] = self.workers.call(st, "save", step, save.save_id, manifest, srcs,
-                                                *save.infos)  # fmt: skip
+            save.fetches[s] = self.workers.call(
+                st, "save", step, save.save_id, manifest, srcs, *save.infos
+            )
         self._pending = save
 
     def _sources(self, save: _Save, dst: str, sites: list[str]) -> list[ShardSource]:
@@ -304,8 +320,11 @@ class SiteCopies:
         sites whose pulls failed pull again (they keep what they already have)."""
         w = self.workers
         rows, sites = self._actors(), self._stage_sites()
-        flat_failed = {id(a) for a, r in zip([a for row in rows for a in row], save.flat_refs,
-                                             strict=True) if ref_failed(w, r)}  # fmt: skip
+        flat_failed = {
+            id(a)
+            for a, r in zip([a for row in rows for a in row], save.flat_refs, strict=True)
+            if ref_failed(w, r)
+        }
         for k, ref in enumerate(save.infos):
             if not ref_failed(w, ref):
                 continue
@@ -318,14 +337,25 @@ class SiteCopies:
                     self.reporter.event("checkpoint_stand_in", step=save.step, stage=k)
                     break
         live = self.live_stores()
-        again = {s: w.call(live[s], "save", save.step, save.save_id, save.manifest,
-                           self._sources(save, s, sites), *save.infos)
-                 for s in failed if s in live}  # fmt: skip
+        again = {
+            s: w.call(
+                live[s],
+                "save",
+                save.step,
+                save.save_id,
+                save.manifest,
+                self._sources(save, s, sites),
+                *save.infos,
+            )
+            for s in failed
+            if s in live
+        }
         for s, ref in again.items():
             save.fetches[s] = ref
         if again:
-            w.wait(list(again.values()), num_returns=len(again),
-                   timeout=self.spec.health.copy_wait_s)  # fmt: skip
+            w.wait(
+                list(again.values()), num_returns=len(again), timeout=self.spec.health.copy_wait_s
+            )
 
     def _finish(self, save: _Save, strict: bool) -> None:
         """Collect the sites' commits; abandon the copies that failed; report."""
@@ -342,23 +372,32 @@ class SiteCopies:
         call_all(self.workers, flat, "release_shard", save.step)
         if not committed:
             self.reporter.event("checkpoint_failed", step=save.step, failed=save.failed)
-            why = (f"no copy of checkpoint step {save.step} could be committed: "
-                   + "; ".join(f"{s}: {why}" for s, why in save.failed.items()))  # fmt: skip
+            why = f"no copy of checkpoint step {save.step} could be committed: " + "; ".join(
+                f"{s}: {why}" for s, why in save.failed.items()
+            )
             if strict:
                 raise CheckpointError(why)
             self.reporter.say(why, warning=True)
             return
         first = next(iter(committed.values()))
         copies = {s: c["path"] for s, c in committed.items()}
-        self.reporter.checkpoint = {"step": save.step, "copies": copies,
-                                    "failed": dict(save.failed)}  # fmt: skip
+        self.reporter.checkpoint = {
+            "step": save.step,
+            "copies": copies,
+            "failed": dict(save.failed),
+        }
         self.reporter.event(
-            "checkpoint", step=save.step, path=first["path"], copies=copies,
-            failed_copies=save.failed, stall_s=save.stall_s,
-            seconds=time.perf_counter() - save.started, bytes=first["bytes"],
+            "checkpoint",
+            step=save.step,
+            path=first["path"],
+            copies=copies,
+            failed_copies=save.failed,
+            stall_s=save.stall_s,
+            seconds=time.perf_counter() - save.started,
+            bytes=first["bytes"],
             pruned=sorted({p for c in committed.values() for p in c["pruned"]}),
             transferred={s: c.get("via", {}) for s, c in committed.items()},
-        )  # fmt: skip
+        )
         if save.failed:
             failed = f"{', '.join(save.failed)} ({'; '.join(save.failed.values())})"
             self.reporter.say(f"checkpoint step {save.step}: copy failed on {failed}")

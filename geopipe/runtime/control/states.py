@@ -91,7 +91,15 @@ class Failed:
 
 
 State = (
-    Planning | Launching | Running | Waiting | Recovering | Growing | Checkpointing
-    | Finished | Interrupted | Failed
-)  # fmt: skip
+    Planning
+    | Launching
+    | Running
+    | Waiting
+    | Recovering
+    | Growing
+    | Checkpointing
+    | Finished
+    | Interrupted
+    | Failed
+)
 TERMINAL = (Finished, Interrupted, Failed)
