@@ -27,6 +27,10 @@ from geopipe.plan import Plan
 __all__ = ["Overrides", "RunPlan", "candidate_of", "mixed_at_launch", "plan_run", "with_overrides"]
 
 
+# The launch-time mix is searched on clusters up to this many devices (mixed_at_launch).
+MIX_MAX_DEVICES = 64
+
+
 @dataclass(frozen=True)
 class Overrides:
     """What the command line (or a caller) sets over the YAML for this run."""
@@ -139,14 +143,17 @@ def _outer(spec: ClusterSpec, report: PlanReport, strategy: StrategyReport) -> R
 def mixed_at_launch(spec: ClusterSpec, best: Evaluation) -> Evaluation | None:
     """When the planner's identical pipelines leave devices idle (uneven device counts),
     a mix of templates over all devices if it is predicted ``plan.min_gain.mixed_pipelines``
-    faster (:func:`geopipe.optimizer.mixes.best_mix`); its prediction, else None."""
+    faster (:func:`geopipe.optimizer.mixes.best_mix`); its prediction, else None. Clusters
+    of more than :data:`MIX_MAX_DEVICES` devices keep identical pipelines: the template
+    search over every device vector grows too fast for a planner that must answer in
+    seconds (512 devices: more than ten minutes)."""
     from geopipe.optimizer.mixes import best_mix
     from geopipe.optimizer.templates import build_templates
 
     plan = best.plan
     devices = {s.name: s.devices for s in spec.sites}
     used = {s: sum(1 for key in plan.actors() if plan.site_of(*key) == s) for s in devices}
-    if used == devices:
+    if used == devices or sum(devices.values()) > MIX_MAX_DEVICES:
         return None
     ts = build_templates(spec, plan=plan)
     gb = spec.training.global_batch_size

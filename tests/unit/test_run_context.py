@@ -145,3 +145,20 @@ def test_the_controller_starts_in_planning_and_plans_with_plan_run(tmp_path, mon
     assert ctl.spec.training.steps == 4 and ctl.ctx.spec.training.steps == spec.training.steps
     ctl.reporter.close()
     assert os.environ.get("RAY_AUTH_MODE") is not None  # set before anything imports ray
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "clusters").glob("*.yaml")), ids=lambda p: p.stem)
+def test_geopipe_plan_shows_the_plan_launch_runs(path: Path, capsys) -> None:
+    """`geopipe plan --json` and the one planning function launch calls agree on every
+    shipped cluster (its launch-time mix, its strategy's outer loop included)."""
+    assert main(["plan", str(path), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    rp = plan_run(load_cluster(path), strict=False)
+    want = rp.outer.plan if rp.outer is not None else rp.plan
+    if rp.outer is None:
+        assert doc["plan"] == json.loads(json.dumps(want.to_dict()))
+    else:  # the table's chosen row carries the groups' plans
+        chosen = doc["strategy"]["chosen"]
+        assert [g["plan"]["stage_sites"] for g in chosen["group_plans"]] == [
+            list(want.mix[want.groups.index(g)].stage_sites) for g in range(want.num_groups)
+        ]
