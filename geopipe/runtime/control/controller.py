@@ -268,9 +268,9 @@ class Controller:
             self.ctx = self.ctx.resumed(self._resume.lineage_for(self.run_id))
         self.checkpoints.identify(self.run_id, self.lineage, fresh=self._resume is None)
         self.chaos.first_step = self.start_step
-        measured = measure_before_planning(self.spec, self.overrides)
+        self.ctx = self.ctx.measured(measure_before_planning(self.spec, self.overrides))
         try:
-            rp = plan_run(self.ctx.spec, self.ctx.measurements.merged(measured), self.overrides)
+            rp = plan_run(self.ctx.spec, self.ctx.measurements, self.overrides)
         except PlanningError as exc:
             raise LaunchError(str(exc)) from None
         if rp.outer_refused:
@@ -281,7 +281,7 @@ class Controller:
                 "in flight) is not in checkpoints yet, so a resume would not be exact"
             )
         self.outer_run = rp.outer
-        self.ctx = self.ctx.measured(measured).planned(rp.plan, rp.predicted)
+        self.ctx = self.ctx.planned(rp.plan, rp.predicted)
         self.planned_with = self.ctx.measurements
         self.plan, self.predicted = rp.plan, rp.predicted
         return Launching()

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from geopipe.config import ClusterSpec
 from geopipe.optimizer.outerplan import OuterRun
 from geopipe.outer.fragments import StreamingSchedule
 from geopipe.runtime.actor.outer_wire import OuterPeer, OuterSettings
+from geopipe.runtime.control.placement import emulated_link
 from geopipe.runtime.control.workers import Workers, ask
 from geopipe.transport.link import LinkParams
 
@@ -85,7 +87,7 @@ class OuterRounds:
         the start, or a loaded checkpoint), listeners up, peers connected."""
         endpoints = ask(self.workers, actors, "outer_begin", self.settings)
         self._partitions = [(ep["stage"], ep["partition"]) for ep in endpoints]
-        peers = peers_of(endpoints, self._link, sites)
+        peers = peers_of(endpoints, partial(emulated_link, self.spec), sites)
         w = self.workers
         w.get([w.call(a, "outer_connect", p) for a, p in zip(actors, peers, strict=True)])
 
@@ -135,17 +137,3 @@ class OuterRounds:
                 f"step {step}: outer round {row['round']} over {row['groups']} groups, "
                 f"{row['bytes'] / 1e6:.2f} MB, exposed {wait_s:.2f} s, apply {apply_s:.2f} s"
             )
-
-    def _link(self, src: str, dst: str) -> LinkParams | None:
-        """The emulated link between two sites (None on a real network: it paces itself)."""
-        if not self.spec.ray.links_emulated:
-            return None
-        lk = self.spec.link(src, dst)
-        if lk is None:
-            return None
-        return LinkParams(
-            bandwidth_bps=lk.bandwidth_bps,
-            latency_s=lk.latency_s,
-            loss=lk.loss,
-            seed=self.spec.training.seed,
-        )

@@ -252,15 +252,7 @@ class Placement:
     def _link_params(self, src: str, dst: str) -> LinkParams | None:
         """The emulated link ``src -> dst``; each of the D pipelines gets 1/D of its bandwidth
         (the planner's assumption), so the D senders need no shared token bucket."""
-        if not self.spec.ray.links_emulated:
-            return None
-        lk = self.spec.link(src, dst)
-        return LinkParams(
-            bandwidth_bps=lk.bandwidth_bps / self.plan.pipelines,
-            latency_s=lk.latency_s,
-            loss=lk.loss,
-            seed=self.spec.training.seed,
-        )
+        return emulated_link(self.spec, src, dst, self.plan.pipelines)
 
     def wire(self) -> None:
         """Rendezvous each site's process group, then build engines and links."""
@@ -347,3 +339,20 @@ def _group_of(plan: Plan, r: int, first: int | None) -> dict:
         "groups": plan.num_groups,
         "first_microbatch": plan.first_microbatch(r) - start,
     }
+
+
+def emulated_link(spec: ClusterSpec, src: str, dst: str, senders: int = 1) -> LinkParams | None:
+    """The YAML's link ``src -> dst`` as one of ``senders`` connections sharing it paces
+    itself on emulated sites (None on a real network, which paces itself, or where the YAML
+    has no such link)."""
+    if not spec.ray.links_emulated:
+        return None
+    lk = spec.link(src, dst)
+    if lk is None:
+        return None
+    return LinkParams(
+        bandwidth_bps=lk.bandwidth_bps / senders,
+        latency_s=lk.latency_s,
+        loss=lk.loss,
+        seed=spec.training.seed,
+    )
