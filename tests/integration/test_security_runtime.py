@@ -72,6 +72,7 @@ def launch(doc: dict, run_dir: Path, attack: bool) -> tuple[list[float], dict]:
 
     ctl = Controller(parse_cluster(doc, "t"), LaunchOptions(run_dir=str(run_dir), progress=False))
     stop, sent = threading.Event(), []
+    t: threading.Thread | None = None
     try:
         ctl.launch()
         actors = [a for row in ctl.actors for a in row]
@@ -82,6 +83,9 @@ def launch(doc: dict, run_dir: Path, attack: bool) -> tuple[list[float], dict]:
             t.start()
         res = ctl.train()
         stop.set()
+        if t is not None:
+            t.join(timeout=30)  # the count is appended when the loop ends (a recv may be in flight)
+            assert not t.is_alive()
         counts = ray.get(
             [
                 a.__ray_call__.remote(
