@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from geopipe.cli.render import (
     fmt_time,
@@ -79,12 +80,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         from rich.console import Console
 
-        console = Console()
-        print_plan(spec, report, console)
-        if rp.mixed:
-            print(format_mix(rp.plan, rp.predicted.iteration_time_s))
-        if strategy is not None:
-            print_strategy(strategy, console)
+        print_run_plan(spec, rp, Console())
         if templates is not None:
             print("\npipeline templates (one pipeline's layout for each device count per site):")
             print(format_templates(templates))
@@ -201,12 +197,7 @@ def _dry_run(spec: ClusterSpec, args: argparse.Namespace) -> int:
         print(f"geopipe launch: {exc}", file=sys.stderr)
         return EXIT_USAGE
     rp = plan_run(spec, overrides=overrides, source=args.cluster)  # PlanningError: exit 2
-    console = Console()
-    print_plan(spec, rp.report, console)
-    if rp.mixed:
-        print(format_mix(rp.plan, rp.predicted.iteration_time_s))
-    if rp.strategy is not None:
-        print_strategy(rp.strategy, console)
+    print_run_plan(spec, rp, Console())
     if rp.outer_refused:
         print(f"geopipe launch: {OUTER_NOT_LAUNCHED}: {rp.outer_refused}", file=sys.stderr)
         return EXIT_USAGE
@@ -222,6 +213,17 @@ def _dry_run(spec: ClusterSpec, args: argparse.Namespace) -> int:
         )
     print(f"dry run: {spec.name} is valid and plannable; nothing was started")
     return 0
+
+
+def print_run_plan(spec: ClusterSpec, rp: Any, console: Any) -> None:
+    """What `geopipe plan` and `launch --dry-run` both print of one
+    :func:`~geopipe.optimizer.runplan.plan_run`: the search's table, the mix launch runs,
+    and the strategy table (one printer, so the two views cannot drift apart)."""
+    print_plan(spec, rp.report, console)
+    if rp.mixed:
+        print(format_mix(rp.plan, rp.predicted.iteration_time_s))
+    if rp.strategy is not None:
+        print_strategy(rp.strategy, console)
 
 
 def format_mix(plan: object, iteration_time_s: float) -> str:
@@ -303,6 +305,8 @@ def _checkpoint_dirs(run_dir: object) -> dict[str, str]:
 def cmd_status(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from geopipe.runtime.control.preflight import pid_alive
+
     paths = [Path(args.run_dir) / "status.json"] if args.run_dir else []
     if not paths:
         paths = sorted(Path("runs").glob("*/status.json"), key=lambda p: p.stat().st_mtime)
@@ -314,7 +318,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     try:
         data = json.loads(paths[0].read_text())
         pid = data.get("pid")
-        alive = isinstance(pid, int) and pid > 0 and _pid_alive(pid)
+        alive = isinstance(pid, int) and pid > 0 and pid_alive(pid)
         state = data.get("state", "?")
         if alive and state not in _LIVE_STATES:  # the file's word for a live run, else running
             state = "running"
@@ -336,16 +340,6 @@ _LIVE_STATES = (
     "growing",
     "checkpointing",
 )
-
-
-def _pid_alive(pid: int) -> bool:
-    import os
-
-    try:
-        os.kill(pid, 0)
-    except OSError:
-        return False
-    return True
 
 
 def cmd_prepare_data(args: argparse.Namespace) -> int:

@@ -220,3 +220,22 @@ def test_launch_dry_run_without_a_feasible_plan_exits_2(tmp_path, capsys) -> Non
         s["device_memory_gb"] = 0.005  # the weights fit, no schedule's activations do
     code, _, err = run(capsys, "launch", _write(tmp_path, doc), "--dry-run")
     assert code == 2 and "no feasible plan for local-2dc" in err
+
+
+def test_status_and_launch_agree_a_process_of_another_user_is_alive(
+    tmp_path, capsys, monkeypatch
+) -> None:
+    """`geopipe status` and the launch preflight read EPERM (a process this user cannot
+    signal) the same way: alive, so neither calls another user's live run ended."""
+    import os
+
+    from geopipe.runtime.control.preflight import pid_alive
+
+    def kill(pid: int, sig: int) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    (tmp_path / "status.json").write_text('{"run": "x", "step": 3, "pid": 4242, "state": "x"}')
+    monkeypatch.setattr(os, "kill", kill)
+    assert pid_alive(4242)
+    code, out, _ = run(capsys, "status", "--json", str(tmp_path))
+    assert code == 0 and '"state": "running"' in out

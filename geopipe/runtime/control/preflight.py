@@ -52,7 +52,7 @@ def check_run_dir(run_dir: Path) -> None:
     except (OSError, ValueError, AttributeError):
         pid, state = None, None
     mine = not isinstance(pid, int) or pid <= 0 or pid == os.getpid()
-    if not mine and state not in _ENDED and _alive(pid):
+    if not mine and state not in _ENDED and pid_alive(pid):
         raise LaunchError(
             f"run dir {run_dir} belongs to a run still going (pid {pid}, see "
             f"`geopipe status {run_dir}`): stop it, or give --run-dir"
@@ -77,7 +77,9 @@ def shared_paths(spec: ClusterSpec) -> dict[str, str]:
 _ENDED = ("finished", "failed", "interrupted")
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists: one owned by another user (EPERM) is alive too, so a
+    run dir in use by someone else is never taken for free (`geopipe status` agrees)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
