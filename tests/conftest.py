@@ -55,5 +55,11 @@ def ray_cluster():
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Tests on the shared embedded Ray run last, each module's in its own order, so the
-    ones that start their own Ray (or need none running) never meet it."""
+    ones that start their own Ray (or need none running) never meet it. Those are marked
+    ``own_ray``: ``make test`` runs them first and alone, then the rest on both cores
+    (pytest-xdist, one module per worker so a module's shared runs are made once), each
+    worker with an embedded Ray of its own."""
+    for item in items:
+        if item.get_closest_marker("ray") and "ray_cluster" not in item.fixturenames:
+            item.add_marker(pytest.mark.own_ray)
     items.sort(key=lambda item: "ray_cluster" in getattr(item, "fixturenames", ()))

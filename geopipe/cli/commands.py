@@ -122,6 +122,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
     from geopipe.runtime.control.cluster import LaunchError
     from geopipe.runtime.control.controller import Controller, LaunchOptions
+    from geopipe.runtime.control.guards import RunStopped
 
     console = Console(stderr=False)
     opts = LaunchOptions(
@@ -155,6 +156,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
     except LaunchError as exc:
         print(f"geopipe launch: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except RunStopped as exc:  # diverged (exit 3), the model raised (exit 1): said, no trace
+        print(f"geopipe launch: {exc}", file=sys.stderr)
+        return exc.exit_code
     except KeyboardInterrupt:
         interrupted = True
         print("\ngeopipe launch: interrupted; stopping the stage actors", file=sys.stderr)

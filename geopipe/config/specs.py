@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BeforeValidator,
     Field,
     ValidationError,
@@ -29,7 +30,11 @@ from geopipe.config.fields import (
 )
 from geopipe.config.health import HealthSpec
 from geopipe.config.hfdir import HFDirError, read_hf_dir
+from geopipe.config.observe import EvalSpec, LoggingSpec
+from geopipe.config.optim import OptimizerFields
 from geopipe.config.outer import OuterSpec, Strategy
+from geopipe.config.raycluster import RaySpec
+from geopipe.model.recompute import setting as recompute_setting
 
 __all__ = [
     "HF_ONLY_FIELDS",
@@ -115,23 +120,9 @@ LOSS = bounded(0.0, 0.5, unit="(a fraction: 0.01 is 1 %)")
 RATIO = bounded(0.01, 100.0)
 PROB = bounded(0.0, 1.0)
 LR = bounded(0.0, 10.0, lo_open=True)
+RECOMPUTE = Annotated[str, AfterValidator(recompute_setting)]  # geopipe.model.recompute
 DECAY = bounded(0.0, 10.0)
 CLIP = bounded(0.0, 1e6)
-
-
-class RaySpec(Spec):
-    address: str = Field("local", description="'local' (embedded), 'auto' or host:port")
-    dashboard: bool = True
-    dashboard_port: int = Field(8265, ge=1, le=65535)
-    emulate_links: bool | None = Field(
-        None, description="emulate WAN links in user space (default: on for address 'local')"
-    )
-    auth: Literal["token", "disabled"] = "token"
-    namespace: str = "geopipe"
-
-    @property
-    def links_emulated(self) -> bool:
-        return self.address == "local" if self.emulate_links is None else self.emulate_links
 
 
 class SiteSpec(Spec):
@@ -385,7 +376,7 @@ class CheckpointSpec(Spec):
         return (self.dir or default).replace(SITE_PLACEHOLDER, site)
 
 
-class TrainingSpec(Spec):
+class TrainingSpec(OptimizerFields):  # + the optimizer keys (config.optim)
     global_batch_size: int = Field(
         ge=1, le=MAX_GLOBAL_BATCH, description="sequences per optimizer step"
     )
@@ -396,17 +387,21 @@ class TrainingSpec(Spec):
         None,
         ge=1,
         le=MAX_STEPS,
-        description="cosine LR horizon (default: steps as written in the YAML; `launch "
-        "--steps` only says where to stop, so a stopped run resumes on the same schedule)",
+        description="the LR schedule's horizon (default: steps as written in the YAML; `launch "
+        "--steps` only says where to stop); past it the LR stays at its final value",
     )
     weight_decay: DECAY = 0.0
     grad_clip: CLIP = Field(0.0, description="0 disables clipping (DeepSpeed's default is 1)")
     seed: int = Field(0, ge=0, le=MAX_SEED)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    recompute: RECOMPUTE = Field(
+        "none", description="activation recompute: none, full or every-N (every N-th block)"
+    )
     data: str = Field("stdlib", description="'stdlib' or a path to a text file or directory")
     data_max_bytes: int = Field(4_000_000, ge=1024, le=1 << 40)
     run_dir: str | None = Field(None, description="default: runs/<name>")
     checkpoint: CheckpointSpec = CheckpointSpec()
+    eval: EvalSpec | None = Field(None, description="held-out evaluation (off by default)")
     recovery_snapshots: bool = Field(
         True,
         description="keep every stage's full state of the last two step boundaries in "
@@ -525,6 +520,7 @@ class ClusterSpec(Spec):
     plan: PlanSpec = PlanSpec()
     security: SecuritySpec = SecuritySpec()
     health: HealthSpec = HealthSpec()
+    logging: LoggingSpec = LoggingSpec()
 
     @property
     def encrypted(self) -> bool:
@@ -566,14 +562,25 @@ class ClusterSpec(Spec):
         plan = {"max_codec_error", "min_gain", "max_loss_penalty"}
         if self.plan.strategy == "pipeline":
             plan |= {"strategy", "outer"}
+        # What a run reports (logging, held-out evaluation) changes no number either.
         exclude: dict = {
             "security": True,
             "health": True,
+            "logging": True,
+            "ray": {"gpus_per_actor"},  # how devices are shared changes no number
+            "training": {"eval"},
             "plan": plan,
             "sites": {"__all__": {"codec_gb_per_s"}},
         }
         if not self.model.is_hf:
             exclude["model"] = {"hf", *HF_ONLY_FIELDS}
         doc = self.model_dump(mode="json", by_alias=True, exclude=exclude)
+        # Keys added since checkpoints recorded digests count only when set away from their
+        # default (an older run's checkpoints keep resuming); recompute never (same numbers).
+        train = doc["training"]
+        train.pop("recompute", None)
+        for key, field in OptimizerFields.model_fields.items():
+            if key in train and train[key] == json.loads(json.dumps(field.default)):
+                del train[key]
         blob = json.dumps(doc, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]

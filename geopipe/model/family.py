@@ -114,13 +114,16 @@ def build_stage(
     active: tuple[int, int] | None = None,
     *,
     load_weights: bool = True,
+    recompute: str = "none",
 ) -> nn.Module:
     """Global layers ``[start, end)`` of the model, initialised from ``seed`` per layer, or —
     a `transformers` model with weights — loaded from its safetensors (this stage's tensors
-    only)."""
+    only); ``recompute`` (``training.recompute``: :mod:`geopipe.model.recompute`) picks the
+    blocks its forward runs checkpointed."""
     if desc.is_gpt:
-        return GPTStage(GPTConfig(**(desc.gpt or {})), start, end, seed=seed, active=active)
-    stage = HFStage(desc.hf_config or {}, start, end, seed=seed, active=active)
+        cfg = GPTConfig(**(desc.gpt or {}))
+        return GPTStage(cfg, start, end, seed=seed, active=active, recompute=recompute)
+    stage = HFStage(desc.hf_config or {}, start, end, seed=seed, active=active, recompute=recompute)
     if load_weights and desc.weights_dir is not None:
         load_stage_weights(stage, desc.weights_dir)
     return stage

@@ -18,7 +18,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
+from geopipe.model import recompute as recompute_rule
 from geopipe.model import sizes
 
 __all__ = [
@@ -219,11 +221,14 @@ class GPTStage(nn.Module):
         end: int,
         seed: int = 0,
         active: tuple[int, int] | None = None,
+        recompute: str = "none",
     ) -> None:
         super().__init__()
         _check_range(cfg, start, end)
         if seed < 0:
             raise ValueError(f"seed must be non-negative, got {seed}")
+        recompute_rule.interval(recompute)  # refuse a bad setting before building anything
+        self.recompute = recompute
         self.cfg = cfg
         self.start = start
         self.end = end
@@ -283,14 +288,23 @@ class GPTStage(nn.Module):
                 f"{tuple(x.shape)}"
             )
         for index in range(max(a, 1), min(z, num_layers(self.cfg) - 1)):
-            x = self.blocks[str(index - 1)](x)
+            block = self.blocks[str(index - 1)]
+            if torch.is_grad_enabled() and recompute_rule.checkpointed(
+                self.recompute, index, self.cfg.n_layer
+            ):
+                # [Note: recompute] in geopipe.model.hf: non-reentrant, so a split backward's
+                # torch.autograd.grad (I) recomputes the block as a full backward does.
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         if self.has_head:
             x = self.head(x)
         return x
 
     def extra_repr(self) -> str:
         runs = "" if self.active == (self.start, self.end) else f", active={list(self.active)}"
-        return f"layers=[{self.start}, {self.end}){runs}, seed={self.seed}"
+        again = "" if self.recompute == "none" else f", recompute={self.recompute}"
+        return f"layers=[{self.start}, {self.end}){runs}, seed={self.seed}{again}"
 
 
 def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:

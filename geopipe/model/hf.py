@@ -37,6 +37,18 @@ in every pipeline layout, so checkpoints re-shard by name and export is a copy.
     the runtime sums the two copies' gradients every step before the optimizer step
     (:meth:`geopipe.runtime.actor.engine.StageEngine.end_iteration`), so both apply the same update
     and stay equal — what Megatron does with its extra all-reduce.
+
+[Note: recompute]
+    With ``training.recompute`` (:mod:`geopipe.model.recompute`) a stage runs the chosen
+    decoder blocks under ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``
+    whenever gradients are on: autograd keeps the block's input (and the arguments it was
+    given) instead of its intermediates, and unpacking the first saved tensor in backward
+    reruns the block's forward (with the RNG state of the first run). Non-reentrant because
+    the reentrant variant supports neither ``torch.autograd.grad`` with ``inputs`` (the split
+    backward's ``I``, :mod:`geopipe.runtime.actor.backward`) nor keyword arguments; in this
+    variant the gradients flow through the original graph, so the tensor hooks ``W`` relies
+    on fire as without recompute, and the recomputed values are bitwise the first ones (the
+    same kernels on the same inputs), which the tests check.
 """
 
 from __future__ import annotations
@@ -51,7 +63,9 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
+from geopipe.model import recompute as recompute_rule
 from geopipe.model.hfarch import FAMILIES, SUPPORTED_FAMILIES, Family
 
 __all__ = [
@@ -159,7 +173,8 @@ class HFStage(nn.Module):
     """Global layers ``[start, end)`` of a `transformers` decoder-only model.
 
     ``active`` (a sub-range) is what forward runs when a mixed plan's ZeRO-1 group makes this
-    replica hold more layers than it runs (as :class:`geopipe.model.gpt.GPTStage`).
+    replica hold more layers than it runs (as :class:`geopipe.model.gpt.GPTStage`);
+    ``recompute`` which blocks run checkpointed ([Note: recompute]).
     """
 
     def __init__(
@@ -169,8 +184,11 @@ class HFStage(nn.Module):
         end: int,
         seed: int = 0,
         active: tuple[int, int] | None = None,
+        recompute: str = "none",
     ) -> None:
         super().__init__()
+        recompute_rule.interval(recompute)  # refuse a bad setting before building anything
+        self.recompute = recompute
         cfg = hf_config(config)
         self.config_dict = dict(config)
         self.n_layer = int(cfg.num_hidden_layers)
@@ -276,16 +294,22 @@ class HFStage(nn.Module):
         else:
             table = self.model.rotary_emb(h, pos)
             rope = dict.fromkeys(masks, table)
+        again = torch.is_grad_enabled()
         for index in blocks:
             kind = kinds[index]
-            h = self.model.layers[str(index - 1)](
-                h, attention_mask=masks[kind], position_ids=pos, position_embeddings=rope[kind]
-            )
+            layer = self.model.layers[str(index - 1)]
+            args = {"attention_mask": masks[kind], "position_ids": pos}
+            args["position_embeddings"] = rope[kind]
+            if again and recompute_rule.checkpointed(self.recompute, index, self.n_layer):
+                h = checkpoint(layer, h, use_reentrant=False, **args)  # [Note: recompute]
+            else:
+                h = layer(h, **args)
         return h
 
     def extra_repr(self) -> str:
         runs = "" if self.active == (self.start, self.end) else f", active={list(self.active)}"
-        return f"layers=[{self.start}, {self.end}){runs}, seed={self.seed}"
+        again = "" if self.recompute == "none" else f", recompute={self.recompute}"
+        return f"layers=[{self.start}, {self.end}){runs}, seed={self.seed}{again}"
 
 
 def _attention_kind(cfg: Any, family: Family, layer: int) -> str:

@@ -23,7 +23,7 @@ from geopipe.model.sizes import (
     stage_param_count,
     tied_embedding_elems,
 )
-from geopipe.optimizer.costs import boundary_message_elems, split_backward
+from geopipe.optimizer.costs import boundary_message_elems, norm_exchange_s, stage_backward
 from geopipe.optimizer.errors import PlanningError
 from geopipe.optimizer.lean import TIE_TOLERANCE, lean_tie
 from geopipe.optimizer.memory import (
@@ -396,10 +396,10 @@ class Evaluator:
         fwd, bwd, step, inp, wgt = [], [], [], [], []
         for k, (a, z) in enumerate(plan.partition):
             site = spec.site(plan.stage_sites[k])
-            f = sum(flops[a:z]) * b * s / site.flops_per_s
-            fwd.append(f)
-            bwd.append(site.backward_forward_ratio * f)
-            i, w = split_backward(bwd[-1], first=k == 0)
+            fwd.append(f := sum(flops[a:z]) * b * s / site.flops_per_s)
+            args = (flops, (a, z), spec.training.recompute)  # recomputed blocks: F once more
+            b_s, i, w = stage_backward(f, site.backward_forward_ratio, k == 0, *args)
+            bwd.append(b_s)
             inp.append(i)
             wgt.append(w)
             params = stage_param_count(model, (a, z))
@@ -409,10 +409,10 @@ class Evaluator:
                 t += moved / (site.intra_bandwidth_gbps * 1e9)
                 t += 2 * (d - 1) * site.intra_latency_ms / 1e3
             step.append(t)
-        tie_s = self.tie_exchange(plan)[0]
-        if tie_s:  # both copies wait for the swap before their optimizer step
-            step[0] += tie_s
-            step[-1] += tie_s
+        tie_s = self.tie_exchange(plan)[0]  # both copies wait for the swap before their step
+        step[0] += tie_s
+        step[-1] += tie_s
+        step = [t + norm_exchange_s(spec, plan.stage_sites) for t in step]  # global clip
         elems = boundary_message_elems(model, b, s)
         raw = elems * e
         ser_f, lat_f, ser_b, lat_b = [], [], [], []

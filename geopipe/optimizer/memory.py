@@ -13,6 +13,7 @@
   split backward a micro-batch stays in flight until its ``W``, holding
   :data:`W_HELD_FRACTION` of its activations after its ``I``
   (:meth:`~geopipe.pipeline.schedule.Schedule.peak_held`).
+* activation recompute (``training.recompute``, [Note: recompute in the memory model]).
 
 A plan fits when no stage's peak exceeds its device (:func:`stages_over`, the one rule the
 evaluator, ΔN refinement and the templates apply).
@@ -27,16 +28,33 @@ the pseudo-gradient codec is ``topk``; and the fragment in flight, an fp32 accum
 groups' decoded pseudo-gradients plus its own pseudo-gradient kept for the send (``8 / F``
 bytes per parameter). With a grid of ``fragments`` or codecs the largest share is counted:
 one search per group serves every setting. Other strategies hold none of it.
+
+[Note: recompute in the memory model]
+    A decoder block run under recompute (:mod:`geopipe.model.recompute`) keeps only its input,
+    ``b·s·h`` elements, per micro-batch in flight instead of
+    :func:`~geopipe.optimizer.costs.activation_bytes`; during its backward it rebuilds its
+    full activations, one block at a time, so a stage with any such block holds one block's
+    activations more at its peak (:attr:`MemoryBreakdown.recompute`, not multiplied by the
+    micro-batches in flight). ``every-N`` counts the blocks it takes, so the saving is in
+    proportion. A split backward (ZB-H1, look-ahead ZB) gets no per-micro-batch saving in
+    this model: the runtime's weight-gradient store keeps every Linear's input from the
+    forward until ``W`` (:mod:`geopipe.runtime.actor.backward`), which with the block's
+    input is half a GPT block's activations before ``I`` (measured: 32.75 of 65.25 ``b·s·h``
+    for four blocks) and all of them, with the output gradients, after it; counting the
+    whole block keeps the model from promising a fit it would not get.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from geopipe.config import ClusterSpec, GiB, choice_values
+from geopipe.model.recompute import checkpointed
 from geopipe.model.sizes import adam_bytes_per_param, elem_bytes, stage_param_count
 from geopipe.optimizer.costs import activation_bytes
+from geopipe.pipeline.schedule import SPLIT_FAMILIES
 from geopipe.plan import Plan
 
 __all__ = [
@@ -46,6 +64,7 @@ __all__ = [
     "inflight_caps",
     "outer_state_bytes_per_param",
     "plan_memory",
+    "recompute_peak_bytes",
     "snapshot_bytes",
     "stage_memory",
     "stages_over",
@@ -72,10 +91,14 @@ class MemoryBreakdown:
     adam_state: float  # this replica's ZeRO-1 shard of the Adam state
     activations: float
     outer_state: float = 0.0  # this replica's share of the outer loop's state (or 0)
+    # one recomputed block's activations during its backward ([Note: recompute in the
+    # memory model]); apart from ``activations``, which scale with the micro-batches in flight
+    recompute: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.weights + self.gradients + self.adam_state + self.activations + self.outer_state
+        held = self.weights + self.gradients + self.adam_state + self.activations
+        return held + self.outer_state + self.recompute
 
 
 def stage_memory(
@@ -87,20 +110,40 @@ def stage_memory(
     seq_len: int,
     in_flight: float,
     outer_per_param: float = 0.0,
+    *,
+    recompute: str = "none",
+    split: bool = False,
 ) -> MemoryBreakdown:
     """Peak bytes on one device holding layers ``[a, b)`` as one of ``replicas`` replicas
     with ``in_flight`` micro-batches' worth of activations held, and ``outer_per_param``
-    bytes of outer-loop state per parameter partitioned over the replicas."""
+    bytes of outer-loop state per parameter partitioned over the replicas; ``recompute``
+    the blocks run under recompute and ``split`` whether the schedule splits the backward
+    ([Note: recompute in the memory model])."""
     params = stage_param_count(model, layers)
     e = elem_bytes(precision)
-    per_mb = _activations_per_micro_batch(model, precision, layers, micro_batch, seq_len)
+    shape = (micro_batch, seq_len)
+    per_mb = _activations_per_micro_batch(
+        model, precision, layers, *shape, "none" if split else recompute
+    )
     return MemoryBreakdown(
         weights=float(params * e),
         gradients=float(params * e),
         adam_state=float(params * adam_bytes_per_param(precision)) / replicas,
         activations=per_mb * in_flight,
         outer_state=float(params * outer_per_param) / replicas,
+        recompute=recompute_peak_bytes(model, precision, layers, *shape, recompute),
     )
+
+
+def recompute_peak_bytes(
+    model, precision: str, layers: tuple[int, int], micro_batch: int, seq_len: int, recompute: str
+) -> float:
+    """One recomputed block's activations, rebuilt during its backward (0 when the stage
+    has no block under recompute): [Note: recompute in the memory model]."""
+    blocks = [i for i in range(*layers) if checkpointed(recompute, i, model.n_layer)]
+    if not blocks:
+        return 0.0
+    return max(activation_bytes(model, i, micro_batch, seq_len, precision) for i in blocks)
 
 
 def outer_state_bytes_per_param(spec: ClusterSpec) -> float:
@@ -115,13 +158,31 @@ def outer_state_bytes_per_param(spec: ClusterSpec) -> float:
 
 
 def _activations_per_micro_batch(
-    model, precision: str, layers: tuple[int, int], micro_batch: int, seq_len: int
+    model,
+    precision: str,
+    layers: tuple[int, int],
+    micro_batch: int,
+    seq_len: int,
+    recompute: str = "none",
 ) -> float:
+    """Bytes one micro-batch in flight holds on the stage: each layer's activations, or a
+    recomputed block's input alone ([Note: recompute in the memory model])."""
     a, b = layers
-    per_mb = sum(activation_bytes(model, i, micro_batch, seq_len, precision) for i in range(a, b))
+    bsh = micro_batch * seq_len * model.n_embd * elem_bytes(precision)
+    per_mb = sum(
+        bsh
+        if checkpointed(recompute, i, model.n_layer)
+        else activation_bytes(model, i, micro_batch, seq_len, precision)
+        for i in range(a, b)
+    )
     if a > 0:  # the received activation this stage must keep for its backward
-        per_mb += micro_batch * seq_len * model.n_embd * elem_bytes(precision)
+        per_mb += bsh
     return per_mb
+
+
+def _recompute_of(spec: ClusterSpec, plan: Plan) -> dict[str, Any]:
+    """The memory model's recompute arguments for ``plan`` under ``spec``."""
+    return {"recompute": spec.training.recompute, "split": plan.schedule in SPLIT_FAMILIES}
 
 
 def inflight_caps(spec: ClusterSpec, plan: Plan) -> list[int]:
@@ -140,6 +201,7 @@ def inflight_caps(spec: ClusterSpec, plan: Plan) -> list[int]:
             plan.seq_len,
             0,
             outer,
+            **_recompute_of(spec, plan),
         ).total
         per_mb = _activations_per_micro_batch(
             spec.model,
@@ -147,6 +209,7 @@ def inflight_caps(spec: ClusterSpec, plan: Plan) -> list[int]:
             plan.partition[k],
             plan.micro_batch_size,
             plan.seq_len,
+            "none" if plan.schedule in SPLIT_FAMILIES else spec.training.recompute,
         )
         out.append(max(0, int((limit - static) // per_mb)) if per_mb > 0 else plan.num_microbatches)
     return out
@@ -166,6 +229,7 @@ def plan_memory(spec: ClusterSpec, plan: Plan, in_flight: Sequence[float]) -> li
             plan.seq_len,
             in_flight[k],
             outer,
+            **_recompute_of(spec, plan),
         )
         for k in range(plan.num_stages)
     ]

@@ -52,15 +52,23 @@ class ChunkError(OSError):
 
 class ChunkServer:
     """Serves ``read(step, file, offset, size)`` to any number of authenticated clients, one
-    thread each (``creds``: the run's; None only for tests inside one process)."""
+    thread each (``creds``: the run's; None only for tests inside one process).
+
+    ``advertise_host``: the address peers dial, when listening on every interface (give the
+    node's, as the data plane's receivers do: on a multi-homed node the default route's
+    address, the fallback, may not be the one the other sites reach)."""
 
     def __init__(
-        self, read: Reader, host: str = "127.0.0.1", creds: RunCredentials | None = None
+        self,
+        read: Reader,
+        host: str = "127.0.0.1",
+        creds: RunCredentials | None = None,
+        advertise_host: str | None = None,
     ) -> None:
         self._read = read
         self._creds = creds
         listener = socket.create_server((host, 0), backlog=128)
-        self.address = (advertised_host(host), listener.getsockname()[1])
+        self.address = (advertise_host or advertised_host(host), listener.getsockname()[1])
         self._link = link_id(self.address)
         self.rejected = RejectLog("checkpoint chunk server")
         self._lock = threading.Lock()

@@ -43,6 +43,7 @@ class FrameSpec:
     key_len: int | None = None
     step_at: int | None = None  # where the key holds its step: checked against the window
     max_numel: int | None = None
+    finite: bool | None = None  # None: as the `ExpectedFrames` says for every kind
 
 
 class ExpectedFrames:
@@ -51,7 +52,8 @@ class ExpectedFrames:
 
     ``ahead``/``behind``: how many steps after/before the consumer's current step (set by
     `at_step`; None: no window yet) a frame's step may be. ``finite``: a frame holding NaN
-    or inf is refused for its key (the stream itself is sound)."""
+    or inf is refused for its key (the stream itself is sound); a kind's own
+    `FrameSpec.finite` overrides it."""
 
     def __init__(
         self,
@@ -70,6 +72,17 @@ class ExpectedFrames:
         are accepted from now on."""
         with self._lock:
             self._step = step
+
+    def drop(self, *kinds: str) -> None:
+        """Expect no more messages of ``kinds`` (e.g. a launch-time probe, once it is over)."""
+        for kind in kinds:
+            self.kinds.pop(kind, None)  # one dict operation: safe beside a reader's lookup
+
+    def wants_finite(self, key: Hashable) -> bool:
+        """Whether a frame under ``key`` must hold only finite values."""
+        kind = key[0] if isinstance(key, tuple) and key else key
+        spec = self.kinds.get(kind) if isinstance(kind, str) else None
+        return self.finite if spec is None or spec.finite is None else spec.finite
 
     def __call__(self, info: FrameInfo) -> None:
         reason = self.why_not(info)

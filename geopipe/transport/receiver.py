@@ -19,7 +19,13 @@ from typing import Any
 
 from geopipe.transport.codec import CorruptPayloadError, Sealed
 from geopipe.transport.expect import ExpectedFrames, all_finite
-from geopipe.transport.frames import Admit, FrameRefusedError, StreamCorruptError, read_frame
+from geopipe.transport.frames import (
+    Admit,
+    FrameInfo,
+    FrameRefusedError,
+    StreamCorruptError,
+    read_frame,
+)
 from geopipe.transport.gate import Gate
 from geopipe.transport.link import DuplicateKeyError
 from geopipe.transport.security import RejectLog, RunCredentials, link_id
@@ -119,7 +125,7 @@ class DirectReceiver:
     def _read(self, conn: socket.socket, peer: tuple) -> None:
         expect = 0
         while True:
-            frame = read_frame(conn, self.max_payload, self.expect)
+            frame = read_frame(conn, self.max_payload, self._admit)
             if frame is None:
                 return  # the sender closed cleanly
             key, seq, sealed, deliver_at, sent_at = frame
@@ -127,6 +133,13 @@ class DirectReceiver:
                 raise StreamCorruptError(f"frame {seq} arrived, expected {expect}")
             expect += 1
             self._file(key, sealed, deliver_at, sent_at, peer)
+
+    def _admit(self, info: FrameInfo) -> None:
+        """The check of ``expect`` as it is when the frame's header is in: a read blocks
+        waiting for the next frame, and the plan may have been swapped meanwhile."""
+        expect = self.expect
+        if expect is not None:
+            expect(info)
 
     def _fail(self, err: StreamCorruptError, peer: tuple) -> None:
         """Nothing after this point of the stream can be attributed or trusted: every wait
@@ -140,7 +153,8 @@ class DirectReceiver:
     ) -> None:
         inbox = self.inbox
         expect = self.expect
-        if isinstance(expect, ExpectedFrames) and expect.finite and not all_finite(sealed.enc):
+        finite = isinstance(expect, ExpectedFrames) and expect.wants_finite(key)
+        if finite and not all_finite(sealed.enc):
             err = NonFiniteError(f"message {key!r} from peer {peer} holds NaN or inf")
             _refuse_key(inbox, key, err)  # the stream is sound: only this key fails
             self.errors.append(err)

@@ -320,12 +320,13 @@ def _report(label: str, worst: dict[str, float]) -> None:
 
 
 def test_lr_factor_warmup_then_cosine_or_constant() -> None:
-    assert [lr_factor(s, 2, 6) for s in range(2)] == [0.5, 1.0]
+    # transformers' schedules (geopipe.runtime.actor.lr): warmup from 0, as there
+    assert [lr_factor(s, 2, 6) for s in range(2)] == [0.0, 0.5]
     assert lr_factor(2, 2, 6) == 1.0
     assert lr_factor(4, 2, 6) == pytest.approx(0.5)
     assert 0 < lr_factor(5, 2, 6) < 0.2
     assert lr_factor(9, 2, 6) == 0.0
-    assert [lr_factor(s, 1, 3, "constant") for s in range(4)] == [1.0] * 4
+    assert [lr_factor(s, 1, 3, "constant") for s in range(4)] == [0.0] + [1.0] * 3
 
 
 def test_engine_config_rejects_bad_values() -> None:
@@ -334,7 +335,7 @@ def test_engine_config_rejects_bad_values() -> None:
     with pytest.raises(ValueError, match="micro_batches"):
         EngineConfig(lr=1e-3, micro_batches=0)
     with pytest.raises(ValueError, match="lr_schedule"):
-        EngineConfig(lr=1e-3, lr_schedule="linear")  # type: ignore[arg-type]
+        EngineConfig(lr=1e-3, lr_schedule="exp")  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
@@ -414,7 +415,8 @@ def test_split_backward_pipeline_matches_reference(defer: bool) -> None:
 def _deferred_step_worker(rank: int, port: int) -> dict:
     """The last stage alone (its input a leaf): every micro-batch's backward, then the step."""
     init_process_group(rank, 1, HOST, port, timeout_s=60)
-    cfg = dataclasses.replace(PLAIN_CFG, defer_step=True)
+    # no warmup: transformers' warmup gives step 0 an LR of 0, and this step must move
+    cfg = dataclasses.replace(PLAIN_CFG, defer_step=True, warmup_steps=0)
     eng = StageEngine(CFG, LAYERS[1], [[0]], 0, cfg)
     before = _params(eng)
     stream = _stream()

@@ -680,6 +680,16 @@ class FakeStage:
     def set_delta_n(self, delta_n: list[int]) -> None:
         self.plan = replace(self.plan, delta_n=tuple(delta_n))
 
+    # held-out evaluation: the last stage reports one loss (its step count) per evaluation
+    def set_eval(self, setup: Any) -> None:
+        self.eval_setup = setup
+
+    def run_eval(self, step: int) -> dict[str, Any]:
+        last = self.k == self.plan.num_stages - 1
+        spec = self.spec
+        losses = [float(step)] if last else []
+        return {"stage": self.k, "pipeline": spec.replica, "group": spec.group, "losses": losses}
+
     def set_codecs(self, fallbacks: list) -> None:
         from geopipe.optimizer.codec_guard import apply_fallbacks
 

@@ -239,3 +239,20 @@ def test_status_and_launch_agree_a_process_of_another_user_is_alive(
     assert pid_alive(4242)
     code, out, _ = run(capsys, "status", "--json", str(tmp_path))
     assert code == 0 and '"state": "running"' in out
+
+
+def test_gpus_per_actor_defaults_and_refusal() -> None:
+    """One GPU per actor when the cluster has them, else CPU; a fraction shares a GPU; asking
+    for more GPUs than the cluster has is refused naming ray.gpus_per_actor."""
+    from geopipe.config import load_cluster
+    from geopipe.runtime.control.cluster import LaunchError, gpus_per_actor
+
+    spec = load_cluster(LOCAL)
+    assert gpus_per_actor(spec, {"GPU": 4}, 4) == 1.0
+    assert gpus_per_actor(spec, {"GPU": 1}, 2) == 0.0
+    assert gpus_per_actor(spec, {}, 2) == 0.0
+    shared = spec.model_copy(update={"ray": spec.ray.model_copy(update={"gpus_per_actor": 0.5})})
+    assert gpus_per_actor(shared, {"GPU": 1}, 2) == 0.5
+    assert shared.digest == spec.digest  # how devices are shared changes no number
+    with pytest.raises(LaunchError, match=r"ray\.gpus_per_actor"):
+        gpus_per_actor(shared, {"GPU": 1}, 4)

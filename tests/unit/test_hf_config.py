@@ -156,6 +156,12 @@ def test_gpt_yaml_unchanged_and_its_digest_too() -> None:
     assert spec.model.family == "gpt" and not spec.model.is_hf
     assert spec.model.hf is None and spec.model.n_kv_head is None
     assert spec.digest == "011b9dab715affbe"  # the digest before the hf fields existed
+    # keys added since count once set away from their defaults; recompute changes no number
+    doc = yaml.safe_load(LOCAL.read_text())
+    doc["training"]["recompute"] = "full"
+    assert parse_cluster(doc, "t").digest == spec.digest
+    doc["training"]["lr_schedule"] = "linear"
+    assert parse_cluster(doc, "t").digest != spec.digest
 
 
 def test_shipped_llama3_config() -> None:

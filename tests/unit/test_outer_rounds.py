@@ -31,6 +31,8 @@ class Recorder:
             return self.endpoints[actor]
         if method == "outer_send":
             return {"payload_bytes": 100, "codec_error": 0.01}
+        if method == "outer_gather":
+            return {"have": sorted({ep["group"] for ep in self.endpoints}), "missing": {}}
         if method == "outer_apply":
             ep = self.endpoints[actor]
             return {
@@ -116,7 +118,7 @@ def test_streaming_sends_overlap_steps_before_each_apply_and_sends_come_first() 
         before = len(rec.calls)
         rounds.after_step(done, actors)
         kinds = [(m, a[0]) for _, m, a in rec.calls[before:]]
-        timeline += [(done, m, f) for m, f in dict.fromkeys(kinds)]
+        timeline += [(done, m, f) for m, f in dict.fromkeys(kinds) if m != "outer_gather"]
     # F = 2 every H = 8: fragment 0 applied after 4 and 12, fragment 1 after 8 and 16; each
     # send starts one step (the overlap) before its apply
     assert timeline == [
@@ -141,7 +143,7 @@ def test_without_overlap_the_send_and_the_apply_fall_on_one_step() -> None:
     for done in range(1, 9):
         rounds.after_step(done, list(range(6)))
     steps = [m for _, m, _ in rec.calls]
-    assert steps == (["outer_send"] * 6 + ["outer_apply"] * 6) * 2
+    assert steps == (["outer_send"] * 6 + ["outer_gather"] * 6 + ["outer_apply"] * 6) * 2
     assert [f["step"] for kind, f in events] == [4, 8]
 
 

@@ -26,7 +26,17 @@ CONTROL = ROOT / "geopipe" / "runtime" / "control"
 MAY_IMPORT_RAY = {"cluster.py", "workers.py", "metrics.py"}
 # The outer loop's calls are not modelled by the fake (tests/unit/test_outer_rounds.py
 # scripts them).
-NOT_FAKED = {"outer_begin", "outer_connect", "outer_send", "outer_apply"}
+NOT_FAKED = {
+    "outer_begin",
+    "outer_connect",
+    "outer_send",
+    "outer_gather",
+    "outer_drop",
+    "outer_apply",
+    "outer_state",
+    "load_outer_state",
+    "load_outer_checkpoint",
+}
 
 
 def methods(protocol: type) -> dict[str, inspect.Signature]:

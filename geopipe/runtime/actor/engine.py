@@ -36,10 +36,8 @@ Split backwards (``I``/``W``): see :mod:`geopipe.runtime.actor.backward`.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import deepspeed
@@ -60,9 +58,12 @@ from geopipe.runtime.actor.backward import (
 )
 from geopipe.runtime.actor.distgroups import StageMPU, destroy_process_group, init_process_group
 from geopipe.runtime.actor.engine_config import EngineConfig
+from geopipe.runtime.actor.gradnorm import ModelError, NormExchange, install_global_norm
+from geopipe.runtime.actor.lr import LRFactor
 
 __all__ = [
     "EngineConfig",
+    "ModelError",
     "StageEngine",
     "destroy_process_group",
     "init_process_group",
@@ -100,18 +101,24 @@ def _precision_config(precision: str) -> dict[str, Any]:
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str = "cosine") -> float:
-    """Multiplier of the base LR for optimizer step ``step`` (0-based).
+    """Multiplier of the base LR for optimizer step ``step`` (0-based) with no minimum LR:
+    transformers' schedule of that name with horizon ``total_steps``, held at its final value
+    past it (:class:`~geopipe.runtime.actor.lr.LRFactor`; references in tests and benchmarks
+    build their LambdaLR on it). As in transformers, warmup starts at 0: step 0 of a warmup
+    moves nothing but Adam's moments."""
+    return LRFactor(schedule, warmup_steps, total_steps)(step)
 
-    Linear warmup ``(step + 1) / warmup_steps`` (so step 0 already moves the weights), then
-    constant, or a half cosine from 1 that would reach 0 at ``total_steps``; it stays > 0 on
-    every step before ``total_steps`` and is held at 0 after it.
-    """
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    if schedule == "constant":
-        return 1.0
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+def engine_lr_factor(cfg: EngineConfig) -> LRFactor:
+    """The engine's LR factor from its config ([Note: the LR horizon] in :mod:`.lr`)."""
+    return LRFactor(
+        cfg.lr_schedule,
+        cfg.warmup_steps,
+        cfg.total_steps,
+        cfg.min_lr_ratio,
+        cfg.wsd_decay_steps,
+        cfg.lr_table,
+    )
 
 
 def param_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -184,9 +191,9 @@ class StageEngine:
     Micro-batches are keyed by the caller's index ``mb``: ``forward`` stores the stage's input
     and output; ``backward_last`` / ``backward`` consume the output; ``input_grad`` returns
     the gradient to send upstream and frees the input. DeepSpeed steps the optimizer only at
-    the accumulation boundary (every ``micro_batches``-th backward), and clips (if asked) the
-    norm of this stage's gradient only; a whole-model clip would need an all-reduce of squared
-    norms across stages.
+    the accumulation boundary (every ``micro_batches``-th backward). Clipping by the norm of
+    the whole pipeline needs its other stages' norms: :meth:`connect_norm_peers` (without
+    it, or with ``grad_clip_scope: stage``, the norm is this stage's own).
     """
 
     def __init__(
@@ -214,7 +221,9 @@ class StageEngine:
         # ``hold``: the layers of this replica's ZeRO-1 group when it runs only some of them
         # (a mixed plan: [Note: ZeRO-1 groups of a mixed plan] in geopipe.runtime.actor.sitegroups).
         hold = tuple(layers) if hold is None else tuple(hold)
-        self.module = build_stage(model, hold[0], hold[1], seed=cfg.seed, active=tuple(layers))
+        self.module = build_stage(
+            model, hold[0], hold[1], seed=cfg.seed, active=tuple(layers), recompute=cfg.recompute
+        )
         self.dtype = DTYPES[cfg.precision]
         self._tied = self.module.tied_parameter()
         if self._tied is not None and not cfg.defer_step:
@@ -233,15 +242,10 @@ class StageEngine:
         mpu, self.ckpt_group = _process_groups(group_ranks, my_group)
         self.replicas = len(group_ranks[my_group])
         ds_config = deepspeed_config(cfg, self.replicas)
-        # The LR schedule is a plain torch LambdaLR, built by DeepSpeed on its torch optimizer
-        # (so it scales the groups ZeRO steps with) and stepped once per optimizer step:
-        # step k uses lr * lr_factor(k).
-        self._lr_lambda = partial(
-            lr_factor,
-            warmup_steps=cfg.warmup_steps,
-            total_steps=cfg.total_steps,
-            schedule=cfg.lr_schedule,
-        )
+        # The LR schedule is a torch LambdaLR over transformers' schedule (.lr), built by
+        # DeepSpeed on its torch optimizer (so it scales the groups ZeRO steps with) and
+        # stepped once per optimizer step: step k uses lr * factor(k).
+        self._lr_lambda = engine_lr_factor(cfg)
         self.engine, _, _, _ = deepspeed.initialize(
             model=self.module,
             model_parameters=param_groups(self.module, cfg.weight_decay),
@@ -258,6 +262,24 @@ class StageEngine:
         self.store = WeightGradStore(self.module)
         self.meter = ActivationMeter(self.store.params)
         self._weight_pending: dict[int, tuple[Any, ...]] = {}  # I done, W owed
+        self._step_lr: float | None = None  # the LR the last optimizer step applied
+        self.label = f"layers {layers[0]}-{layers[1] - 1}, "  # the stage names itself
+        self.norms = NormExchange.local(hold)  # [Note: global gradient clipping] in .gradnorm
+        if cfg.grad_clip > 0 and cfg.grad_clip_scope == "global":
+            install_global_norm(self.engine.optimizer, self)
+
+    def connect_norm_peers(self, exchange: NormExchange) -> None:
+        """The other stages of this pipeline, for the global gradient norm (only with
+        ``grad_clip_scope: global``). A tied head's copy of the embedding is then left out
+        of the norm (DeepSpeed's ``ds_pipe_replicated``): the embedding counts once, as in
+        one process, not once per copy."""
+        self.norms = exchange
+        if self._tied is not None and self.module.has_head:
+            self._tied.ds_pipe_replicated = True
+
+    def _model(self, what: str, mb: int) -> Any:
+        """Where the model's own exceptions become :class:`ModelError` (see there)."""
+        return ModelError.wrap(what, mb, f"{self.label}step {self.step_count}: ")
 
     @property
     def step_count(self) -> int:
@@ -275,7 +297,7 @@ class StageEngine:
         x = x.to(self.device)
         if not self.module.has_embed:
             x = x.to(self.dtype).detach().requires_grad_(True)
-        with self.meter.forward(mb), self.store.forward(mb):
+        with self.meter.forward(mb), self.store.forward(mb), self._model("forward", mb):
             out = self.engine(x)
         self._inputs[mb], self._outputs[mb] = x, out
         return out.detach()
@@ -293,9 +315,11 @@ class StageEngine:
         """
         if not self.module.has_head:
             raise RuntimeError("backward_last() is only for the stage holding the head")
-        loss = lm_loss(self._pop_output(mb), targets.to(self.device))
+        out = self._pop_output(mb)
         self._idle_grads()
-        self.engine.backward(loss if self._scale == 1.0 else loss * self._scale)
+        with self._model("backward", mb):
+            loss = lm_loss(out, targets.to(self.device))
+            self.engine.backward(loss if self._scale == 1.0 else loss * self._scale)
         self._unscale_input(mb)
         self._step()
         self._done(mb)
@@ -312,7 +336,8 @@ class StageEngine:
         out = self._pop_output(mb)
         surrogate = (out * grad_out.to(device=out.device, dtype=out.dtype)).sum()
         self._idle_grads()
-        self.engine.backward(surrogate * self._scale, scale_wrt_gas=False)
+        with self._model("backward", mb):
+            self.engine.backward(surrogate * self._scale, scale_wrt_gas=False)
         self._unscale_input(mb)
         self._step()
         self._done(mb)
@@ -344,7 +369,8 @@ class StageEngine:
         if targets is not None:
             if not self.module.has_head:
                 raise RuntimeError("targets are only for the stage holding the head")
-            loss = lm_loss(out, targets.to(self.device))
+            with self._model("backward", mb):
+                loss = lm_loss(out, targets.to(self.device))
             # scaled as engine.backward(loss) scales it ([Note: loss scaling])
             root, grad, full = loss / self.engine.gradient_accumulation_steps(), None, (loss, True)
         else:
@@ -355,7 +381,8 @@ class StageEngine:
         else:
             drop_output_hooks(out)
             x = self._inputs[mb]
-            x.grad = self.store.input_backward(mb, root, grad, x)
+            with self._model("backward", mb):
+                x.grad = self.store.input_backward(mb, root, grad, x)
             self.meter.release(mb)  # the graph is gone; what W needs stays in the store
             self.meter.keep(mb, self.store.kept(mb))
             self._weight_pending[mb] = ("split",)
@@ -371,7 +398,8 @@ class StageEngine:
         self._idle_grads()
         if kind == "full":  # the first stage: nothing goes upstream
             root, scale = state
-            self.engine.backward(root * self._scale, scale_wrt_gas=scale)
+            with self._model("backward", mb):
+                self.engine.backward(root * self._scale, scale_wrt_gas=scale)
         else:
             # [Note: W accumulates in place]: the sums are handed over, not added again
             grads = self.store.weight_gradients(mb, self._scale)
@@ -387,6 +415,7 @@ class StageEngine:
         if self.cfg.defer_step:
             return
         t0 = time.perf_counter()
+        self._step_lr = self._lr_now()
         self.engine.step()
         self.optimizer_s += time.perf_counter() - t0
 
@@ -411,11 +440,16 @@ class StageEngine:
         if self.cfg.defer_step:
             t0 = time.perf_counter()
             self.reducing = True
+            self._step_lr = self._lr_now()
             try:
                 self.engine.step()
             finally:
                 self.reducing = False
             self.optimizer_s += time.perf_counter() - t0
+
+    def _lr_now(self) -> float:
+        """The LR the next optimizer step applies (the scheduler steps after each step)."""
+        return float(self.engine.optimizer.param_groups[0]["lr"])
 
     @property
     def has_tied(self) -> bool:
@@ -423,9 +457,13 @@ class StageEngine:
         return self._tied is not None
 
     def step_stats(self) -> tuple[float, float | None]:
-        """The learning rate of the last optimizer step and this stage's gradient norm
-        (DeepSpeed's, over its ZeRO-1 group; None before the first step)."""
-        lr = float(self.engine.optimizer.param_groups[0]["lr"])
+        """The learning rate the last optimizer step applied (read before the scheduler
+        moved on to the next step's) and this stage's gradient norm
+        (over its ZeRO-1 group, the tied head's copy left out under a global norm: the
+        stages' norms then add up to the pipeline's; None before the first step)."""
+        lr = self._step_lr if self._step_lr is not None else self._lr_now()
+        if self.norms.stage_norm is not None:
+            return lr, self.norms.stage_norm
         norm = self.engine.get_global_grad_norm()
         return lr, None if norm is None else float(norm)
 
@@ -467,6 +505,7 @@ class StageEngine:
         The process group stays; call :func:`destroy_process_group` to re-form it. Stale
         ``.grad`` of an aborted step would otherwise leak into the next engine on this module.
         """
+        self.norms.close()
         self.engine.destroy()
         for p in self.module.parameters():
             p.grad = None

@@ -10,9 +10,11 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["PRECISIONS", "EngineConfig"]
+__all__ = ["LR_SCHEDULES", "PRECISIONS", "EngineConfig"]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+# transformers' schedulers behind each name: geopipe.runtime.actor.lr
+LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
 
 
 @dataclass(frozen=True)
@@ -22,8 +24,11 @@ class EngineConfig:
     ``micro_batches`` is the number of micro-batches this replica runs per optimizer step
     (DeepSpeed's ``gradient_accumulation_steps``); ``micro_batch_size`` only feeds DeepSpeed's
     batch bookkeeping (``train_batch_size``), never the numbers. ``grad_clip`` 0 disables
-    clipping; otherwise it clips the global norm of *this stage's* gradient (see
-    :class:`StageEngine`). ``weight_decay`` > 0 selects AdamW (decaying only >= 2-D weights).
+    clipping; otherwise ``grad_clip_scope`` "global" clips by the norm over every stage of
+    the pipeline (the engine's norm exchange, [Note: global gradient clipping] in
+    :mod:`.gradnorm`), "stage" by this stage's own norm. ``weight_decay`` > 0 selects AdamW
+    (decaying only >= 2-D weights). ``total_steps`` is the LR schedule's horizon ([Note: the
+    LR horizon] in :mod:`.lr`); ``min_lr_ratio`` its floor as a fraction of ``lr``.
     """
 
     lr: float
@@ -35,7 +40,10 @@ class EngineConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     seed: int = 0
-    lr_schedule: Literal["cosine", "constant"] = "cosine"
+    lr_schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
+    min_lr_ratio: float = 0.0
+    wsd_decay_steps: int = 0  # the decay phase of "wsd" (its stable phase is the rest)
+    grad_clip_scope: Literal["global", "stage"] = "global"
     micro_batch_size: int = 1
     # A mixed plan's factor on this replica's weight gradients (1 for identical pipelines;
     # [Note: gradient scale of a mixed plan] in geopipe.runtime.actor.sitegroups).
@@ -46,6 +54,12 @@ class EngineConfig:
     # The training precision ([Note: mixed precision] in :mod:`.engine`): weights,
     # activations and gradients in it, fp32 master weights and Adam state in ZeRO-1.
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    # Which decoder blocks run under activation recompute (training.recompute,
+    # geopipe.model.recompute; checked where the stage module is built).
+    recompute: str = "none"
+    # The LR schedule's factors at steps 0..total_steps, tabulated by the driver so the
+    # actor never imports transformers ([Note: the LR table] in :mod:`.lr`); () : the actor's.
+    lr_table: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -67,7 +81,16 @@ class EngineConfig:
                 f"EngineConfig.precision must be one of {sorted(PRECISIONS)}, "
                 f"got {self.precision!r}"
             )
-        if self.lr_schedule not in ("cosine", "constant"):
+        if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(
-                f"EngineConfig.lr_schedule must be 'cosine' or 'constant', got {self.lr_schedule!r}"
+                f"EngineConfig.lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}"
+            )
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(
+                f"EngineConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}"
+            )
+        if self.grad_clip_scope not in ("global", "stage"):
+            raise ValueError(
+                f"EngineConfig.grad_clip_scope must be 'global' or 'stage', "
+                f"got {self.grad_clip_scope!r}"
             )

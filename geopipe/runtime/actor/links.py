@@ -6,7 +6,8 @@ coded TCP connection (:mod:`geopipe.transport.direct`) — Ray only carries the 
 address, never the data: an actor-call argument above 100 KiB goes through Ray's object
 store, which over a real 40 ms link cost about seven one-way latencies per transfer.
 :class:`StageLinks` hides which path a neighbour takes, so the executor only says "send
-forward", "send backward" and "wait for this key".
+forward", "send backward" and "wait for this key". The WAN receiver takes only the frames
+this stage's plan expects (`planned_frames`), checked before anything is allocated.
 """
 
 from __future__ import annotations
@@ -16,13 +17,71 @@ from dataclasses import dataclass
 
 import torch
 
+from geopipe.runtime.actor.probe import BURST_MAX_BYTES
 from geopipe.transport.channel import Inbox, P2PReceiver, P2PSender
 from geopipe.transport.direct import DirectReceiver, DirectSender
+from geopipe.transport.expect import ExpectedFrames, FrameSpec
 from geopipe.transport.frames import Admit
 from geopipe.transport.link import LinkParams
 from geopipe.transport.security import RunCredentials
 
-__all__ = ["StageLinks", "WanPeer"]
+__all__ = ["PROBE_KINDS", "StageLinks", "WanPeer", "planned_frames"]
+
+# The launch-time link probe's messages (geopipe.runtime.actor.probe): expected until the
+# first training step.
+PROBE_KINDS = ("probe-ping", "probe-pong", "probe-bulk")
+
+
+def planned_frames(
+    shape: tuple[int, ...], dtype: torch.dtype, tied: torch.Tensor | None = None
+) -> ExpectedFrames:
+    """The frames a stage replica's WAN receiver takes, refusing the rest before allocation
+    (`geopipe.transport.expect`): activations ``("F", step, mb)``, their gradients
+    ``("B", step, mb)`` and held-out evaluation's activations ``("E", step, j)``
+    (:mod:`.evaluate`) of ``shape`` in the training ``dtype``; the other copy's gradient
+    ``("T", step, 0)`` of a tied embedding shaped and typed as this copy ``tied``; another
+    stage's gradient norm ``("N", step, stage)``, 3 float32 (:mod:`.gradnorm`); and the link
+    probe's float32 vectors (at most its burst). Steps from the consumer's to one ahead (a
+    neighbour may start the next step's sends first; a norm's step is not checked). A norm
+    or a probe vector holding NaN or inf is refused (a norm travels finite, -1 standing for
+    "not finite"); activations and gradients are not checked for it: a non-finite value
+    there is the model's (fp16's loss scaling overflows by design), and the NaN guard
+    (``training.nan_policy``, `geopipe.runtime.control.guards`) skips that step or stops
+    the run naming step, stage and tensor — refusing it here would fail a step the policy
+    may skip.
+    A new kind of message to this receiver must be added here, or it is refused."""
+    name = _dtype_name(dtype)
+    act = FrameSpec(
+        shapes=frozenset({tuple(shape)}), dtypes=frozenset({name}), key_len=3, step_at=1
+    )
+    norm = FrameSpec(
+        shapes=frozenset({(3,)}),
+        dtypes=frozenset({"float32"}),
+        codecs=frozenset({"none"}),
+        key_len=3,  # its step is the engine's optimizer count: no window on it
+        finite=True,  # a stage's non-finite norm travels as the -1 sentinel
+    )
+    kinds = {"F": act, "B": act, "E": act, "N": norm}
+    if tied is not None:
+        kinds["T"] = FrameSpec(
+            shapes=frozenset({tuple(tied.shape)}),
+            dtypes=frozenset({_dtype_name(tied.dtype)}),
+            key_len=3,
+            step_at=1,
+        )
+    probe = FrameSpec(
+        dtypes=frozenset({"float32"}),
+        codecs=frozenset({"none"}),
+        key_len=2,
+        max_numel=BURST_MAX_BYTES // 4,
+        finite=True,
+    )
+    kinds.update(dict.fromkeys(PROBE_KINDS, probe))
+    return ExpectedFrames(kinds, ahead=1, behind=0, finite=False)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 @dataclass(frozen=True)
@@ -72,12 +131,24 @@ class StageLinks:
         # The rotation seed of this replica's WAN codecs (int4h, int2h): a function of the
         # run's seed and the stage, so a resumed run rotates as the first one did.
         self.codec_seed = 0
+        # What the WAN receiver takes (`plan_frames`); None: any well-formed frame.
+        self.frames: ExpectedFrames | None = None
+
+    def plan_frames(
+        self, shape: tuple[int, ...], dtype: torch.dtype, tied: torch.Tensor | None = None
+    ) -> None:
+        """Take only the frames of this plan from now on (`planned_frames`), the WAN
+        receiver too if it is open."""
+        self.frames = planned_frames(shape, dtype, tied)
+        if self.wan_recv is not None:
+            self.wan_recv.expect = self.frames
 
     def listen(self, host: str, expect: Admit | None = None) -> tuple[str, int]:
         """Open this replica's WAN receiver; its address goes to the WAN neighbours.
-        ``expect`` (e.g. a `transport.expect.ExpectedFrames` built from the plan): the
-        frames the receiver accepts, anything else refused before allocation; None keeps
-        every well-formed frame within the payload bound."""
+        ``expect`` (default: what `plan_frames` set): the frames the receiver accepts,
+        anything else refused before allocation; None with no plan keeps every
+        well-formed frame within the payload bound."""
+        expect = expect if expect is not None else self.frames
         if self.wan_recv is None:
             self.wan_recv = DirectReceiver(
                 self.inbox,
@@ -159,7 +230,12 @@ class StageLinks:
 
         Keys are ``(direction, step, mb)``; messages are ``shape`` tensors of the training
         ``dtype``. WAN arrivals need no such call (the transport files them in the inbox as
-        they come)."""
+        they come), but the WAN receiver's window moves to this step here, and the link
+        probe, over once training runs, is expected no more."""
+        keys = [*recv_forward, *recv_backward]
+        if self.frames is not None and keys:
+            self.frames.drop(*PROBE_KINDS)
+            self.frames.at_step(keys[0][1])
         if self.up_recv is not None:
             fwd = [(key, forward_tag(key[2]), shape) for key in recv_forward]
             self.up_recv.start(fwd, dtype)

@@ -24,6 +24,18 @@ averages the same bytes in group order, chunk by chunk, so theta_global stays bi
 in every group under every codec. A seeded codec (the rotated int4h/int2h) takes its seed
 from (run seed, stage, partition, fragment, round, chunk): the same in every group.
 
+[Note: a round over the survivors]
+An apply is two calls. :meth:`OuterLoop.gather` waits (up to ``health.wan_outage_s``) for
+the peers' payloads and says which groups' it holds; the driver then names one list of
+groups, the live ones every replica holds, and :meth:`OuterLoop.apply` averages over exactly
+those. Every replica of every surviving group averages the same payloads in the same order,
+so theta_global stays bit-identical among the survivors even when a group died after its
+payload reached some of them and not others: a lost group's payload is never used, so the
+round in flight averages over the survivors alone, whenever in the round the loss came.
+:meth:`OuterLoop.drop` (called beside a waiting gather, on another of the actor's threads)
+ends the wait for a group the driver wrote off; sends and gathers asked again after a
+failure repeat nothing already done.
+
 [Note: tied embeddings and the outer loop]
 With ZeRO-1 a partition never holds two copies of one tensor, but a pipeline whose first and
 last stages hold the two copies of a tied embedding has them in two *different* stages'
@@ -193,7 +205,10 @@ class OuterLoop:
         self.net = OuterExchange(
             "0.0.0.0" if listen_all else host, host, creds, settings.max_payload, user_timeout_s
         )
-        self._pending: dict[int, tuple[int, list[Encoded]]] = {}  # fragment -> (round, own)
+        # fragment -> (round, own chunks, what the send answered); the peers' chunks by group
+        self._pending: dict[int, tuple[int, list[Encoded], dict[str, Any]]] = {}
+        self._got: dict[int, dict[int, list[Encoded]]] = {}
+        self._sent_bytes: dict[int, int] = {}
 
     def endpoint(self) -> dict[str, Any]:
         """What the driver needs to pair peers: (stage, partition) and the listener."""
@@ -223,16 +238,17 @@ class OuterLoop:
         return ("O", self.state.stage, self.state.partition, fragment, round_)
 
     def send(self, fragment: int) -> dict[str, Any]:
-        """Encode this replica's pseudo-gradient of ``fragment`` and start sending it."""
+        """Encode this replica's pseudo-gradient of ``fragment`` and start sending it. Asked
+        again before the apply (the driver retrying a round a failure interrupted), it
+        answers what the first send did and sends nothing twice."""
         if fragment in self._pending:
-            raise RuntimeError(f"fragment {fragment} was sent and not applied yet")
+            return self._pending[fragment][2]
         t0 = time.perf_counter()
         round_ = self.state.opt.steps(fragment)
         chunks, err = self.state.delta(fragment, round_)
         encode_s = time.perf_counter() - t0
-        self._pending[fragment] = (round_, chunks)
         self.net.post(self._tag(fragment, round_), self.group, chunks)
-        return {
+        out = {
             "fragment": fragment,
             "round": round_,
             "chunks": len(chunks),
@@ -240,26 +256,71 @@ class OuterLoop:
             "encode_s": encode_s,
             "codec_error": err,
         }
+        self._pending[fragment] = (round_, chunks, out)
+        return out
 
-    def apply(self, fragment: int) -> dict[str, Any]:
-        """Wait for the peers' payloads of the sent ``fragment``, then the outer step.
-        COLLECTIVE on the ZeRO-1 group (see :meth:`OuterState.apply`)."""
+    def gather(self, fragment: int, timeout_s: float | None = None) -> dict[str, Any]:
+        """Wait (up to ``timeout_s``, by default ``settings.timeout_s``) for the peers'
+        payloads of the sent ``fragment``; returns the groups whose payloads this replica
+        holds (its own among them) and why each other one is missing. Asked again, it waits
+        only for the peers still missing and not dropped ([Note: a round over the
+        survivors])."""
         if fragment not in self._pending:
             raise RuntimeError(f"fragment {fragment} has not been sent")
-        round_, own = self._pending[fragment]
+        round_, own, _ = self._pending[fragment]
+        have = self._got.setdefault(fragment, {})
         t0 = time.perf_counter()
-        got, sent = self.net.collect(self._tag(fragment, round_), len(own), self.settings.timeout_s)
-        wait_s = time.perf_counter() - t0
-        del self._pending[fragment]  # only now: a timed-out apply can be asked again
-        got[self.group] = own
-        payloads = [got[g] for g in sorted(got)]
+        wait = self.settings.timeout_s if timeout_s is None else timeout_s
+        got, missing, sent = self.net.gather(self._tag(fragment, round_), len(own), wait)
+        have.update(got)
+        self._sent_bytes[fragment] = self._sent_bytes.get(fragment, 0) + sent
+        return {
+            "fragment": fragment,
+            "round": round_,
+            "group": self.group,
+            "have": sorted({self.group, *have}),
+            "missing": {g: why for g, why in missing.items() if g not in have},
+            "wait_s": time.perf_counter() - t0,
+        }
+
+    def drop(self, groups: Sequence[int]) -> None:
+        """Write ``groups`` off: no round waits for them again (safe beside a gather)."""
+        self.net.drop(groups)
+
+    def apply(self, fragment: int, groups: Sequence[int] | None = None) -> dict[str, Any]:
+        """The outer step of the sent ``fragment`` averaged over ``groups`` (their payloads
+        as :meth:`gather` holds them, in group order); None: gather, and every peer must
+        have answered. COLLECTIVE on the ZeRO-1 group (see :meth:`OuterState.apply`)."""
+        if fragment not in self._pending:
+            raise RuntimeError(f"fragment {fragment} has not been sent")
+        wait_s = 0.0
+        if groups is None:
+            g = self.gather(fragment)
+            wait_s = g["wait_s"]
+            if g["missing"]:
+                peer, why = sorted(g["missing"].items())[0]
+                raise TimeoutError(f"outer exchange: group {peer}: {why}")
+            groups = g["have"]
+        round_, own, _ = self._pending[fragment]
+        have = {**self._got.get(fragment, {}), self.group: own}
+        absent = [g for g in groups if g not in have]
+        if absent or self.group not in groups:
+            raise RuntimeError(
+                f"outer apply of fragment {fragment} over groups {sorted(groups)}: this "
+                f"replica (group {self.group}) holds no payload of group(s) {absent}"
+                if absent
+                else f"outer apply over groups {sorted(groups)} leaves out this group"
+            )
+        payloads = [have[g] for g in sorted(groups)]
+        del self._pending[fragment]  # only now: a failed apply can be asked again
+        self._got.pop(fragment, None)
         t0 = time.perf_counter()
         self.state.apply(fragment, payloads)
         return {
             "fragment": fragment,
             "round": round_,
             "groups": len(payloads),
-            "bytes_sent": sent,
+            "bytes_sent": self._sent_bytes.pop(fragment, 0),
             "wait_s": wait_s,
             "apply_s": time.perf_counter() - t0,
             "digest": self.state.digest(),

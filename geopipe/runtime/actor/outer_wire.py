@@ -52,6 +52,7 @@ __all__ = [
 ]
 
 CHUNK_ELEMS = ROW_LEN * 4096  # elements per frame: 4 MiB with codec none
+_POLL_S = 0.1  # a gather's waits are cut this short so that a drop ends them soon
 
 
 @dataclass(frozen=True)
@@ -234,12 +235,14 @@ class OuterExchange:
         self.peers: dict[int, OuterPeer] = {}
         self._senders: dict[int, EncodedSender] = {}
         self._posts: list[tuple[int, threading.Thread, list[Any]]] = []
+        self._dropped: set[int] = set()  # groups written off: never waited for again
 
     def connect(self, peers: Sequence[OuterPeer]) -> None:
         """(Re)connect to ``peers`` (drops connections to groups no longer listed)."""
         for s in self._senders.values():
             s.close()
         self._senders, self.peers = {}, {}
+        self._dropped -= {p.group for p in peers}  # a group grown back is waited for again
         for p in peers:
             self._senders[p.group] = EncodedSender(
                 p.address, self.creds, p.link, user_timeout_s=self.user_timeout_s
@@ -263,33 +266,71 @@ class OuterExchange:
             t.start()
             self._posts.append((g, t, box))
 
+    def drop(self, groups: Sequence[int]) -> None:
+        """Stop exchanging with ``groups`` (the driver wrote them off): their connections
+        close, and a :meth:`gather` waiting on them now, on another thread, stops waiting.
+        [Note: a round over the survivors] in :mod:`geopipe.runtime.actor.outer`."""
+        for g in groups:
+            self._dropped.add(g)
+            sender = self._senders.pop(g, None)
+            if sender is not None:
+                sender.close()
+            self.peers.pop(g, None)
+
+    def gather(
+        self, tag: tuple, chunks: int, timeout_s: float
+    ) -> tuple[dict[int, list[Encoded]], dict[int, str], int]:
+        """Every peer's ``chunks`` payload chunks of ``tag`` that arrive within ``timeout_s``
+        (by group), why each other peer's did not (by group: its send failed, it was
+        dropped, or it stayed silent), and the bytes this replica sent for ``tag``. Raises
+        nothing for a missing peer: the driver decides who a round averages over."""
+        deadline = time.monotonic() + timeout_s
+        sent, missing = 0, {}
+        posts, self._posts = self._posts, []
+        for g, t, box in posts:
+            while t.is_alive() and g not in self._dropped and time.monotonic() < deadline:
+                t.join(_POLL_S)
+            where = f"sending to group {g}"
+            if g in self._dropped:
+                missing[g] = "dropped"
+            elif t.is_alive() or not box:
+                missing[g] = f"{where} took over {timeout_s:g}s"
+            elif isinstance(box[0], BaseException):
+                missing[g] = f"{where} failed: {box[0]}"
+            else:
+                sent += box[0]
+        got: dict[int, list[Encoded]] = {}
+        for g, peer in sorted(dict(self.peers).items()):
+            if g in missing:
+                continue
+            have: list[Encoded] = []
+            while len(have) < chunks and g not in self._dropped:
+                left = deadline - time.monotonic()
+                try:
+                    have.append(self.inbox.get((*tag, g, len(have)), max(0.0, min(_POLL_S, left))))
+                except TimeoutError:
+                    if left <= 0:
+                        break
+            if len(have) == chunks:
+                got[g] = have
+            else:
+                missing[g] = (
+                    "dropped"
+                    if g in self._dropped
+                    else f"no payload from group {g} at {peer.address} in {timeout_s:g}s"
+                )
+        return got, missing, sent
+
     def collect(
         self, tag: tuple, chunks: int, timeout_s: float
     ) -> tuple[dict[int, list[Encoded]], int]:
-        """Every peer's ``chunks`` payload chunks of ``tag`` (by group), and the bytes this
-        replica sent for it. Raises naming the peer whose send failed or whose payload did
-        not arrive within ``timeout_s``."""
-        sent = 0
-        posts, self._posts = self._posts, []
-        for g, t, box in posts:
-            t.join(timeout_s)
-            where = f"outer exchange: sending to group {g} at {self.peers[g].address}"
-            if t.is_alive() or not box:
-                raise TimeoutError(f"{where} took over {timeout_s:g}s")
-            if isinstance(box[0], BaseException):
-                raise PeerLostError(f"{where} failed: {box[0]}") from box[0]
-            sent += box[0]
-        deadline = time.monotonic() + timeout_s
-        got: dict[int, list[Encoded]] = {}
-        for g, peer in sorted(self.peers.items()):
-            try:
-                got[g] = [
-                    self.inbox.get((*tag, g, c), max(0.0, deadline - time.monotonic()))
-                    for c in range(chunks)
-                ]
-            except TimeoutError as exc:
-                why = f"no payload from group {g} at {peer.address} in {timeout_s:g}s"
-                raise TimeoutError(f"outer exchange: {why} ({exc})") from None
+        """:meth:`gather` that insists on every peer: raises naming the first peer whose
+        send failed or whose payload did not arrive within ``timeout_s``."""
+        got, missing, sent = self.gather(tag, chunks, timeout_s)
+        for _, why in sorted(missing.items()):
+            if why.startswith("sending") and "failed" in why:
+                raise PeerLostError(f"outer exchange: {why}")
+            raise TimeoutError(f"outer exchange: {why}")
         return got, sent
 
     def close(self) -> None:

@@ -23,10 +23,20 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from geopipe.checkpoint.format import ADAM_STATE_GROUPS
+from geopipe.checkpoint.format import ADAM_STATE_GROUPS, PARAMS_GROUP
+from geopipe.checkpoint.outer import (
+    INNER,
+    OUTER_KEY,
+    group_position,
+    group_shards,
+    group_state,
+    named,
+    outer_layout,
+)
 from geopipe.checkpoint.rng import capture_rng, restore_rng
 from geopipe.checkpoint.store import (
     PARAMS,
+    CheckpointError,
     ShardInfo,
     load_checkpoint,
     load_state_for_layers,
@@ -59,23 +69,36 @@ class ShardWriter:
         tensors: dict,
         on_gathered: Callable[[], None] | None = None,
         only: set[str] | None = None,
+        outer: Future | None = None,
+        group: int = 0,
     ) -> None:
         """Write the shard of boundary ``step`` once ``state`` is gathered (in the background).
 
         ``tensors`` are extra tensors to store (codec state); ``writer`` says whether this
         replica writes (the others only take part in the gather and keep a fallback);
         ``directory`` None: encode the shard in memory for the sites' stores to pull;
-        ``only``: the parameter names to write (a mixed plan's engine holds more)."""
+        ``only``: the parameter names to write (a mixed plan's engine holds more);
+        ``outer``: an outer-loop run's gathered outer state
+        (:func:`~geopipe.runtime.actor.outer_ckpt.gather_outer`), which moves the group's
+        own state under ``inner/`` ([Note: the outer-loop checkpoint] in
+        :mod:`geopipe.checkpoint.outer`); ``stage`` is then the shard's index."""
         rng = capture_rng()
 
         def write_file() -> ShardInfo:
             st = state.result()
             out = dict(tensors)
-            for group in ADAM_STATE_GROUPS:
+            prefix = "" if outer is None else INNER
+            for g in ADAM_STATE_GROUPS:
                 out.update(
-                    {f"{group}/{n}": t for n, t in st[group].items() if only is None or n in only}
+                    {f"{prefix}{g}/{n}": t for n, t in st[g].items() if only is None or n in only}
                 )
             meta = {"adam_step": st["step"], "lr_step": st["lr_step"], "layers": layers}
+            if outer is not None:
+                got = outer.result()
+                out.update(
+                    {k: t for k, t in got["tensors"].items() if only is None or _name(k) in only}
+                )
+                meta.update({"group": group, OUTER_KEY: got["meta"]})
             if self.write_delay_s:
                 time.sleep(self.write_delay_s)
             if directory is not None:
@@ -86,6 +109,8 @@ class ShardWriter:
 
         def write() -> ShardInfo | None:
             state.result()  # every replica takes part in the gather
+            if outer is not None:
+                outer.result()
             if on_gathered is not None:
                 on_gathered()
             return write_file() if writer else None
@@ -122,22 +147,57 @@ class ShardWriter:
         self._pending = None
 
 
-def load_stage(engine: Any, path: str, stage: int, layers: tuple[int, int], links: Any) -> int:
+def _name(key: str) -> str:
+    """The parameter name of an outer shard key (``params/<name>``, ``outer/momentum/<name>``;
+    a residual's key names none and is always written)."""
+    for prefix in ("params/", "outer/momentum/"):
+        if key.startswith(prefix):
+            return key[len(prefix) :]
+    return ""
+
+
+def load_stage(
+    engine: Any,
+    path: str,
+    stage: int,
+    layers: tuple[int, int],
+    links: Any,
+    group: int = 0,
+    groups: int = 1,
+) -> int:
     """Load a stage's layers from a checkpoint of any partition; returns its step.
 
     Parameters and Adam moments are matched by name. RNG and codec state are restored only
     when the checkpoint's stage ``stage`` held exactly these layers (same partition).
+
+    An outer-loop checkpoint ([Note: the outer-loop checkpoint] in
+    :mod:`geopipe.checkpoint.outer`): a replica of group ``group`` of an outer-loop run
+    (``groups`` > 1, as many as the checkpoint's) loads its own group's weights and Adam
+    state; a synchronous run (``groups`` 1) loads theta_global with group 0's Adam state.
     """
     ckpt = load_checkpoint(path, verify=False)  # the controller verified the checksums
-    saved = {k[len(PARAMS) :] for shard in ckpt.stages for k in shard.keys if k.startswith(PARAMS)}
+    layout = outer_layout(ckpt.manifest)
+    if layout is not None and groups > 1 and layout[0] != groups:
+        raise CheckpointError(
+            f"{ckpt.path.name} holds {layout[0]} replica groups, this run has {groups}"
+        )
+    g = group_position(ckpt.manifest, group) if layout is not None and groups > 1 else 0
+    shards = group_shards(ckpt, g)
+    prefix = PARAMS if layout is None else f"{INNER}{PARAMS}"
+    saved = {k[len(prefix) :] for shard in shards for k in shard.keys if k.startswith(prefix)}
     aliases = engine.module.state_aliases()  # a tied head saved only as the embedding
     names = [n if n in saved else aliases.get(n, n) for n, _ in engine.module.named_parameters()]
-    state: dict[str, Any] = load_state_for_layers(ckpt, names)
-    meta = ckpt.stages[0].meta
-    state["step"], state["lr_step"] = int(meta["adam_step"]), int(meta["lr_step"])
+    if layout is None:
+        state: dict[str, Any] = load_state_for_layers(ckpt, names)
+        meta = ckpt.stages[0].meta
+        state["step"], state["lr_step"] = int(meta["adam_step"]), int(meta["lr_step"])
+    else:
+        state = group_state(ckpt, g, names)
+        if groups == 1:  # the model the outer loop agreed on, not one group's drift
+            state[PARAMS_GROUP] = named(group_shards(ckpt, 0), PARAMS, names)
     engine.load_full_state(state)
-    if stage < len(ckpt.stages) and ckpt.stages[stage].meta.get("layers") == list(layers):
-        shard = ckpt.stages[stage]
+    if stage < len(shards) and shards[stage].meta.get("layers") == list(layers):
+        shard = shards[stage]
         rng = shard.rng()
         if rng is not None:
             restore_rng(rng)

@@ -14,6 +14,7 @@ replica, as a collective needs.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -34,12 +35,16 @@ class BoundaryKeeper:
         self.kept = kept
         self._pool = _keeper()
         self._futures: dict[int, Future] = {}  # step -> gathered full state
+        # where each parameter lies in each flat ZeRO-1 buffer (the outer state's gather
+        # cuts by it: geopipe.runtime.actor.outer_ckpt); set by the first take
+        self.layouts: list | None = None
 
     def take(self, step: int, engine: Any) -> float:
         """Copy this replica's partition now and gather the full state of boundary ``step``
         in the background; returns the seconds training stalled."""
         t0 = time.perf_counter()
         snap = engine.local_snapshot()
+        self.layouts = [g["layout"] for g in snap["groups"]]
         self._futures[step] = self._pool.submit(
             assemble_snapshot, snap, engine.ckpt_group, engine.replicas
         )
@@ -50,6 +55,12 @@ class BoundaryKeeper:
             if old not in keep:
                 del self._futures[old]
         return time.perf_counter() - t0
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """Run another collective of the checkpoint communicator (the outer state's gather)
+        on the keeper thread, after the gathers already submitted ([Note: one keeper
+        thread])."""
+        return self._pool.submit(fn, *args)
 
     def future(self, step: int) -> Future:
         return self._futures[step]

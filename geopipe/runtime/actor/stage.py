@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import gc
 import os
-import socket
 import time
 from dataclasses import dataclass, replace
 from typing import Any
@@ -181,16 +180,16 @@ class StageWorker:
         )
 
     # -- wiring ------------------------------------------------------------------------------
-    def endpoint(self) -> tuple[str, int]:
-        """An address and a free port, for the site's rendezvous (asked of its rank 0)."""
-        ip = node_ip()
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return ip, s.getsockname()[1]
+    def endpoint(self) -> Any:
+        """The site's rendezvous (asked of its rank 0): a store actor reached over Ray, no
+        listening port ([Note: the site rendezvous goes through Ray])."""
+        from geopipe.runtime.actor.distgroups import open_site
+
+        return open_site()
 
     def setup(
         self,
-        master: tuple[str, int],
+        master: Any,
         site_rank: int,
         site_world: int,
         groups: list[list[int]],
@@ -201,16 +200,19 @@ class StageWorker:
         down_addr: tuple[str, int] | None = None,
         timeout_s: float = 600.0,
         tie_addr: tuple[str, int] | None = None,
+        norm_peers: list | None = None,
     ) -> float:
         """Join the site's process group, build the ZeRO-1 engine and the links: p2p ranks
         inside the site, the WAN neighbours' receiver addresses (see :meth:`listen`)."""
-        from geopipe.runtime.actor.engine import StageEngine, init_process_group
+        from geopipe.runtime.actor.distgroups import join_site
+        from geopipe.runtime.actor.engine import StageEngine
 
         t0 = time.perf_counter()
-        init_process_group(site_rank, site_world, master[0], master[1], timeout_s)
+        join_site(site_rank, site_world, master, node_ip(), timeout_s)
         hold = tuple(self.spec.hold) if self.spec.hold is not None else None
         self.engine = StageEngine(self.model, self.layers, groups, my_group, self.spec.engine, hold)
         s, links = self.spec, self.links
+        links.plan_frames(self.shape, self.dtype, self.engine.module.tied_parameter())
         if up_rank is not None:
             links.connect_up_p2p(up_rank)
         elif up_addr is not None:
@@ -221,11 +223,29 @@ class StageWorker:
             links.connect_down_wan(tuple(down_addr), s.down_wan, s.topk_ratio)
         if tie_addr is not None:
             links.connect_tie(tuple(tie_addr), s.tie_peer)
+        self.engine.label = f"stage {self.k}, replica {s.replica}, "
+        if norm_peers:  # the global gradient norm ([Note: global gradient clipping])
+            from geopipe.runtime.actor.gradnorm import NormExchange
+
+            hold = tuple(s.hold) if s.hold is not None else tuple(self.layers)
+            self.engine.connect_norm_peers(
+                NormExchange.connect(
+                    self.k,
+                    hold,
+                    norm_peers,
+                    links.inbox,
+                    links.creds,
+                    links.user_timeout_s,
+                    s.recv_timeout_s,
+                )
+            )
         _settle_heap()
         return time.perf_counter() - t0
 
     def listen(self) -> tuple[str, int]:
-        """Open the receiver of this replica's WAN neighbours; returns its address."""
+        """Open the receiver of this replica's WAN neighbours; returns its address. It takes
+        only the frames of this stage's plan (`links.planned_frames`)."""
+        self.links.plan_frames(self.shape, self.dtype)
         return self.links.listen(node_ip())
 
     def probe_link(self, address: tuple[str, int], link: Any, sizes: list[int]) -> dict:
@@ -344,21 +364,28 @@ class StageWorker:
     def save_shard(self, directory: str | None, step: int) -> float:
         """Write this stage's shard of the checkpoint at boundary ``step`` in the background
         (replica 0 writes, the others keep a fallback) into ``directory``, or into memory for
-        the sites' stores to pull (None); returns the seconds stalled."""
+        the sites' stores to pull (None); returns the seconds stalled. In an outer-loop run
+        each group's first replica writes its group's shard, which holds the outer state too
+        ([Note: the outer-loop checkpoint] in geopipe.checkpoint.outer)."""
+        from geopipe.runtime.actor.outer_ckpt import submit_outer
+
         t0 = time.perf_counter()
         if not self.boundaries.holds(step):
             self.boundaries.take(step, self.engine)
         taken_for_save = not self.spec.recovery_snapshots
+        outer, pos = submit_outer(self._outer, self.boundaries, self.engine)
         self.shards.save(
             directory,
             step,
             self.boundaries.future(step),
-            stage=self.k,
+            stage=self.k if self._outer is None else pos * self.p + self.k,
             layers=list(self.layers),
-            writer=self.spec.replica == 0,
+            writer=not self.spec.first_microbatch if self._outer else self.spec.replica == 0,
             tensors=self.links.codec_state(),
             only=self._own_names(),
             on_gathered=(lambda: self.boundaries.discard(step)) if taken_for_save else None,
+            outer=outer,
+            group=self.spec.group,
         )
         return time.perf_counter() - t0
 
@@ -386,7 +413,7 @@ class StageWorker:
         through it, over the data plane (:mod:`geopipe.transport.bulk`)."""
         if self._chunks is None:
             host = "0.0.0.0" if self.spec.listen_all else node_ip()
-            self._chunks = ChunkServer(self.read_chunk, host, self.spec.creds)
+            self._chunks = ChunkServer(self.read_chunk, host, self.spec.creds, node_ip())
         return self._chunks.address
 
     def read_chunk(self, step: int, file: str, offset: int, size: int) -> bytes:
@@ -411,7 +438,8 @@ class StageWorker:
             return False
 
     def load_checkpoint(self, path: str) -> int:
-        return load_stage(self.engine, path, self.k, self.layers, self.links)
+        s = self.spec
+        return load_stage(self.engine, path, self.k, self.layers, self.links, s.group, s.groups)
 
     # -- the outer loop between replica groups (geopipe.runtime.actor.outer) -------------------
     def outer_begin(self, settings: OuterSettings) -> dict[str, Any]:
@@ -442,11 +470,19 @@ class StageWorker:
         """Encode this replica's pseudo-gradient of ``fragment``; its sends run on."""
         return self._outer.send(fragment)
 
-    def outer_apply(self, fragment: int) -> dict[str, Any]:
-        """The outer step of the sent ``fragment`` (COLLECTIVE on the ZeRO-1 group, between
-        iterations). The boundary snapshot of this step is re-taken: recovery must roll
-        back to the weights after the outer step, not before it."""
-        out = self._outer.apply(fragment)
+    def outer_gather(self, fragment: int, timeout_s: float | None = None) -> dict[str, Any]:
+        """Wait for the peers' payloads of ``fragment``: the groups held, the ones missing."""
+        return self._outer.gather(fragment, timeout_s)
+
+    def outer_drop(self, groups: list[int]) -> None:
+        """Write ``groups`` off (a gather waiting on them stops); answered beside a gather."""
+        self._outer.drop(groups)
+
+    def outer_apply(self, fragment: int, groups: list[int] | None = None) -> dict[str, Any]:
+        """The outer step of ``fragment`` over ``groups`` (None: all; COLLECTIVE on the ZeRO-1
+        group, between iterations). The boundary snapshot of this step is re-taken: recovery
+        must roll back to the weights after the outer step, not before it."""
+        out = self._outer.apply(fragment, groups)
         step = self.engine.step_count
         if self.boundaries.holds(step):
             self.boundaries.discard(step)
@@ -460,10 +496,28 @@ class StageWorker:
     def load_outer_state(self, state: dict[str, Any]) -> None:
         self._outer.state.load_state_dict(state)
 
+    def load_outer_checkpoint(self, path: str) -> str:
+        """The outer state of the checkpoint at ``path`` (:mod:`.outer_ckpt`)."""
+        from geopipe.runtime.actor.outer_ckpt import restore_outer
+
+        return restore_outer(self._outer, path, self.spec.group, self.k)
+
     def _end_outer(self) -> None:
         if self._outer is not None:
             self._outer.close()
             self._outer = None
+
+    # -- held-out evaluation (geopipe.runtime.actor.evaluate) ----------------------------------
+    def set_eval(self, setup: Any) -> None:
+        """``training.eval``: open the held-out stream (holding it out of this stage's
+        training stream); the driver calls it again after every new layout."""
+        from geopipe.runtime.actor.evaluate import StageEval
+
+        self._eval = StageEval(setup, self)
+
+    def run_eval(self, step: int) -> dict[str, Any]:
+        """This replica's held-out micro-batches forward, without gradients (between steps)."""
+        return self._eval.run(self, step)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def ping(self) -> int:

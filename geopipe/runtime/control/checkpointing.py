@@ -35,6 +35,12 @@ from geopipe.config import ClusterSpec
 from geopipe.runtime.control.cluster import LaunchError
 from geopipe.runtime.control.health import quiet_get, ref_failed
 from geopipe.runtime.control.models import model_shape
+from geopipe.runtime.control.outerckpt import (
+    outer_manifest,
+    restore_outer,
+    shard_rows,
+    shard_sites,
+)
 from geopipe.runtime.control.reporting import Reporter
 from geopipe.runtime.control.sitecopies import SiteCopies
 from geopipe.runtime.control.workers import Workers, ask, call_all
@@ -117,8 +123,12 @@ class CheckpointCoordinator:
         self.workers = workers
         self.root = Path(spec.training.checkpoint.dir or run_dir / "checkpoints")
         self.reporter = reporter
-        self._actors = actors
-        self._manifest = manifest
+        # An outer-loop run saves one shard per (group, stage) (set by begin_outer): the
+        # saves see shard rows and their writers' sites (runtime.control.outerckpt).
+        self.outer: Any = None
+        self._rows, self._stage_sites = actors, stage_sites
+        self._actors = self._shard_rows
+        self._run_manifest = manifest
         self.synchronous = synchronous
         self._pending: _Pending | None = None
         self.skipped: list[tuple[str, str]] = []  # (checkpoint, why) skipped on resume
@@ -127,9 +137,9 @@ class CheckpointCoordinator:
             self.copies = SiteCopies(
                 spec,
                 reporter,
-                actors,
-                stage_sites,
-                manifest,
+                self._shard_rows,
+                self._shard_sites,
+                self._manifest,
                 actor_sites,
                 creds,
                 link,
@@ -141,6 +151,41 @@ class CheckpointCoordinator:
         self.run_id: str | None = None
         self.lineage: dict[str, int | None] | None = None
         self.fresh = False
+        self._actor_sites = actor_sites
+
+    # -- the outer loop's state ([Note: the outer-loop checkpoint]) -----------------------------
+    def _group_of(self) -> Callable[[Any], int] | None:
+        if self.outer is None:
+            return None
+        return lambda a: self.outer.group_of[id(a)]
+
+    def _shard_rows(self) -> list[list[Any]]:
+        return shard_rows(self._rows(), self._group_of())
+
+    def _shard_sites(self) -> list[str]:
+        if self.outer is None or self._actor_sites is None:
+            return self._stage_sites()
+        return shard_sites(self._shard_rows(), self._actor_sites())
+
+    def _manifest(self, step: int) -> dict:
+        """The run's manifest fields, with an outer-loop run's ``outer`` entry."""
+        group_of = self._group_of()
+        if group_of is None:
+            return self._run_manifest(step)
+        groups = sorted({group_of(a) for a in self._flat()})
+        return {**self._run_manifest(step), **outer_manifest(self.outer, groups)}
+
+    def begin_outer(self, outer: Any, resume: ResumePoint | None) -> None:
+        """From now on saves hold ``outer``'s state (an :class:`~.outerloop.OuterRounds`
+        whose ``begin`` ran); on ``--resume`` every actor loads the checkpoint's outer
+        state, from its own site's copy."""
+        self.outer = outer
+        if resume is None:
+            return
+        pairs = self._actor_sites() if self._actor_sites is not None else []
+        paths = self.resume_paths(resume, sorted({s for _, s in pairs}))
+        digests = restore_outer(self.workers, pairs, paths)
+        self.reporter.event("outer_resumed", step=resume.step, theta_digests=sorted(set(digests)))
 
     def identify(self, run_id: str, lineage: dict[str, int | None], fresh: bool) -> None:
         self.run_id, self.lineage, self.fresh = run_id, lineage, fresh

@@ -172,6 +172,21 @@ def plaintext_warning(spec: ClusterSpec) -> str | None:
     )
 
 
+def gpus_per_actor(spec: ClusterSpec, resources: dict[str, float], actors: int) -> float:
+    """GPUs each stage actor takes: ``ray.gpus_per_actor`` when set (refused when the cluster
+    has fewer GPUs than the actors need), else one when there is a GPU per actor, else none
+    (the actors train on CPU)."""
+    have, want = resources.get("GPU", 0), spec.ray.gpus_per_actor
+    if want is None:
+        return 1.0 if have >= actors else 0.0
+    if have < want * actors - 1e-9:
+        raise LaunchError(
+            f"ray.gpus_per_actor: {actors} stage actors × {want:g} GPU need "
+            f"{want * actors:g} GPUs, the Ray cluster has {have:g}"
+        )
+    return want
+
+
 def check_precision(precision: str, use_gpu: bool) -> None:
     """Refuse a precision the devices cannot train in, before any actor starts: a YAML never
     silently trains in another precision. DeepSpeed refuses fp16 on a CPU (its dynamic loss

@@ -49,21 +49,26 @@ from geopipe.runtime.control.cluster import (
     auth_env,
     check_precision,
     check_sites,
+    gpus_per_actor,
     plaintext_warning,
 )
 from geopipe.runtime.control.context import RunContext
-from geopipe.runtime.control.guards import guard_codecs
+from geopipe.runtime.control.evaluation import Evaluator
+from geopipe.runtime.control.guards import NanGuard, guard_codecs
 from geopipe.runtime.control.health import (
     ActorsUnresponsive,
     StepHung,
     await_step,
     hang_timeout_s,
+    raise_model_error,
 )
 from geopipe.runtime.control.history import RunHistory
 from geopipe.runtime.control.linkprobe import probe_links
 from geopipe.runtime.control.metrics import aggregate, measured_events
 from geopipe.runtime.control.models import check_data_source
 from geopipe.runtime.control.options import LaunchOptions, RunResult
+from geopipe.runtime.control.outerckpt import check_outer_launch
+from geopipe.runtime.control.outerfail import recover_groups
 from geopipe.runtime.control.outerloop import OuterRounds
 from geopipe.runtime.control.placement import Placement
 from geopipe.runtime.control.planning import measure_before_planning
@@ -97,7 +102,6 @@ from geopipe.transport.security import make_credentials
 
 __all__ = [
     "OUTER_NOT_LAUNCHED",
-    "OUTER_NO_RECOVERY",
     "Controller",
     "LaunchOptions",
     "RunResult",
@@ -109,12 +113,6 @@ __all__ = [
 OUTER_NOT_LAUNCHED = (
     "plan.strategy chose an outer loop between replica groups that `geopipe plan` prices but "
     "launch cannot run yet (set plan.strategy: pipeline to launch the pipeline across sites)"
-)
-# An outer-loop run that loses an actor ends with this (the survivors going on with M-1
-# groups, and template recovery inside a group, are still to come).
-OUTER_NO_RECOVERY = (
-    "the outer-loop run lost an actor ({error}); recovering an outer-loop run (the other "
-    "groups going on without it) is not implemented yet: resume from the last checkpoint"
 )
 
 # A recovery interrupted by another death is retried from what is left, this many times.
@@ -173,6 +171,7 @@ class Controller:
         self.reporter = Reporter(
             self.spec.name, self.run_dir, self.spec.training.steps, self.history
         )
+        self.nan_guard = NanGuard(self.spec.training, self.reporter)
         # The data plane's secret (and TLS CA): made here, handed to the actors over Ray.
         self.creds = make_credentials(run_id, self.spec.encrypted)
         self.reporter.run_id = run_id
@@ -275,11 +274,7 @@ class Controller:
             raise LaunchError(str(exc)) from None
         if rp.outer_refused:
             raise LaunchError(f"{OUTER_NOT_LAUNCHED}: {rp.outer_refused}")
-        if rp.outer is not None and self._resume is not None:
-            raise LaunchError(
-                "--resume of an outer-loop run: its outer state (the outer momentum, fragments "
-                "in flight) is not in checkpoints yet, so a resume would not be exact"
-            )
+        check_outer_launch(self.spec, rp.outer, self._resume)
         self.outer_run = rp.outer
         self.ctx = self.ctx.planned(rp.plan, rp.predicted)
         self.planned_with = self.ctx.measurements
@@ -295,14 +290,15 @@ class Controller:
         self.reporter.dashboard_url = self.cluster.dashboard_url
         self.reporter.ray_address = self.cluster.address
         check_sites(self.spec, self.plan, self.workers.resources())
-        use_gpu = self.workers.resources().get("GPU", 0) >= len(self.plan.actors())
-        check_precision(self.spec.training.precision, use_gpu)
+        gpus = gpus_per_actor(self.spec, self.workers.resources(), len(self.plan.actors()))
+        check_precision(self.spec.training.precision, gpus > 0)
         if (plaintext := plaintext_warning(self.spec)) is not None:
             self.reporter.say(plaintext)
         # Placement reads settings only (names, data, the emulated links' YAML figures).
-        self.placement = Placement(self.spec, self.lr_horizon, use_gpu, self.creds, self.workers)
+        self.placement = Placement(self.spec, self.lr_horizon, gpus, self.creds, self.workers)
         self.placement.place(self.plan)
         self.placement.wire()
+        self.evals = Evaluator.ready(self.spec, self.workers, self.reporter, self.flat_actors())
         self.data_digest = self.placement.check_data(self._resume and self._resume.data_digest)
         if not self.spec.ray.links_emulated:  # emulated links are the YAML's by construction
             probed, self.links_measured = probe_links(
@@ -328,8 +324,9 @@ class Controller:
             )
             sites = [site for _, site in self.placement.actor_sites()]
             self.outer.begin([a for a, _ in self.placement.actor_sites()], sites)
+            self.checkpoints.begin_outer(self.outer, self._resume)
         # Pipeline templates for every device count are ready before anything fails (an
-        # outer-loop run does not recover yet: OUTER_NO_RECOVERY).
+        # outer-loop run drops a lost group instead: runtime.control.outerfail).
         templates = None if self.outer is not None else build_templates(priced, plan=self.plan)
         self.recovery = Recovery(
             priced,
@@ -351,14 +348,9 @@ class Controller:
 
     def _opened_events(self) -> None:
         """Open the metrics and write the launch's security and plan events."""
-        metrics = Path(self.opts.metrics_out) if self.opts.metrics_out else None
-        self.reporter.open(metrics or self.run_dir / "metrics.jsonl", self.workers.ray_metrics)
-        self.reporter.event(
-            "security",
-            encrypt=self.creds.encrypt,
-            authenticated=True,
-            listen=self.spec.security.listen,
-        )
+        metrics = Path(self.opts.metrics_out or self.run_dir / "metrics.jsonl")
+        self.reporter.open(metrics, self.workers.ray_metrics, self.spec)
+        self.reporter.event("security", **self.creds.protection(), listen=self.spec.security.listen)
         outer = self.outer_run.to_dict() if self.outer_run else None
         links = [m.to_dict() for m in self.links_measured]
         fields = self.ctx.plan_event(self.plan, self.predicted, self.planned_with, links, outer)
@@ -415,8 +407,8 @@ class Controller:
         if isinstance(state, Launching):
             return self._launch()
         if isinstance(state, Recovering):
-            if self.outer is not None:
-                raise LaunchError(OUTER_NO_RECOVERY.format(error=state.error))
+            if self.outer is not None:  # the other groups go on (runtime.control.outerfail)
+                return recover_groups(self, state)
             self._status(state.step, state)
             grace_s = max(5.0, 2 * self.calibrator.predicted_s)
             try:
@@ -468,15 +460,17 @@ class Controller:
                 lambda *e: self._silence(step, sites, *e),
             )
         except (WorkerLost, WorkerFailed, StepHung, ActorsUnresponsive) as exc:
+            raise_model_error(exc)  # the model's own exception: no recovery
             return Recovering(step, exc, refs)
         nxt = step + 1
         try:
             self._record(step, results)
             if self.outer is not None:  # the outer loop's sends and applies after this step
                 self.outer.after_step(nxt, [a for a, _ in self.placement.actor_sites()])
+            self.evals.after_step(nxt, total, self.flat_actors())  # training.eval
         except (WorkerLost, WorkerFailed) as exc:  # an actor died between steps (ΔN)
             return Recovering(nxt, exc, self._pings())
-        if self.stop.requested:
+        if self.stop.requested and not (self.outer and self.outer.in_flight(nxt)):
             return Checkpointing(nxt, final=True, interrupted=True)
         if nxt == total:
             return Checkpointing(nxt, final=True)
@@ -500,7 +494,7 @@ class Controller:
     def _record(self, step: int, results: list) -> None:
         """Metrics, calibration, status and progress of a finished step."""
         tokens = self.spec.training.global_batch_size * self.plan.seq_len
-        m = aggregate(results, self.plan.num_stages, tokens)
+        m = aggregate(results, self.plan.num_stages, tokens, self.plan.groups)
         self._result.steps.append(m)
         self.reporter.step(m, self.calibrator.predicted_s)
         # The calibration model replays one uniform layout; a mix keeps the planner's
@@ -508,6 +502,7 @@ class Controller:
         if not self.plan.heterogeneous:
             self._calibrate(step, results)
         self._guard_codecs(step, results)
+        self.nan_guard.check(step, results)  # before this boundary can be checkpointed
         self._status(step + 1)
         self._last_results = results
         self.checkpoints.poll()
@@ -543,6 +538,7 @@ class Controller:
     def _relaid(self, step: int) -> None:
         """A new layout runs from ``step``: measure it afresh."""
         self._set_plan(self.placement.plan)
+        self.evals.prepare(self.flat_actors())  # the held-out data on the new layout's actors
         self.calibrator.restart(step)
         if self.plan.heterogeneous and self.recovery.layout_s is not None:
             self.calibrator.predicted_s = self.recovery.layout_s  # not calibrated for mixes

@@ -31,20 +31,53 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from geopipe.runtime.control.guards import RunStopped
+
 if TYPE_CHECKING:
     from geopipe.config import HealthSpec
     from geopipe.runtime.control.workers import Actor, Pending, Workers
 
 __all__ = [
     "ActorsUnresponsive",
+    "ModelFailed",
     "StepHung",
     "alive",
     "await_step",
     "hang_timeout_s",
     "quiet_get",
+    "raise_model_error",
     "ref_failed",
     "silent_sites",
 ]
+
+
+class ModelFailed(RunStopped):
+    """A stage's model raised in its forward or backward: the run ends with that message."""
+
+
+# [Note: a model error is not a lost site]
+# A stage whose own forward or backward raises (a bug in the model, a shape it refuses) is
+# alive: re-forming the job around it would only raise again, and "layers lost their
+# parameters" would hide the model's message. The engine tags such exceptions
+# (geopipe.runtime.actor.gradnorm.ModelError, its message led by MODEL_ERROR_MARK) and the
+# controller ends the run with the first tagged line; a lost process (WorkerLost), a peer's
+# failure seen as a broken connection, a hang or a silent site still go to recovery.
+MODEL_ERROR_MARK = "[model error]"  # == ModelError.MARK (a test checks)
+
+
+def raise_model_error(exc: BaseException) -> None:
+    """Raise :class:`ModelFailed` if ``exc`` (a step's failure) is a stage's model error."""
+    from geopipe.runtime.control.workers import WorkerFailed
+
+    if not isinstance(exc, WorkerFailed):
+        return
+    for line in str(exc).splitlines():
+        if MODEL_ERROR_MARK in line:
+            what = line[line.index(MODEL_ERROR_MARK) + len(MODEL_ERROR_MARK) :].strip()
+            raise ModelFailed(
+                f"the model raised in {what} (a model error, not a lost site: no recovery "
+                "attempted)"
+            ) from None
 
 
 class ActorsUnresponsive(RuntimeError):

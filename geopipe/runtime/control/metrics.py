@@ -44,8 +44,12 @@ class StepMetrics:
     # the worst sampled relative error of a lossy WAN codec, per direction ("forward":
     # activations, "backward": gradients), over every replica that sends across a WAN link
     codec_error: dict[str, float] = field(default_factory=dict)
+    # the outer loop's replica groups: each group's mean micro-batch loss (empty with one
+    # group: then it is ``loss``)
+    group_loss: list[float] = field(default_factory=list)
 
     def to_json(self) -> dict:
+        extra = {"group_loss": self.group_loss} if self.group_loss else {}
         return {
             "step": self.step,
             "loss": self.loss,
@@ -59,11 +63,15 @@ class StepMetrics:
             "lr": self.lr,
             "grad_norm": self.grad_norm,
             "codec_error": self.codec_error,
+            **extra,
         }
 
 
-def aggregate(results: list[IterationResult], num_stages: int, tokens: int) -> StepMetrics:
-    """Combine every replica's ``run_iteration`` result into one step's figures."""
+def aggregate(
+    results: list[IterationResult], num_stages: int, tokens: int, groups: tuple[int, ...] = ()
+) -> StepMetrics:
+    """Combine every replica's ``run_iteration`` result into one step's figures; ``groups``
+    (``Plan.groups``: each pipeline's replica group) adds each group's loss."""
     step = results[0].step
     duration = max(r.duration_s for r in results)
     busy: dict[int, list[float]] = {}
@@ -90,7 +98,23 @@ def aggregate(results: list[IterationResult], num_stages: int, tokens: int) -> S
         lr=next((r.lr for r in results if r.lr is not None), None),
         grad_norm=_grad_norm(results),
         codec_error=_codec_error(results),
+        group_loss=group_losses(results, groups),
     )
+
+
+def group_losses(results: list[IterationResult], groups: tuple[int, ...]) -> list[float]:
+    """Each replica group's mean micro-batch loss (its pipelines' last stages report the
+    losses; a result's ``replica`` is its pipeline); empty unless there are two groups or
+    more. Every micro-batch has as many tokens, so the mean is the group's token mean."""
+    if not groups or max(groups) == 0:
+        return []
+    per: dict[int, list[float]] = {}
+    for r in results:
+        if r.losses:
+            per.setdefault(groups[r.replica], []).extend(r.losses)
+    return [
+        sum(per[g]) / len(per[g]) if per.get(g) else float("nan") for g in range(max(groups) + 1)
+    ]
 
 
 def _codec_error(results: list[IterationResult]) -> dict[str, float]:
@@ -152,10 +176,18 @@ def measured_events(results: list[IterationResult]) -> list[_Ev]:
 
 
 class MetricsSink:
-    """Writes one JSON line per step and mirrors the figures into Ray's metrics."""
+    """Writes one JSON line per step and per event, mirrors the step figures into Ray's
+    metrics, and the scalars (:func:`step_scalars`, :func:`event_scalars`) into TensorBoard
+    and, when ``logging.wandb`` asks, a Weights & Biases run (``wandb``: a
+    :class:`~geopipe.runtime.control.wandb_log.WandbLog`)."""
 
     def __init__(
-        self, path: Path | None, run: str, use_ray: bool = True, tensorboard: Path | None = None
+        self,
+        path: Path | None,
+        run: str,
+        use_ray: bool = True,
+        tensorboard: Path | None = None,
+        wandb: Any = None,
     ) -> None:
         self.path = path
         self.run = run
@@ -164,6 +196,7 @@ class MetricsSink:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._fh = path.open("a", buffering=1)
         self._tb = _tensorboard(tensorboard) if tensorboard is not None else None
+        self._wandb = wandb
         self._gauges: dict[str, Any] = {}
         if use_ray:
             try:
@@ -188,29 +221,41 @@ class MetricsSink:
         for key, g in self._gauges.items():
             with contextlib.suppress(Exception):
                 g.set(float(rec[key]), tags={"run": self.run})
-        if self._tb is not None:
-            try:
-                for key in TENSORBOARD_SCALARS:
-                    if rec.get(key) is not None:
-                        self._tb.add_scalar(f"train/{key}", float(rec[key]), m.step)
-                for direction, err in m.codec_error.items():
-                    self._tb.add_scalar(f"codec/error_{direction}", err, m.step)
-            except Exception as exc:  # a full disk must not stop training: say so once
-                say(f"TensorBoard logging stopped: {exc}", warning=True)
-                self._tb = None
+        self._emit(step_scalars(rec), m.step)
 
     def event(self, kind: str, **fields: Any) -> None:
         if self._fh is not None:
             self._fh.write(json.dumps({"event": kind, **fields}) + "\n")
+        scalars = event_scalars(kind, fields)
+        if scalars:
+            self._emit(scalars, int(fields["step"]))
+
+    def _emit(self, scalars: dict[str, float], step: int) -> None:
+        """The same scalars to TensorBoard and W&B; a sink that fails (a full disk, a lost
+        server) stops with one warning, never the run."""
+        if self._tb is not None:
+            try:
+                for tag, value in scalars.items():
+                    self._tb.add_scalar(tag, value, step)
+            except Exception as exc:
+                say(f"TensorBoard logging stopped: {exc}", warning=True)
+                self._tb = None
+        if self._wandb is not None:
+            try:
+                self._wandb.log(scalars, step)
+            except Exception as exc:
+                say(f"Weights & Biases logging stopped: {exc}", warning=True)
+                self._wandb = None
 
     def close(self) -> None:
         if self._fh is not None:
             self._fh.close()
             self._fh = None
-        if self._tb is not None:
-            with contextlib.suppress(Exception):
-                self._tb.close()
-            self._tb = None
+        for sink in (self._tb, self._wandb):
+            if sink is not None:
+                with contextlib.suppress(Exception):
+                    sink.close()
+        self._tb = self._wandb = None
 
 
 TENSORBOARD_SCALARS = (
@@ -223,6 +268,36 @@ TENSORBOARD_SCALARS = (
     "lr",
     "grad_norm",
 )
+# The outer loop's ``outer_round`` rows (geopipe.runtime.control.outerloop) as scalars
+OUTER_SCALARS = ("round", "groups", "apply_s", "overlapped_s", "exposed_s", "bytes", "codec_error")
+
+
+def step_scalars(rec: dict) -> dict[str, float]:
+    """A step line's scalars, by TensorBoard tag: ``train/*``, ``codec/error_<direction>``,
+    ``group/<g>/loss`` (each replica group of the outer loop)."""
+    out = {f"train/{k}": float(rec[k]) for k in TENSORBOARD_SCALARS if rec.get(k) is not None}
+    for direction, err in rec.get("codec_error", {}).items():
+        out[f"codec/error_{direction}"] = float(err)
+    for g, loss in enumerate(rec.get("group_loss", ())):
+        out[f"group/{g}/loss"] = float(loss)
+    return out
+
+
+def event_scalars(kind: str, fields: dict) -> dict[str, float]:
+    """An event's scalars: ``outer/*`` per outer round (fragment) applied, ``eval/loss``,
+    ``eval/perplexity`` (and ``eval/group_<g>_loss``) per held-out evaluation; none for the
+    other events."""
+    if kind == "outer_round":
+        return {f"outer/{k}": float(fields[k]) for k in OUTER_SCALARS if fields.get(k) is not None}
+    if kind == "eval":
+        out = {
+            "eval/loss": float(fields["eval_loss"]),
+            "eval/perplexity": float(fields["perplexity"]),
+        }
+        for g, loss in enumerate(fields.get("group_eval_loss", ())):
+            out[f"eval/group_{g}_loss"] = float(loss)
+        return out
+    return {}
 
 
 def say(message: str, warning: bool = False) -> None:

@@ -13,12 +13,25 @@ Peers: the replicas holding the same stage and ZeRO-1 partition in the other gro
 group has one layout: :mod:`geopipe.optimizer.outerplan`); the exchange checks the layout's
 digest and refuses a mismatch. On emulated sites each peer connection paces itself by the
 YAML's link between the two sites (a real network paces itself).
+
+[Note: losing a replica group]
+An apply is a gather, then an apply over a list of groups the driver names ([Note: a round
+over the survivors] in :mod:`geopipe.runtime.actor.outer`). The gather is asked in slices of
+``health.heartbeat_s``: an actor that died surfaces at once (its call fails), and a peer
+that stays silent while its processes live is named on the console with its link (sites
+``a <-> b``) each slice; the inner steps are not held up by it before the apply. After
+``health.wan_outage_s`` of silence the groups that did not hear each other are split by
+:func:`kept_groups` and the rest written off. Either way :class:`GroupsLost` leaves
+:meth:`OuterRounds.after_step`, and :mod:`geopipe.runtime.control.outerfail` goes on with
+the survivors; asked again, ``after_step`` repeats nothing that was done (a send already
+made, an apply already applied).
 """
 
 from __future__ import annotations
 
+import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any
 
@@ -27,10 +40,12 @@ from geopipe.optimizer.outerplan import OuterRun
 from geopipe.outer.fragments import StreamingSchedule
 from geopipe.runtime.actor.outer_wire import OuterPeer, OuterSettings
 from geopipe.runtime.control.placement import emulated_link
-from geopipe.runtime.control.workers import Workers, ask
+from geopipe.runtime.control.workers import CallTimeout, WorkerLost, Workers, ask, call_all
 from geopipe.transport.link import LinkParams
 
-__all__ = ["OuterRounds", "peers_of"]
+__all__ = ["GroupsLost", "OuterRounds", "kept_groups", "peers_of"]
+
+_SAY_EVERY_S = 10.0  # how often the console repeats that a round waits on a silent link
 
 
 def peers_of(
@@ -50,6 +65,30 @@ def peers_of(
             ]
         )
     return out
+
+
+class GroupsLost(WorkerLost):
+    """Replica groups written off during an outer round: an actor of theirs died, or they
+    stayed silent past ``health.wan_outage_s`` (``silent``: their processes may live)."""
+
+    def __init__(self, groups: Iterable[int], why: str, silent: bool = False) -> None:
+        self.groups = sorted(set(groups))
+        self.silent = silent
+        super().__init__(f"replica group(s) {self.groups} lost: {why}")
+
+
+def kept_groups(have: dict[int, set[int]]) -> list[int]:
+    """The groups a round goes on with when some did not hear each other: the largest set
+    in which every group holds every other's payload (``have[g]``: the groups whose
+    payloads every replica of ``g`` holds, itself included); on a tie the set with the
+    lowest group ids, so the driver's choice is deterministic (two groups cut apart: group
+    0's side stays). Exhaustive over subsets: M is a handful of sites."""
+    groups = sorted(have)
+    for size in range(len(groups), 0, -1):
+        for subset in itertools.combinations(groups, size):
+            if all(b in have[a] for a in subset for b in subset):
+                return list(subset)
+    return []
 
 
 class OuterRounds:
@@ -80,49 +119,171 @@ class OuterRounds:
         self.say, self.event = say, event
         self.rounds: list[dict] = []  # what each applied fragment cost (the run's record)
         self._sent: dict[int, tuple[float, list[dict]]] = {}  # fragment -> (sent at, results)
-        self._partitions: list[tuple[int, int]] = []  # each actor's (stage, partition)
+        self._part: dict[int, tuple[int, int]] = {}  # id(actor) -> its (stage, partition)
+        self.group_of: dict[int, int] = {}  # id(actor) -> its replica group (a stable id)
+        self.site_of: dict[int, str] = {}  # replica group -> its first site (for the console)
+        self.live: set[int] = set()  # the groups still in the run
+        self.done_through = 0  # the inner steps whose sends and applies are all done
 
     def begin(self, actors: list[Any], sites: list[str]) -> None:
         """theta_global from every replica's masters now (all groups hold the same weights:
         the start, or a loaded checkpoint), listeners up, peers connected."""
         endpoints = ask(self.workers, actors, "outer_begin", self.settings)
-        self._partitions = [(ep["stage"], ep["partition"]) for ep in endpoints]
+        self._part, self.group_of, self.site_of = {}, {}, {}
+        for a, ep, site in zip(actors, endpoints, sites, strict=True):
+            self._part[id(a)] = (ep["stage"], ep["partition"])
+            self.group_of[id(a)] = ep["group"]
+            self.site_of.setdefault(ep["group"], site)
+        self.live = set(self.group_of.values())
         peers = peers_of(endpoints, partial(emulated_link, self.spec), sites)
         w = self.workers
         w.get([w.call(a, "outer_connect", p) for a, p in zip(actors, peers, strict=True)])
 
     def after_step(self, done: int, actors: list[Any]) -> None:
-        """``done`` inner steps have run: start the send and do the apply they call for."""
+        """``done`` inner steps have run: start the send and do the apply they call for.
+        Raises :class:`GroupsLost` ([Note: losing a replica group])."""
+        if done <= self.done_through:
+            return  # asked again after a failure that came later
         f = self.schedule.sends_at(done)
-        if f is not None:
-            self._sent[f] = (time.perf_counter(), ask(self.workers, actors, "outer_send", f))
+        if f is not None and f not in self._sent:
+            sends = call_all(self.workers, actors, "outer_send", f)
+            self._sent[f] = (time.perf_counter(), self._each(actors, sends, "outer_send"))
         f = self.schedule.applies_at(done)
-        if f is None:
-            return
-        t0 = time.perf_counter()
-        applied = ask(self.workers, actors, "outer_apply", f)
-        sent_at, sent = self._sent.pop(f, (t0, []))
-        self._record(done, f, time.perf_counter() - t0, t0 - sent_at, sent, applied)
+        if f is not None:
+            t0 = time.perf_counter()
+            groups, wait_s = self._gather(f, actors)
+            applies = call_all(self.workers, actors, "outer_apply", f, groups)
+            applied = self._each(actors, applies, "outer_apply")
+            sent_at, sent = self._sent.pop(f, (t0, []))
+            took = (time.perf_counter() - t0, t0 - sent_at, wait_s)
+            self._record(done, f, actors, took, sent, applied)
+        self.done_through = done
+
+    def states(self, actors: list[Any]) -> dict[tuple[int, int], dict]:
+        """The outer state (theta_global, momentum, rounds) of each (stage, partition),
+        from ``actors``: every group holds the same, so any group's serves all."""
+        got = ask(self.workers, actors, "outer_state")
+        return {self._part[id(a)]: st for a, st in zip(actors, got, strict=True)}
+
+    def rejoin(self, actors: list[Any], sites: list[str], states: dict) -> None:
+        """Begin again over ``actors`` (a lost group grown back beside the survivors) and
+        load every actor with the outer state :meth:`states` took of its (stage,
+        partition): the returning group starts from theta_global and the momentum."""
+        self.begin(actors, sites)
+        w = self.workers
+        w.get([w.call(a, "load_outer_state", states[self._part[id(a)]]) for a in actors])
+
+    def drop(self, groups: Iterable[int], survivors: list[Any]) -> None:
+        """Write ``groups`` off: no round waits for them or averages over them again."""
+        groups = sorted(set(groups))
+        self.live -= set(groups)
+        ask(self.workers, survivors, "outer_drop", groups)
+
+    def _each(self, actors: list[Any], refs: list, method: str) -> list:
+        """Every answer to ``refs`` (``method`` on each actor) awaited (a frozen actor: for
+        ``health.hang_floor_uncalibrated_s``); the groups of actors that died or froze
+        leave as :class:`GroupsLost` (the others' errors raise as they are)."""
+        w = self.workers
+        wait_s = self.spec.health.hang_floor_uncalibrated_s
+        out, dead, why = [], set(), ""
+        for a, ref in zip(actors, refs, strict=True):
+            try:
+                out.append(w.get([ref], timeout=wait_s)[0])
+            except (WorkerLost, CallTimeout) as exc:
+                dead.add(self.group_of[id(a)])
+                why = str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else "lost"
+        if dead:
+            raise GroupsLost(dead, f"{method}: an actor died or froze ({why})")
+        return out
+
+    def _heard(self, f: int, actors: list[Any], pending: dict[int, Any], slice_s: float) -> dict:
+        """One slice of the gather: every actor not still answering the last slice is asked
+        again; per live group, the groups whose payloads every replica of it holds (a group
+        with an actor that does not answer within ``health.unresponsive_s`` hears no one,
+        and no one hears it). Raises :class:`GroupsLost` for the groups of actors that
+        died."""
+        w, h = self.workers, self.spec.health
+        for i, a in enumerate(actors):
+            if i not in pending:
+                pending[i] = w.call(a, "outer_gather", f, slice_s)
+        deadline = time.monotonic() + slice_s + h.unresponsive_s
+        have: dict[int, set[int]] = {g: set(self.live) for g in self.live}
+        dead, mute = set(), set()
+        for i, ref in list(pending.items()):
+            g = self.group_of[id(actors[i])]
+            try:
+                ans = w.get([ref], timeout=max(0.0, deadline - time.monotonic()))[0]
+            except WorkerLost:
+                dead.add(g)
+                continue
+            except CallTimeout:  # frozen, or its node cut off from the driver too
+                mute.add(g)
+                continue
+            del pending[i]
+            have[g] &= set(ans["have"])
+        if dead:
+            raise GroupsLost(dead, "outer_gather: an actor died")
+        for g in mute:
+            have[g] = {g}
+            for other in have:
+                have[other].discard(g)
+        return have
+
+    def _gather(self, f: int, actors: list[Any]) -> tuple[list[int], float]:
+        """Wait for every replica to hold every live group's payload of fragment ``f``, in
+        slices of ``health.heartbeat_s`` (the console names a silent link every 10 s); the
+        groups the apply averages over, and the wait. Raises :class:`GroupsLost` (an actor
+        died; silent groups past ``health.wan_outage_s``)."""
+        h = self.spec.health
+        t0 = said = time.monotonic()
+        pending: dict[int, Any] = {}  # actor index -> its gather call still in flight
+        while True:
+            left = h.wan_outage_s - (time.monotonic() - t0)
+            have = self._heard(f, actors, pending, max(0.05, min(h.heartbeat_s, left)))
+            if all(have[g] >= self.live for g in self.live):
+                return sorted(self.live), time.monotonic() - t0
+            waited = time.monotonic() - t0
+            silent = sorted({(a, b) for a in have for b in self.live - have[a]})
+            links = ", ".join(
+                f"group {a} <- {b} (sites {self.site_of[a]} <-> {self.site_of[b]})"
+                for a, b in silent
+            )
+            if waited >= h.wan_outage_s:
+                keep = kept_groups(have)
+                raise GroupsLost(
+                    self.live - set(keep),
+                    f"no outer payload over {links} in {h.wan_outage_s:g} s",
+                    silent=True,
+                )
+            if time.monotonic() - said >= _SAY_EVERY_S or said == t0:
+                said = time.monotonic()
+                self.say(
+                    f"outer round of fragment {f} waits on {links}: silent {waited:.0f} s "
+                    f"of {h.wan_outage_s:g} s (health.wan_outage_s); the apply waits, "
+                    "the inner steps before it are done"
+                )
 
     def _record(
         self,
         step: int,
         fragment: int,
-        apply_s: float,
-        overlapped_s: float,
+        actors: list[Any],
+        took: tuple[float, float, float],
         sent: list[dict],
         applied: list[dict],
     ) -> None:
+        """``took``: the apply's seconds (gather and step), the seconds from the send to the
+        apply (inner steps overlapped the transfer), and the gather's wait."""
+        apply_s, overlapped_s, wait_s = took
         # theta_global must be bit-identical in every group: one digest per partition
         by_part: dict[tuple[int, int], set[str]] = {}
-        for part, a in zip(self._partitions, applied, strict=True):
-            by_part.setdefault(part, set()).add(a["digest"])
-        wait_s = max((a.get("wait_s", 0.0) for a in applied), default=0.0)
+        for a, res in zip(actors, applied, strict=True):
+            by_part.setdefault(self._part[id(a)], set()).add(res["digest"])
         row = {
             "step": step,
             "round": applied[0]["round"],
             "fragment": fragment,
-            "groups": self.run.plan.num_groups,
+            "groups": len(self.live),
             "apply_s": apply_s,
             "overlapped_s": overlapped_s,  # inner steps ran while the transfer was in flight
             "exposed_s": wait_s,  # the transfer compute did not hide (the appliers' wait)
@@ -137,3 +298,10 @@ class OuterRounds:
                 f"step {step}: outer round {row['round']} over {row['groups']} groups, "
                 f"{row['bytes'] / 1e6:.2f} MB, exposed {wait_s:.2f} s, apply {apply_s:.2f} s"
             )
+
+    def in_flight(self, done: int) -> bool:
+        """Whether a fragment is in flight after ``done`` inner steps: a save there could
+        not hold it, so a Ctrl-C runs on to its apply ([Note: the outer-loop checkpoint])."""
+        from geopipe.runtime.control.outerckpt import in_flight
+
+        return in_flight(self.schedule, done)

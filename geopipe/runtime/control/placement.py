@@ -15,6 +15,7 @@ from geopipe.model.family import ModelDesc
 from geopipe.plan import ActorKey, Plan
 from geopipe.runtime.actor.engine_config import EngineConfig
 from geopipe.runtime.actor.links import WanPeer
+from geopipe.runtime.actor.lr import factor_table
 from geopipe.runtime.actor.sitegroups import grad_scale, site_worlds
 from geopipe.runtime.actor.stage import StageSpec, StageWorker
 from geopipe.runtime.control.cluster import LaunchError, kill_actors, site_resource
@@ -55,13 +56,13 @@ class Placement:
     """The run's actors, ``rows[stage][replica]``, and how to make and wire more."""
 
     def __init__(
-        self, spec: ClusterSpec, lr_horizon: int, use_gpu: bool, creds: Any, workers: Workers
+        self, spec: ClusterSpec, lr_horizon: int, gpus: float, creds: Any, workers: Workers
     ) -> None:
         self.spec = spec
         self.workers = workers  # makes, calls and kills the actors
         self.creds = creds  # the data plane's credentials, for every stage actor
         self.lr_horizon = lr_horizon  # the LR schedule's horizon (see Controller)
-        self.use_gpu = use_gpu
+        self.gpus = gpus  # per stage actor (ray.gpus_per_actor)
         self.plan: Plan | None = None
         self.rows: list[list[Any]] = []
         self.names: list[str] = []  # every actor ever created, in order
@@ -123,7 +124,7 @@ class Placement:
             name=name,
             namespace=spec.ray.namespace,
             resources={site_resource(plan.site_of(k, r)): 1},
-            num_gpus=1 if self.use_gpu else 0,
+            num_gpus=self.gpus,
             env=dict(ACTOR_ENV),
             max_concurrency=STAGE_CONCURRENCY,
         )
@@ -195,14 +196,29 @@ class Placement:
             lr=t.lr,
             weight_decay=t.weight_decay,
             grad_clip=t.grad_clip,
+            grad_clip_scope=t.grad_clip_scope,
             warmup_steps=t.warmup_steps,
-            total_steps=max(self.lr_horizon, t.steps),
+            # the YAML's horizon, never --steps ([Note: the LR horizon] in runtime.actor.lr)
+            total_steps=self.lr_horizon,
+            lr_schedule=t.lr_schedule,
+            min_lr_ratio=t.min_lr / t.lr,
+            wsd_decay_steps=t.wsd_decay(self.lr_horizon),
+            lr_table=factor_table(
+                t.lr_schedule,
+                t.warmup_steps,
+                self.lr_horizon,
+                t.min_lr / t.lr,
+                t.wsd_decay(self.lr_horizon),
+            ),
+            betas=tuple(t.betas),
+            eps=t.eps,
             micro_batches=plan.num_microbatches,
             seed=t.seed,
             micro_batch_size=plan.micro_batch_size,
             grad_scale=scale,
             defer_step=True,  # [Note: the step after the sends] in geopipe.runtime.actor.engine
             precision=t.precision,
+            recompute=t.recompute,
         )
         return StageSpec(
             run=spec.name,
@@ -241,6 +257,22 @@ class Placement:
         """Whether ``plan``'s pipelines put the two ends of a tied embedding on two stages."""
         return self.model.tie and plan.num_stages > 1
 
+    def norm_peers(self, k: int, r: int, addr: dict) -> list | None:
+        """Stage ``k`` of pipeline ``r``'s peers in the global gradient norm: ``(stage,
+        receiver address, WanPeer)`` of every other stage of its pipeline (None: no
+        exchange, i.e. no clipping, per-stage clipping, or a one-stage pipeline). With an
+        empty ``addr``: whether there are any (an empty list)."""
+        plan, t = self.plan, self.spec.training
+        if not (t.grad_clip > 0 and t.grad_clip_scope == "global" and plan.depth(r) > 1):
+            return None
+        out = []
+        for j in range(plan.depth(r)):
+            if j != k and addr:
+                a, b = plan.site_of(k, r), plan.site_of(j, r)
+                link = None if a == b else self._link_params(a, b)
+                out.append((j, addr[(j, r)], WanPeer(codec="none", link=link)))
+        return out
+
     def _wan_peer(self, plan: Plan, src: int, dst: int) -> WanPeer | None:
         """How stage ``src`` of one pipeline's ``plan`` sends to its neighbour ``dst`` if
         that hop crosses sites."""
@@ -269,7 +301,12 @@ class Placement:
         def tie_end(k: int, r: int) -> bool:
             return self.ties(plan.pipeline(r)) and k in (0, plan.depth(r) - 1)
 
-        crossing = [key for key in plan.actors() if crosses(*key) or tie_end(*key)]
+        norm = self.norm_peers  # the global gradient norm's exchange (runtime.actor.gradnorm)
+        crossing = [
+            key
+            for key in plan.actors()
+            if crosses(*key) or tie_end(*key) or norm(*key, {}) is not None
+        ]
         got = ask(w, [self.rows[k][r] for k, r in crossing], "listen")
         self.wan_addresses = addr = dict(zip(crossing, got, strict=True))
         calls = []
@@ -300,6 +337,7 @@ class Placement:
                         up,
                         down,
                         tie_addr=tie,
+                        norm_peers=norm(k, r, addr),
                     )
                 )
         w.get(calls)

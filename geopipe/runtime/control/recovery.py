@@ -81,6 +81,9 @@ class Recovery:
         self.templates = templates
         self.layout_s: float | None = None  # the running layout's predicted step time
         self.seen_reducing: list[Key] = []  # last recovery: survivors seen stuck reducing
+        # An outer-loop run's OuterRounds, set when it first loses a replica group: a
+        # grow-back then brings the lost groups back (runtime.control.outerfail).
+        self.outer: Any = None
 
     @property
     def plan(self) -> Plan:
@@ -300,6 +303,10 @@ class Recovery:
         """Whether devices that came back (a node returned or joined) allow a layout
         predicted at least 5 % faster."""
         plan, spec = self.plan, self.spec
+        if plan.groups:  # the lost replica groups, whole (runtime.control.outerfail)
+            from geopipe.runtime.control.outerfail import grow_decision
+
+            return grow_decision(self)
         avail = self.workers.available()
         used = {site.name: 0 for site in spec.sites}
         for _, site in self.placement.actor_sites():
@@ -335,8 +342,12 @@ class Recovery:
             deadline = time.time() + 60
             while step not in ask(w, [a], "boundary_steps")[0] and time.time() < deadline:
                 time.sleep(0.05)
+        carried = self.outer.states(flat) if self.outer is not None else None
         ask(w, flat, "leave")
         moved = self.relayout(decision.plan, pool, step, pool)
+        if carried is not None:  # the groups grown back start from theta_global
+            pl = self.placement
+            self.outer.rejoin(pl.flat(), [s for _, s in pl.actor_sites()], carried)
         self.layout_s = decision.predicted_new_s
         seconds = time.perf_counter() - t0
         self.history.grown(seconds, step, decision.plan.pipelines)

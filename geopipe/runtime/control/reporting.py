@@ -9,23 +9,67 @@ measurably or fail the run.
 from __future__ import annotations
 
 import json
+import math
 import os
+import statistics
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
+from geopipe.config import ClusterSpec
 from geopipe.plan import Plan
 from geopipe.runtime.control.history import RunHistory
 from geopipe.runtime.control.metrics import MetricsSink, StepMetrics, say
 
-__all__ = ["Progress", "Reporter"]
+__all__ = ["Eta", "Progress", "Reporter"]
+
+
+class Eta:
+    """Time left: the steps left × the median of the last :data:`WINDOW` step intervals.
+
+    Intervals are measured between progress updates (wall time, so a checkpoint or an
+    evaluation counts), never from the launch: the first step's compile and warm-up is no
+    interval at all, and a median over a window shrugs off the odd slow step. rich's own
+    TimeRemainingColumn averages the last 30 s, which on a short run still holds those
+    first slow steps."""
+
+    WINDOW = 20
+
+    def __init__(self) -> None:
+        self._last: float | None = None
+        self._intervals: deque[float] = deque(maxlen=self.WINDOW)
+
+    def tick(self, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        if self._last is not None:
+            self._intervals.append(now - self._last)
+        self._last = now
+
+    def seconds(self, remaining: int) -> float | None:
+        """Seconds for ``remaining`` more steps; None before two steps have been seen."""
+        if not self._intervals:
+            return None
+        return max(0, remaining) * statistics.median(self._intervals)
+
+
+def clock(secs: float) -> str:
+    """``1:02:03`` / ``2:03``."""
+    m, s = divmod(round(secs), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
 class Progress:
-    """A rich progress bar with step, loss, tokens/s and bubble ratio."""
+    """A rich progress bar: step, loss, tokens/s, bubble ratio, the outer round, the latest
+    held-out loss, and the time left."""
 
     def __init__(self, total: int, enabled: bool, done: int = 0) -> None:
         self._p: Any = None
+        self.total, self.done = total, done
+        self.eta = Eta()
+        self.round: str | None = None  # "round 3/10" of an outer-loop run
+        self.evaluated: str | None = None  # the latest evaluation: "eval 3.21 (ppl 24.8)"
         if not enabled:
             return
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
@@ -42,14 +86,26 @@ class Progress:
         self._p.start()
         self._task = self._p.add_task("train", total=total, completed=done, info="")
 
+    def info(self, m: StepMetrics) -> str:
+        """The text beside the bar after step ``m`` (also without a bar: tests)."""
+        parts = [
+            f"loss {m.loss:.4f}",
+            f"{m.tokens_per_s:,.0f} tok/s",
+            f"bubble {m.bubble_ratio:.1%}",
+            f"{m.iteration_time_s * 1e3:.0f} ms/step",
+        ]
+        parts += [x for x in (self.round, self.evaluated) if x]
+        left = self.eta.seconds(self.total - self.done)
+        if left is not None:
+            parts.append(f"ETA {clock(left)}")
+        return "  ".join(parts)
+
     def update(self, m: StepMetrics) -> None:
+        self.done = m.step + 1
+        self.eta.tick()
         if self._p is None:
             return
-        info = (
-            f"loss {m.loss:.4f}  {m.tokens_per_s:,.0f} tok/s  bubble {m.bubble_ratio:.1%}  "
-            f"{m.iteration_time_s * 1e3:.0f} ms/step"
-        )
-        self._p.update(self._task, advance=1, info=info, refresh=True)
+        self._p.update(self._task, completed=self.done, info=self.info(m), refresh=True)
 
     def close(self) -> None:
         if self._p is not None:
@@ -75,16 +131,33 @@ class Reporter:
         self.checkpoint_dirs: dict[str, str] = {}  # site -> its checkpoint directory
         self.run_id: str | None = None  # this launch's identity (checkpoints carry it)
         self.waiting: dict | None = None  # a silent link the step waits for (link, secs)
+        self.outer_h: int | None = None  # inner steps per outer round (the plan event's)
+        self.outer_fragments = 1  # and the fragments each round streams
+        self.latest_round: str | None = None  # "round 3/10", shown on the progress line
+        self.latest_eval: str | None = None  # "eval 3.21 (ppl 24.8)"
 
     def say(self, message: str, warning: bool = False) -> None:
         """Tell the user something (:func:`~geopipe.runtime.control.metrics.say`)."""
         say(message, warning)
 
-    def open(self, metrics_path: Path, ray_metrics: bool = True) -> None:
-        """Start the metrics file (and TensorBoard; and Ray's gauges with ``ray_metrics``)."""
+    def open(
+        self, metrics_path: Path, ray_metrics: bool = True, spec: ClusterSpec | None = None
+    ) -> None:
+        """Start the metrics file (and TensorBoard; Ray's gauges with ``ray_metrics``; the
+        W&B run that ``spec``'s ``logging.wandb`` asks for)."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         tb = self.run_dir / "tensorboard"
-        self.sink = MetricsSink(metrics_path, self.run, use_ray=ray_metrics, tensorboard=tb)
+        wandb = None
+        if spec is not None and spec.logging.wandb is not None:
+            from geopipe.runtime.control.wandb_log import WandbLog
+
+            config = spec.model_dump(mode="json", by_alias=True)
+            wandb = WandbLog.start(
+                spec.logging.wandb, self.run_dir, self.run_id or self.run, config, self.say
+            )
+        self.sink = MetricsSink(
+            metrics_path, self.run, use_ray=ray_metrics, tensorboard=tb, wandb=wandb
+        )
 
     def silence(
         self, step: int, sites: list[str], event: str, site: str, secs: float, limit: float
@@ -115,6 +188,22 @@ class Reporter:
     def event(self, kind: str, **fields: Any) -> None:
         if self.sink is not None:
             self.sink.event(kind, **fields)
+        if kind == "plan" and fields.get("outer"):
+            self.outer_h = int(fields["outer"]["h"])
+            self.outer_fragments = int(fields["outer"].get("fragments", 1))
+        elif kind == "outer_round":
+            self._shown_round(fields)
+        elif kind == "eval":
+            self.latest_eval = f"eval {fields['eval_loss']:.4f} (ppl {fields['perplexity']:.4g})"
+        if self.progress is not None:
+            self.progress.round, self.progress.evaluated = self.latest_round, self.latest_eval
+
+    def _shown_round(self, row: dict) -> None:
+        """``round r/R`` once a round's last fragment is applied (``r`` counts from 1)."""
+        if row.get("fragment", 0) != self.outer_fragments - 1:
+            return
+        total = f"/{math.ceil(self.total_steps / self.outer_h)}" if self.outer_h else ""
+        self.latest_round = f"round {int(row['round']) + 1}{total}"
 
     def step(self, m: StepMetrics, predicted_s: float) -> None:
         if self.sink is not None:
@@ -126,6 +215,7 @@ class Reporter:
 
     def start_progress(self, enabled: bool, done: int) -> None:
         self.progress = Progress(self.total_steps, enabled, done=done)
+        self.progress.round, self.progress.evaluated = self.latest_round, self.latest_eval
 
     def stop_progress(self) -> None:
         if self.progress is not None:

@@ -67,6 +67,9 @@ class _Save:
     started: float
     stall_s: float
     failed: dict[str, str] = field(default_factory=dict)  # site -> why its copy failed
+    # the replicas of each shard when the save began (a lost group may have left them since)
+    rows: list[list[Any]] = field(default_factory=list)
+    stage_sites: list[str] = field(default_factory=list)  # each shard's writer's site, then
 
 
 class StoreUnusable(CheckpointError):
@@ -259,6 +262,8 @@ class SiteCopies:
             {},
             t0,
             max(stalls),
+            rows=rows,
+            stage_sites=sites,
         )
         self.live_stores(1.0)  # one that died (its node went, then came back) is re-made
         stores = {}
@@ -319,7 +324,7 @@ class SiteCopies:
         """Stages whose writer died: a surviving replica encodes the shard instead, and the
         sites whose pulls failed pull again (they keep what they already have)."""
         w = self.workers
-        rows, sites = self._actors(), self._stage_sites()
+        rows = save.rows  # the actors the save called, whatever the run lost since
         flat_failed = {
             id(a)
             for a, r in zip([a for row in rows for a in row], save.flat_refs, strict=True)
@@ -344,7 +349,7 @@ class SiteCopies:
                 save.step,
                 save.save_id,
                 save.manifest,
-                self._sources(save, s, sites),
+                self._sources(save, s, save.stage_sites),
                 *save.infos,
             )
             for s in failed

@@ -110,7 +110,7 @@ class SiteStore:
         """This store's chunk server (other sites' stores read its copies through it)."""
         if self._server is None:
             host = "0.0.0.0" if self.listen_all else node_ip()
-            self._server = ChunkServer(self.read_chunk, host, self.creds)
+            self._server = ChunkServer(self.read_chunk, host, self.creds, node_ip())
         return self._server.address
 
     def ping(self) -> str:

@@ -1,0 +1,261 @@
+"""The test-bed half of benchmarks/outer_loop.py: geopipe runs inside the bed (a driver in the
+first site's namespace, attached to the bed's Ray, ``emulate_links: false``) and the torchft
+peer across it.
+
+A *setting* is a dict: ``name``, ``strategy`` (pipeline, outer, auto), ``outer`` (plan.outer's
+keys), ``steps``, ``sites`` (default both) and the link the YAML states (``latency_ms``,
+``rate_mbit``: the bed's, so the planner plans with the link it gets). Each setting's summary:
+wall seconds per inner step over whole outer rounds after calibration
+(:func:`_outer_runs.wall_per_step`), tokens/s from it, the controller's forecast and the
+launch's prediction, what the strategy chose, the rounds' exposed transfer and bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(HERE))
+
+from _outer_runs import GLOBAL_BATCH, SEQ, metrics, outer_doc, wall_per_step  # noqa: E402
+
+CALIBRATION_STEPS = 3  # geopipe.runtime.control.calibration's (imported there: DeepSpeed)
+
+
+def window(n_steps: int, h: int | None) -> tuple[int, int]:
+    """Indices ``(a, b)`` of the steps whose completions bound the measured span: after
+    calibration, and for an outer loop whole rounds only (the apply after step ``k*h - 1``
+    delays step ``k*h``)."""
+    a = CALIBRATION_STEPS - 1
+    if h and 1 < h <= n_steps:  # an H beyond the run: no round inside it
+        a = max(h - 1, (a + h) // h * h - 1)
+        b = (n_steps // h) * h - 1
+    else:
+        b = n_steps - 1
+    return a, b
+
+
+def steps_for(h: int | None, rounds: int = 2, minimum: int = 12) -> int:
+    """Steps that leave ``rounds`` whole rounds after the first (or ``minimum``)."""
+    if not h or h <= 1:
+        return minimum
+    return max(minimum, (rounds + 1) * h)
+
+
+def summary(run_dir: Path, n_steps: int) -> dict:
+    steps, events = metrics(run_dir)
+    plan = next(e for e in events if e["event"] == "plan")
+    outer = plan.get("outer")
+    h = outer["h"] if outer else None
+    a, b = window(len(steps), h)
+    span = [s for s in steps if a <= s["step"] <= b]
+    wall = wall_per_step(span, 0) if len(span) >= 2 else None
+    rounds = [e for e in events if e["event"] == "outer_round"]
+    fc = [s["predicted_iteration_time_s"] for s in span[1:] if s.get("predicted_iteration_time_s")]
+    forecast = statistics.median(fc) if fc else None
+    launch = (plan.get("predicted") or {}).get("iteration_time_s")
+    return {
+        "kind": "outer" if outer else "pipeline",
+        "outer": outer,
+        "schedule": json_plan(plan).get("schedule"),
+        "micro_batch_size": json_plan(plan).get("micro_batch_size"),
+        "codecs": json_plan(plan).get("codecs"),
+        "steps": len(steps),
+        "span": [a, b],
+        "wall_step_s": wall,
+        "tokens_per_s": GLOBAL_BATCH * SEQ / wall if wall else None,
+        "iteration_median_s": statistics.median(s["iteration_time_s"] for s in span)
+        if span
+        else None,
+        "forecast_s": forecast,
+        "forecast_error": abs(forecast / wall - 1) if forecast and wall else None,
+        "launch_predicted_s": launch,
+        "launch_error": abs(launch / wall - 1) if launch and wall else None,
+        "rounds": len(rounds),
+        "exposed_s": sum(r["exposed_s"] for r in rounds),
+        "round_bytes": sum(r["bytes"] for r in rounds),
+        "digests_equal": all(r["digests_equal"] for r in rounds),
+        "links_measured": plan.get("links_measured", []),
+        "losses": [round(s["loss"], 4) for s in steps[:: max(1, len(steps) // 10)]],
+    }
+
+
+def brief_error(exc: BaseException) -> str:
+    """An error in one line: Ray's colour codes out, its first and last lines kept (the
+    remote traceback between them is long and says less than the exception at its end)."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", f"{type(exc).__name__}: {exc}")
+    lines = [x.strip() for x in text.splitlines() if x.strip() and set(x.strip()) != {"^"}]
+    return " | ".join(lines if len(lines) <= 3 else [lines[0], *lines[-2:]])[:1500]
+
+
+def json_plan(plan_event: dict) -> dict:
+    p = plan_event.get("plan")
+    return p if isinstance(p, dict) else {}
+
+
+def role(address: str, settings: list[dict]) -> None:
+    """Inside the first site's namespace: attach to the bed's Ray, run every setting."""
+    import ray
+    from _common import run, spec_of
+
+    out = {}
+    tmp = Path(tempfile.mkdtemp(prefix="geopipe-outerbed-"))
+    try:
+        for s in settings:
+            link = {k: s[k] for k in ("latency_ms", "rate_mbit") if k in s}
+            doc = outer_doc(s["name"], s["steps"], s.get("outer", {}), s["strategy"], **link)
+            if "sites" in s:
+                doc["sites"] = [x for x in doc["sites"] if x["name"] in s["sites"]]
+                doc["links"] = [] if len(s["sites"]) == 1 else doc["links"]
+            doc["plan"]["micro_batch_size"] = s.get("micro_batch_size", {"min": 1, "max": 8})
+            if "global_batch" in s:  # one group's share, alone
+                doc["training"]["global_batch_size"] = s["global_batch"]
+            doc["ray"].update(address=address, emulate_links=False)
+            doc["plan"]["calibrate"] = True  # plan from this machine's speed, not the YAML's
+            t0 = time.monotonic()
+            try:
+                run(spec_of(doc), s["steps"], tmp / s["name"])
+                r = summary(tmp / s["name"], s["steps"])
+            except Exception as exc:  # one setting's failure is reported, the rest still run
+                r = {"error": brief_error(exc)}
+                try:  # every step ran and the failure came after (the final save)?
+                    done = summary(tmp / s["name"], s["steps"])
+                    if done["steps"] >= s["steps"]:
+                        r = {**done, "end_error": r["error"]}
+                except Exception:  # nothing measured: the error stands
+                    pass
+            r["seconds"] = round(time.monotonic() - t0, 1)
+            r["load"] = round(os.getloadavg()[0], 2)
+            out[s["name"]] = r
+            _say(s["name"], r)
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def _say(name: str, r: dict) -> None:
+    if "error" in r:
+        print(f"  {name}: failed: {r['error'][:300]}", file=sys.stderr, flush=True)
+        return
+    o = r["outer"]
+    what = (
+        f"outer H={o['h']} F={o['fragments']} tau={o['overlap']} {o['codec']}" if o else "pipeline"
+    )
+    wall = r["wall_step_s"]
+    print(
+        f"  {name}: {what}: {wall if wall is None else round(wall, 4)} s/step "
+        f"(forecast {r['forecast_s']}, exposed {r['exposed_s']:.2f} s over {r['rounds']} "
+        f"rounds; load {r['load']})",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def run_settings(bed, settings: list[dict], timeout_s: float = 3600) -> dict:
+    """Run ``settings`` in one driver process inside the bed's first site."""
+    p = bed.popen(
+        bed.plan.sites[0],
+        [
+            sys.executable,
+            str(HERE / "outer_loop.py"),
+            "--role",
+            "bed",
+            "--address",
+            bed.plan.ray_address,
+            "--settings",
+            json.dumps(settings),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    try:
+        out, _ = p.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, _ = p.communicate()
+    for line in out.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    return {s["name"]: {"error": f"the bed driver exited ({p.returncode})"} for s in settings}
+
+
+def run_peer(bed, h: int, steps: int, mode: str = "torchft", timeout_s: float = 600) -> dict:
+    """torchft's DiLoCo (or the plain one) with one replica per site of the bed."""
+    py, peer = sys.executable, str(HERE / "_outer_peer.py")
+    sites = bed.plan.sites
+    addrs = [bed.plan.address(s) for s in sites]
+    common = ["--peers", str(len(sites)), "--steps", str(steps), "--h", str(h)]
+    lh = None
+    if mode == "torchft":
+        port = 29510
+        lh = bed.popen(
+            sites[0],
+            [py, peer, "--mode", "lighthouse", "--port", str(port), "--peers", str(len(sites))],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        time.sleep(2.0)
+        extra = ["--lighthouse", f"http://{addrs[0]}:{port}"]
+    else:
+        extra = ["--master", f"{addrs[0]}:29520"]
+    logs = [Path(tempfile.mkdtemp(prefix="geopipe-peer-")) / f"replica{g}.log" for g in range(2)]
+    procs = [
+        bed.popen(
+            s,
+            [py, peer, "--mode", mode, "--replica", str(g), "--address", addrs[g], *common, *extra],
+            stdout=subprocess.PIPE,
+            stderr=open(logs[g], "w"),  # noqa: SIM115 - the child holds it
+            text=True,
+            cwd=ROOT,
+        )
+        for g, s in enumerate(sites)
+    ]
+    results: list[dict] = []
+    try:
+        for g, p in enumerate(procs):
+            try:
+                out, _ = p.communicate(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                out, _ = p.communicate()
+            r = next((json.loads(x[7:]) for x in out.splitlines() if x.startswith("RESULT ")), None)
+            tail = " | ".join(logs[g].read_text(errors="replace").strip().splitlines()[-3:])
+            results.append(
+                r or {"ok": False, "error": f"replica {g} exited ({p.returncode}): {tail}"}
+            )
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        if lh is not None:
+            try:
+                lh.communicate(input="", timeout=30)  # its stdin closed: it shuts down
+            except subprocess.TimeoutExpired:
+                lh.kill()
+                lh.communicate()
+    bad = [r for r in results if not r.get("ok")]
+    if bad:
+        return {"ok": False, "mode": mode, "error": bad[0].get("error")}
+    times = [r["step_s"] for r in results]
+    return {
+        "ok": True,
+        "mode": mode,
+        "step_s": max(times),  # the slower replica's: both wait for each other every round
+        "replica_step_s": times,
+        "outer_steps": results[0].get("outer_steps"),
+        "losses": results[0]["losses"],
+    }

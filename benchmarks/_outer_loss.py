@@ -1,0 +1,189 @@
+"""The emulated-link half of benchmarks/outer_loop.py: the outer loop's loss gap at equal tokens
+through geopipe's own runtime, and a site lost mid-round.
+
+Loss gap: the job of :mod:`_outer_runs` trained by ``geopipe launch``'s controller on the
+embedded Ray. Synchronous training is one group on the whole global batch (one site, one
+device: the numerics every synchronous layout gives, geopipe's layout independence), seeds 0
+and 1 (their relative difference is the noise). The outer loop is two groups, one per
+emulated site (a 1 Gbit/s, 5 ms link: the link moves no number, only the time), F = 1, so
+after the last round (the step count a multiple of every H) each group's weights are
+θ_global bit for bit (the rounds' digests say so). The measure is outer_penalty.py's: the
+final weights' held-out loss, ``rel_gap = loss_outer / loss_sync(seed 0) - 1``.
+
+Site loss: a real two-node Ray cluster (``ray.cluster_utils.Cluster``, one raylet per
+site), two groups, a checkpoint every round; the west node is removed in the middle of a
+round, once with one checkpoint directory the sites share and once with a directory per
+site (west's deleted with its node). Where the survivors go on (M - 1 groups), the lost
+steps are the recovery event's; where the run fails, the error is the result.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from _outer_bed import brief_error  # noqa: E402
+from _outer_runs import MICRO_BATCH, held_out_loss, job_doc, metrics, outer_doc  # noqa: E402
+
+FAST_LINK = {"latency_ms": 5.0, "rate_mbit": 1000.0}
+
+
+def _train(doc: dict, run_dir: Path) -> tuple[dict, list[float], dict]:
+    """Train ``doc``; group 0's final parameters (by name), the losses, and ``rounds`` (the
+    round events) with ``end_error``: an error after the last step (a failed final save),
+    which leaves the trained weights to measure."""
+    from geopipe.config import parse_cluster
+    from geopipe.runtime.control.controller import Controller, LaunchOptions
+
+    spec = parse_cluster(doc, doc["name"])
+    steps = doc["training"]["steps"]
+    ctl = Controller(spec, LaunchOptions(steps=steps, run_dir=str(run_dir), progress=False))
+    end_error = None
+    try:
+        ctl.launch()
+        try:
+            ctl.train()
+        except Exception as exc:  # kept only if every step ran (a failure in the final save)
+            end_error = exc
+        lines, events = metrics(run_dir)
+        if end_error is not None and len(lines) < steps:
+            raise end_error
+        row = ctl.placement.rows[0]  # pipeline 0 (of group 0): its stages' full states
+        states = ctl.workers.get([ctl.workers.call(a, "full_state") for a in row])
+    finally:
+        ctl.close()
+    params: dict = {}
+    for s in states:
+        params.update(s["params"])
+    info = {"rounds": [e for e in events if e["event"] == "outer_round"]}
+    if end_error is not None:
+        info["end_error"] = brief_error(end_error)
+    return params, [x["loss"] for x in lines], info
+
+
+def loss_gaps(steps: int, settings: list[dict], tmp: Path, say) -> dict:
+    """Sync seeds 0 and 1, then every outer ``settings`` entry (plan.outer's keys, F = 1)."""
+    out: dict = {"steps": steps, "sync": {}, "outer": []}
+    for seed in (0, 1):
+        doc = job_doc(f"sync-s{seed}", steps, sites=("east",), seed=seed)
+        doc["plan"].update(micro_batch_size=MICRO_BATCH, calibrate=False)
+        t0 = time.monotonic()
+        params, _, _ = _train(doc, tmp / f"sync{seed}")
+        out["sync"][seed] = held_out_loss(params, doc["model"])
+        say(f"sync seed {seed}: held-out {out['sync'][seed]:.4f} ({time.monotonic() - t0:.0f} s)")
+    s0, s1 = out["sync"][0], out["sync"][1]
+    out["sync_noise"] = abs(s1 - s0) / s0
+    for o in settings:
+        if steps % o["h"] or o.get("fragments", 1) != 1:
+            raise ValueError(f"loss settings need F = 1 and H dividing --steps: {o}")
+        doc = outer_doc(f"outer-h{o['h']}", steps, o, **FAST_LINK)
+        doc["plan"].update(micro_batch_size=MICRO_BATCH, calibrate=False)
+        t0 = time.monotonic()
+        row = dict(o)
+        try:
+            params, _losses, info = _train(doc, tmp / f"outer-h{o['h']}-{o['codec']}")
+            rounds = info["rounds"]
+            if "end_error" in info:
+                row["end_error"] = info["end_error"]
+            loss = held_out_loss(params, doc["model"])
+            row.update(
+                loss=loss,
+                rel_gap=loss / s0 - 1,
+                rounds=len(rounds),
+                digests_equal=bool(rounds) and all(r["digests_equal"] for r in rounds),
+            )
+            say(
+                f"outer H={o['h']} {o['codec']} lr {o['lr']} momentum {o['momentum']}: held-out "
+                f"{loss:.4f}, gap {row['rel_gap']:+.4f} ({time.monotonic() - t0:.0f} s)"
+            )
+        except Exception as exc:
+            row.update(loss=None, rel_gap=None, why=brief_error(exc))
+            row["trace"] = traceback.format_exc().splitlines()[-12:]
+            say(f"outer H={o['h']}: failed: {row['why'][:300]}")
+        out["outer"].append(row)
+    return out
+
+
+def site_loss(tmp: Path, h: int = 10, steps: int = 40, per_site: bool = True) -> dict:
+    """Two groups on a two-node cluster; west's node removed mid-round (``--role siteloss``:
+    a process of its own, so its Ray is not the loss runs' embedded one). ``per_site``:
+    a checkpoint directory per site (west's deleted with its node), else one shared."""
+    import shutil
+
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from geopipe.config import parse_cluster
+    from geopipe.runtime.control.controller import Controller, LaunchOptions
+
+    outer = {"h": h, "codec": "int8", "lr": 1.0, "momentum": 0.0}
+    doc = outer_doc("outer-siteloss", steps, outer, **FAST_LINK)
+    doc["plan"].update(micro_batch_size=MICRO_BATCH, calibrate=False)
+    tmp.mkdir(parents=True, exist_ok=True)
+    where = str(tmp / ("ckpt-{site}" if per_site else "ckpt"))
+    doc["training"]["checkpoint"] = {"every_steps": h, "keep": 3, "dir": where}
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 2, "resources": {"site:east": 2}, "include_dashboard": False},
+    )
+    west = cluster.add_node(num_cpus=2, resources={"site:west": 2})
+    doc["ray"] = {"address": cluster.address, "emulate_links": True, "dashboard": False}
+    run_dir, removed = tmp / "siteloss", {}
+    kill_after = h + h // 2  # steps completed: the middle of the second round
+
+    def remove() -> None:
+        path = run_dir / "metrics.jsonl"
+        while not path.exists() or len(metrics(run_dir)[0]) < kill_after:
+            time.sleep(0.02)
+        removed["at"], removed["after_steps"] = time.time(), len(metrics(run_dir)[0])
+        cluster.remove_node(west)
+        shutil.rmtree(tmp / "ckpt-west", ignore_errors=True)
+
+    threading.Thread(target=remove, daemon=True).start()
+    out: dict = {"h": h, "steps": steps, "per_site": per_site, "removed_after_steps": None}
+    try:
+        ctl = Controller(
+            parse_cluster(doc, doc["name"]),
+            LaunchOptions(steps=steps, run_dir=str(run_dir), progress=False),
+        )
+        try:
+            ctl.launch()
+            res = ctl.train()
+            out["completed_steps"] = len(res.steps)
+        finally:
+            ctl.close()
+        _lines, events = metrics(run_dir)
+        rec = next((e for e in events if e["event"] == "recovered"), None)
+        out["removed_after_steps"] = removed.get("after_steps")
+        out["recovered"] = (
+            {k: rec.get(k) for k in ("lost_steps", "failed_step", "seconds")} if rec else None
+        )
+        out["site_loss_lost_steps"] = rec.get("lost_steps") if rec else None
+        out["groups_after"] = [e.get("groups") for e in events if e["event"] == "outer_round"][-1:]
+        if rec is None:
+            out["why"] = "the run finished but recorded no recovery event"
+    except Exception as exc:
+        out.update(site_loss_lost_steps=None, why=brief_error(exc))
+        out["trace"] = traceback.format_exc().splitlines()[-8:]
+        out["removed_after_steps"] = removed.get("after_steps")
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    return out
+
+
+def site_loss_role(tmp: str) -> None:
+    """Both checkpoint layouts: one directory shared by the sites, one per site."""
+    out = {
+        "shared": site_loss(Path(tmp) / "shared", per_site=False),
+        "per_site": site_loss(Path(tmp) / "per-site", per_site=True),
+    }
+    print("RESULT " + json.dumps(out), flush=True)

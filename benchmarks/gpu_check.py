@@ -1,0 +1,139 @@
+"""The CUDA path, kept ready for a machine that has one (issue 32, item 9).
+
+The Llama demo (clusters/llama-tiny-2dc.yaml's model, widened so a GPU has work to do) over
+two emulated sites, one stage actor each, on the GPUs of this machine: with one GPU the two
+actors share it (``ray.gpus_per_actor: 0.5``), otherwise one GPU each. For bf16 and for
+fp16 (DeepSpeed's dynamic loss scaling) it reports:
+
+* ``<precision>_peak_memory_over_predicted``: per stage, ``torch.cuda.max_memory_allocated``
+  in the actor after the run against the planner's peak for that stage
+  (:mod:`geopipe.optimizer.memory`, the figure ``geopipe plan`` prints), the worst stage;
+* ``<precision>_tokens_per_s_over_forecast``: measured tokens/s over the steady steps
+  against the forecast of the same plan after calibration;
+* ``<precision>_final_loss`` and whether every loss was finite (fp16's loss scale skips
+  overflowing steps; the loss must still fall).
+
+Elsewhere it prints a clear "no CUDA device" line and the JSON line ``{"cuda": false, ...}``
+and exits 2: it is not part of CI. Figures go into benchmarks/README.md only when measured
+on a GPU; none has been yet.
+
+Run: ``.venv/bin/python benchmarks/gpu_check.py [--steps 30]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import yaml
+from _common import ROOT, spec_of
+
+from geopipe.runtime.control.controller import Controller, LaunchOptions
+
+# The demo's Llama, wider: enough work per step that a GPU's step is not all overhead.
+WIDE = {"hidden_size": 1024, "intermediate_size": 2816, "num_attention_heads": 16}
+
+
+def model_dir(tmp: Path) -> Path:
+    """clusters/models/llama-tiny's config, widened, as `save_pretrained` writes it."""
+    cfg = json.loads((ROOT / "clusters" / "models" / "llama-tiny" / "config.json").read_text())
+    cfg.update(WIDE, num_key_value_heads=4, num_hidden_layers=8)
+    out = tmp / "llama-gpu"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
+
+
+def doc_for(precision: str, model: Path, steps: int, gpus: int) -> dict:
+    doc = copy.deepcopy(yaml.safe_load((ROOT / "clusters" / "llama-tiny-2dc.yaml").read_text()))
+    doc["name"] = f"gpu-check-{precision}"
+    doc["ray"].update(dashboard=False, gpus_per_actor=1.0 if gpus >= 2 else 0.5)
+    for s in doc["sites"]:
+        # one H100-class device per site (the planner's nominal figures; calibration
+        # replaces the speed with what it measures)
+        s.update(devices_per_node=1, device_memory_gb=70, device_tflops=400.0)
+        s.update(device_mem_bw_gb_per_s=2000.0, intra_bandwidth_gbps=400.0)
+    doc["model"]["hf"] = str(model)
+    doc["training"].update(precision=precision, steps=steps, global_batch_size=32)
+    doc["training"]["checkpoint"] = {"every_steps": 0, "keep": 1}
+    doc["plan"].update(pipelines=1, micro_batch_size=4, seq_len=256, codecs=["none"])
+    doc["links"][0]["codec"] = "none"
+    return doc
+
+
+def check(precision: str, model: Path, steps: int, gpus: int, tmp: Path) -> dict:
+    spec = spec_of(doc_for(precision, model, steps, gpus))
+    ctl = Controller(spec, LaunchOptions(run_dir=str(tmp / precision), progress=False))
+    try:
+        ctl.launch()
+        res = ctl.train()
+        import ray
+
+        peaks = ray.get(
+            [
+                a.__ray_call__.remote(lambda self: torch.cuda.max_memory_allocated())
+                for a in ctl.flat_actors()
+            ]
+        )
+        predicted = ctl.predicted.peak_memory_bytes
+        forecast_s = ctl.predicted_s
+    finally:
+        ctl.close()
+    steady = res.steps[len(res.steps) // 3 :]
+    measured = sum(m.tokens for m in steady) / sum(m.iteration_time_s for m in steady)
+    tokens_per_step = spec.training.global_batch_size * ctl.plan.seq_len
+    losses = [m.loss for m in res.steps]
+    ratios = [p / q for p, q in zip(peaks, predicted, strict=True)]
+    for k, (p, q) in enumerate(zip(peaks, predicted, strict=True)):
+        print(f"{precision} stage {k}: peak {p / 2**30:.2f} GiB, predicted {q / 2**30:.2f} GiB")
+    print(f"{precision}: {measured:,.0f} tokens/s, forecast {tokens_per_step / forecast_s:,.0f}")
+    return {
+        f"{precision}_peak_memory_over_predicted": max(ratios),
+        f"{precision}_tokens_per_s_over_forecast": measured / (tokens_per_step / forecast_s),
+        f"{precision}_final_loss": losses[-1],
+        f"{precision}_losses_finite": all(math.isfinite(x) for x in losses),
+        f"{precision}_loss_fell": losses[-1] < losses[0],
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=30)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        why = "torch.cuda.is_available() is False on this machine"
+        print(f"gpu_check: no CUDA device ({why}); nothing was run", file=sys.stderr)
+        print(json.dumps({"cuda": False, "why": why}))
+        return 2
+    import ray
+
+    gpus = torch.cuda.device_count()
+    tmp = Path(tempfile.mkdtemp(prefix="geopipe-gpu-"))
+    ray.init(
+        address="local",
+        include_dashboard=False,
+        logging_level="ERROR",
+        num_gpus=gpus,
+        resources={"site:east": 1, "site:west": 1},
+    )
+    out: dict = {"cuda": True, "device": torch.cuda.get_device_name(0), "gpus": gpus}
+    try:
+        model = model_dir(tmp)
+        for precision in ("bf16", "fp16"):
+            out.update(check(precision, model, args.steps, gpus, tmp))
+    finally:
+        ray.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,465 @@
+"""The outer loop between sites (DiLoCo family) against the WAN, synchronous training, the
+planner's choice and torchft: issue 31's "How we will check".
+
+The job (benchmarks/_outer_runs.py) is the one the shipped loss-penalty table was measured on:
+the demo GPT, 16 sequences of 64 bytes per step, Adam 3e-3 cosine. Parts:
+
+* **step time** (test bed, 2 sites × 1 device, one group per site, 40 ms one way, 50 Mbit/s):
+  the planner's outer loop (``plan.outer`` codec int8, H from the table's grid, the planner
+  choosing H and the outer optimizer) and its streaming form (F = 5, overlap 1-4), wall time
+  per inner step over whole rounds, against **no WAN**: the same two groups launched the same
+  way with the bed's link at 0 ms and 10 Gbit/s and no round in the run (H beyond it), so
+  the ratio holds what the WAN adds (the exchange, and Ray's control calls to the far site)
+  and not the two groups' sharing of this host's cores. The same group alone on one site is
+  reported beside it (``outer_step_time_over_single_group``; it includes that sharing).
+* **loss gap** (embedded Ray, emulated links; benchmarks/_outer_loss.py): held-out loss at
+  equal tokens of the outer loop at H = 1, 10, 50 and the planner's H (its codec and outer
+  optimizer, F = 1) against synchronous training, seeds 0 and 1 giving the noise.
+* **strategy choice** (test bed, ≥ 4 link regimes): per regime ``strategy: auto`` launched as
+  a user would (its plan and forecast), the pipeline across sites, and the outer loop at
+  every H of the grid (the loss part's H), each measured; score = tokens/s / (1 + the loss
+  gap measured for its H) (the pipeline's gap is 0). The key is the best measured score
+  over the chosen one's (≤ 1.05), worst regime; ``forecast_error``: the chosen run's
+  forecast step time (the controller's, from the planner's costs as calibration refines
+  them) against its measured wall time per step, worst regime.
+* **site loss** (a real two-node Ray cluster): west's node removed mid-round.
+* **peer**: torchft 0.2.0's DiLoCo (benchmarks/_outer_peer.py) over the bed's link at the
+  planner's H, codec none, against geopipe at the same H and codec none; and geopipe with
+  its chosen codec.
+
+    python benchmarks/outer_loop.py [--quick] [--steps 600] [--parts loss,bed,peer,siteloss]
+
+Needs root and /dev/net/tun for the bed (its parts report null with the reason otherwise);
+brings its own bed up (prefix ``gpol``) and down. Ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from _outer_runs import outer_doc  # noqa: E402
+
+BED_LINK = (40.0, 50.0)  # one-way ms, Mbit/s: the issue's step-time link
+NO_WAN = (0.0, 10_000.0)
+REGIMES = "200:0,50:40,10:80,1:80"  # Mbit/s:ms, spanning 1-200 Mbit/s and 0-80 ms
+PLANNER_OUTER = {"h": [10, 25, 50, 100], "codec": "int8", "lr": [0.7, 1.0], "momentum": [0.9, 0.0]}
+STREAMING = {"fragments": 5, "overlap": [1, 2, 3, 4], "codec": "int8"}
+
+
+def say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def planner_setting(outer: dict, link: tuple[float, float] = BED_LINK) -> dict:
+    """The outer loop the planner chooses for the job over ``link`` (the YAML's figures:
+    what ``geopipe plan`` prints), as plan.outer's keys."""
+    from geopipe.config import parse_cluster
+    from geopipe.optimizer.runplan import plan_run
+
+    doc = outer_doc("planner", 600, outer, latency_ms=link[0], rate_mbit=link[1])
+    rp = plan_run(parse_cluster(doc, doc["name"]))
+    s = rp.strategy.chosen.setting
+    return {
+        "h": s.h,
+        "fragments": s.fragments,
+        "overlap": s.overlap,
+        "codec": s.codec,
+        "lr": s.lr,
+        "momentum": s.momentum,
+        "predicted_step_s": rp.predicted.iteration_time_s,
+        "penalty": rp.strategy.chosen.penalty.value,
+    }
+
+
+def _outer_keys(o: dict) -> dict:
+    return {k: o[k] for k in ("h", "fragments", "overlap", "codec", "lr", "momentum") if k in o}
+
+
+# --------------------------------------------------------------------------- bed settings
+
+
+def step_time_settings(a, star: dict, stream: dict) -> list[dict]:
+    """The step-time part at the issue's link, and geopipe at codec none (the peer's)."""
+    from _outer_bed import steps_for
+
+    lat, rate = BED_LINK
+    h = star["h"]
+    rounds = 1 if a.quick else 2
+    out = [
+        {
+            "name": "outer",
+            "strategy": "outer",
+            "outer": _outer_keys(star),
+            "steps": steps_for(h, rounds),
+        },
+        {
+            "name": "outer_none",
+            "strategy": "outer",
+            "outer": {**_outer_keys(star), "codec": "none"},
+            "steps": steps_for(h, rounds),
+        },
+    ]
+    if not a.quick:
+        out.append(
+            {
+                "name": "outer_streaming",
+                "strategy": "outer",
+                "outer": _outer_keys(stream),
+                "steps": steps_for(stream["h"], rounds),
+            }
+        )
+    for s in out:
+        s.update(latency_ms=lat, rate_mbit=rate)
+    return out
+
+
+def no_wan_settings(a, star: dict) -> list[dict]:
+    """The same two groups with nothing on the WAN, and one group alone on one site."""
+    from _outer_bed import steps_for
+
+    n = steps_for(star["h"], 1 if a.quick else 2)
+    lat, rate = NO_WAN
+    quiet = {**_outer_keys(star), "h": 4 * n, "fragments": 1, "overlap": 0}
+    out = [
+        {"name": "no_wan", "strategy": "outer", "outer": quiet, "steps": n},
+        {
+            "name": "single_group",
+            "strategy": "pipeline",
+            "sites": ["east"],
+            "global_batch": 8,
+            "steps": n,
+        },
+    ]
+    for s in out:
+        s.update(latency_ms=lat, rate_mbit=rate)
+    return out if not a.quick else out[:1]
+
+
+def regime_settings(a, rate: float, lat: float, grid: list[int], star: dict) -> list[dict]:
+    """One link regime: auto (as a user launches it), the pipeline, the outer loop per H."""
+    from _outer_bed import steps_for
+
+    tag = f"r{rate:g}_l{lat:g}"
+    base = {"codec": star["codec"], "lr": star["lr"], "momentum": star["momentum"]}
+    slow = rate < 20  # a round of H = 1 per step costs seconds: fewer steps
+    out = [
+        {
+            "name": f"{tag}_auto",
+            "strategy": "auto",
+            "outer": {**base, "h": grid},
+            "steps": steps_for(max(grid), 1),
+        },
+        {"name": f"{tag}_pipeline", "strategy": "pipeline", "steps": 8 if slow else 12},
+    ]
+    out += [
+        {
+            "name": f"{tag}_outer_h{h}",
+            "strategy": "outer",
+            "outer": {**base, "h": h},
+            "steps": steps_for(h, 1, minimum=6 if slow else 12),
+        }
+        for h in grid
+    ]
+    for s in out:
+        s.update(latency_ms=lat, rate_mbit=rate)
+    return out
+
+
+# --------------------------------------------------------------------------- parts
+
+
+def part_loss(a, star: dict, tmp: Path) -> dict:
+    from _outer_loss import loss_gaps
+
+    base = {"codec": star["codec"], "lr": star["lr"], "momentum": star["momentum"]}
+    hs = sorted(h for h in {*a.loss_h, star["h"]} if a.steps % h == 0)  # rounds end the run
+    return loss_gaps(a.steps, [{**base, "h": h} for h in hs], tmp, say)
+
+
+def part_siteloss(tmp: Path) -> dict:
+    import subprocess
+
+    p = subprocess.run(
+        [sys.executable, __file__, "--role", "siteloss", "--address", str(tmp)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    for line in p.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    tail = p.stderr.strip().splitlines()[-5:]
+    why = {"site_loss_lost_steps": None, "why": f"exited {p.returncode}: {' | '.join(tail)}"}
+    return {"shared": why, "per_site": why}
+
+
+def part_bed(a, star: dict, stream: dict) -> dict:
+    """Everything on the test bed, one bed for all of it."""
+    from _outer_bed import run_peer, run_settings
+
+    from geopipe.testbed import BedPlan, BedUnavailable, running
+
+    plan = BedPlan(("east", "west"), *BED_LINK, prefix="gpol", ray=True, cpus_per_site=2)
+    out: dict = {"runs": {}, "regimes": {}, "peer": None}
+    try:
+        with running(plan) as bed:
+            if "bed" in a.parts:
+                bed.set_link(latency_ms=NO_WAN[0], rate_mbit=NO_WAN[1])
+                say(f"no WAN (load {os.getloadavg()[0]:.2f})")
+                out["runs"].update(run_settings(bed, no_wan_settings(a, star)))
+            bed.set_link(latency_ms=BED_LINK[0], rate_mbit=BED_LINK[1])
+            if "bed" in a.parts or "peer" in a.parts:
+                say(f"{BED_LINK[0]:g} ms, {BED_LINK[1]:g} Mbit/s (load {os.getloadavg()[0]:.2f})")
+                out["runs"].update(run_settings(bed, step_time_settings(a, star, stream)))
+            if "peer" in a.parts:
+                out["peer"] = _peer(bed, a, star["h"], run_peer)
+            if "bed" in a.parts:
+                for rate, lat in a.regimes:
+                    bed.set_link(latency_ms=lat, rate_mbit=rate)
+                    say(f"regime {rate:g} Mbit/s, {lat:g} ms (load {os.getloadavg()[0]:.2f})")
+                    runs = run_settings(bed, regime_settings(a, rate, lat, a.grid, star))
+                    out["regimes"][f"{rate:g}:{lat:g}"] = runs
+    except BedUnavailable as exc:
+        out["unavailable"] = str(exc)
+    return out
+
+
+def _peer(bed, a, h: int, run_peer) -> dict:
+    steps = (2 if a.quick else 3) * h + 1
+    say(f"torchft DiLoCo, H={h}, codec none, {steps} steps")
+    r = run_peer(bed, h, steps, "torchft")
+    if not r["ok"]:
+        say(f"  torchft failed ({r['error']}): the plain torch DiLoCo over gloo instead")
+        plain = run_peer(bed, h, steps, "plain")
+        plain["torchft_error"] = r["error"]
+        r = plain
+    if r["ok"]:
+        say(f"  {r['mode']}: {r['step_s']:.4f} s/step")
+    return r
+
+
+# --------------------------------------------------------------------------- headline
+
+
+def gap_of(loss: dict | None, h: int | None, star: dict) -> tuple[float | None, str]:
+    """The loss gap measured for ``h`` (0 for the pipeline: exact, synchronous; a negative
+    gap counts as 0), else the shipped table's row for this job and ``star``'s codec and
+    outer optimizer (measured by outer_penalty.py, in one process), else None."""
+    if h is None:
+        return 0.0, "pipeline: exact"
+    for r in (loss or {}).get("outer", []):
+        if r["h"] == h and r.get("rel_gap") is not None:
+            return max(0.0, r["rel_gap"]), "measured here"
+    from geopipe.optimizer.penalty import DEFAULT_TABLE
+
+    for r in json.loads(DEFAULT_TABLE.read_text())["rows"]:
+        same = (r["replicas"], r["h"], r["fragments"], r["codec"]) == (2, h, 1, star["codec"])
+        if same and (r.get("outer_lr"), r.get("outer_momentum")) == (star["lr"], star["momentum"]):
+            return max(0.0, r["rel_gap"]), "the shipped table's (outer_penalty.py)"
+    return None, f"no loss gap measured at H={h}"
+
+
+def _ratio(x: dict | None, y: dict | None, key: str = "wall_step_s") -> float | None:
+    if not x or not y or not x.get(key) or not y.get(key):
+        return None
+    return x[key] / y[key]
+
+
+def regime_score(runs: dict, loss: dict | None, star: dict) -> dict:
+    """One regime: every measured candidate's tokens/s / (1 + gap), the chosen one's, and the
+    ratio best / chosen."""
+    auto = next((r for k, r in runs.items() if k.endswith("_auto")), None)
+    cands = {}
+    for k, r in runs.items():
+        if k.endswith("_auto") or not r.get("tokens_per_s"):
+            continue
+        h = r["outer"]["h"] if r.get("outer") else None
+        gap, basis = gap_of(loss, h, star)
+        cands[k.split("_", 2)[-1]] = {
+            "tokens_per_s": r["tokens_per_s"],
+            "gap": gap,
+            "gap_basis": basis,
+            "score": r["tokens_per_s"] / (1 + gap) if gap is not None else None,
+        }
+    out: dict = {"candidates": cands}
+    if not auto or not auto.get("tokens_per_s"):
+        out["why"] = (auto or {}).get("error", "the auto run measured nothing")
+        return out
+    h = auto["outer"]["h"] if auto.get("outer") else None
+    gap, basis = gap_of(loss, h, star)
+    out["chosen"] = "pipeline" if h is None else f"outer_h{h}"
+    out["chosen_forecast_error"] = auto.get("forecast_error")
+    out["chosen_launch_error"] = auto.get("launch_error")
+    scored = [c["score"] for c in cands.values() if c["score"] is not None]
+    if gap is None or not scored:
+        out["why"] = basis if gap is None else "no candidate scored"
+        return out
+    # the chosen candidate's score is its grid run's (the one measured beside the others, so
+    # the choice is judged and not run-to-run noise); the auto launch's own is beside it
+    same = cands.get(out["chosen"])
+    out["auto_run_score"] = auto["tokens_per_s"] / (1 + gap)
+    out["chosen_score"] = same["score"] if same and same["score"] else out["auto_run_score"]
+    best = max(scored)
+    out["best"] = next(k for k, c in cands.items() if c["score"] == best)
+    out["best_over_chosen"] = best / out["chosen_score"]
+    return out
+
+
+def _worst(values: list, why: str) -> tuple[float | None, str | None]:
+    vals = [v for v in values if v is not None]
+    return (max(vals), None) if vals else (None, why)
+
+
+def headline(a, star: dict, loss: dict | None, bed: dict | None, site: dict | None) -> dict:
+    out: dict = {}
+    runs = (bed or {}).get("runs", {})
+    why_bed = (bed or {}).get("unavailable") or "the test-bed parts were not run"
+    base = runs.get("no_wan")
+    for key, name in (
+        ("outer_step_time_over_no_wan", "outer"),
+        ("outer_streaming_step_time_over_no_wan", "outer_streaming"),
+    ):
+        out[key] = _ratio(runs.get(name), base)
+        if out[key] is None:
+            why = "not run in --quick" if runs and a.quick and name not in runs else why_bed
+            out[f"{key}_why"] = (runs.get(name) or base or {}).get("error", why)
+    out["outer_step_time_over_single_group"] = _ratio(runs.get("outer"), runs.get("single_group"))
+    star_row = next((x for x in (loss or {}).get("outer", []) if x["h"] == star["h"]), None)
+    out["outer_loss_rel_gap"] = (star_row or {}).get("rel_gap")  # as measured, sign and all
+    if out["outer_loss_rel_gap"] is None:
+        out["outer_loss_rel_gap_why"] = (
+            (star_row or {}).get("why", f"H={star['h']} not run")
+            if loss
+            else "the loss part was not run"
+        )
+    for h in (1, 10, 50):
+        r = next((x for x in (loss or {}).get("outer", []) if x["h"] == h), None)
+        out[f"outer_loss_rel_gap_h{h}"] = r.get("rel_gap") if r else None
+    out["sync_noise"] = (loss or {}).get("sync_noise")
+    regimes = {k: regime_score(v, loss, star) for k, v in (bed or {}).get("regimes", {}).items()}
+    key = "planner_strategy_choice_over_best_measured"
+    out[key], w = _worst([r.get("best_over_chosen") for r in regimes.values()], why_bed)
+    if w:
+        out[f"{key}_why"] = "; ".join(r["why"] for r in regimes.values() if "why" in r) or w
+    out["forecast_error"], w = _worst(
+        [r.get("chosen_forecast_error") for r in regimes.values()], why_bed
+    )
+    if w:
+        out["forecast_error_why"] = w
+    out["launch_forecast_error"], _ = _worst(
+        [r.get("chosen_launch_error") for r in regimes.values()], ""
+    )
+    for key, layout in (("", "shared"), ("_per_site_checkpoints", "per_site")):
+        r = (site or {}).get(layout) or {}
+        out[f"site_loss_lost_steps{key}"] = r.get("site_loss_lost_steps")
+        if r.get("site_loss_lost_steps") is None:
+            out[f"site_loss_lost_steps{key}_why"] = r.get("why", "the site-loss part was not run")
+    out.update(_peer_keys(bed, runs, why_bed, star))
+    out["regimes"] = regimes
+    return out
+
+
+def _peer_keys(bed: dict | None, runs: dict, why_bed: str, star: dict) -> dict:
+    peer = (bed or {}).get("peer")
+    out: dict = {"peer": None, "chosen_codec": star["codec"]}
+    if not peer or not peer.get("ok"):
+        out["speedup_vs_torchft_diloco"] = None
+        out["speedup_vs_torchft_diloco_why"] = (peer or {}).get("error", why_bed)
+        out["speedup_vs_torchft_diloco_chosen_codec"] = None
+        return out
+    ref = {"wall_step_s": peer["step_s"]}
+    out["peer"] = {k: peer.get(k) for k in ("mode", "step_s", "replica_step_s", "torchft_error")}
+    out["speedup_vs_torchft_diloco"] = _ratio(ref, runs.get("outer_none"))
+    out["speedup_vs_torchft_diloco_chosen_codec"] = _ratio(ref, runs.get("outer"))
+    if peer["mode"] != "torchft":
+        out["speedup_vs_torchft_diloco_why"] = (
+            f"torchft failed ({peer.get('torchft_error')}): the reference is the plain torch "
+            "DiLoCo over gloo"
+        )
+    return out
+
+
+def _brief(r: dict) -> dict:
+    keys = ("kind", "outer", "micro_batch_size", "wall_step_s", "tokens_per_s", "forecast_s")
+    keys += ("launch_predicted_s", "rounds", "exposed_s", "load", "error", "end_error")
+    return {k: r[k] for k in keys if k in r}
+
+
+# --------------------------------------------------------------------------- main
+
+
+def _args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--role", choices=["bed", "siteloss"], help=argparse.SUPPRESS)
+    ap.add_argument("--address", help=argparse.SUPPRESS)
+    ap.add_argument("--settings", help=argparse.SUPPRESS)
+    ap.add_argument("--steps", type=int, default=600, help="inner steps of the loss runs")
+    ap.add_argument("--loss-h", default="1,10,50", help="H values of the loss gaps")
+    ap.add_argument("--grid", default="1,10,50", help="H values measured per link regime")
+    ap.add_argument("--regimes", default=REGIMES, help="Mbit/s:ms,... for the strategy choice")
+    ap.add_argument("--parts", default="loss,bed,peer,siteloss", help="which parts run")
+    ap.add_argument("--quick", action="store_true", help="a smoke test: a few minutes")
+    a = ap.parse_args()
+    if a.quick:
+        a.steps, a.loss_h, a.grid, a.regimes = 20, "10", "10", "200:0,10:80"
+    a.loss_h = [int(x) for x in a.loss_h.split(",")]
+    a.grid = [int(x) for x in a.grid.split(",")]
+    a.regimes = [tuple(float(v) for v in r.split(":")) for r in a.regimes.split(",")]
+    a.parts = set(a.parts.split(","))
+    return a
+
+
+def main() -> None:
+    a = _args()
+    if a.role == "bed":
+        from _outer_bed import role
+
+        return role(a.address, json.loads(a.settings))
+    if a.role == "siteloss":
+        from _outer_loss import site_loss_role
+
+        return site_loss_role(a.address)
+    t0, load0 = time.monotonic(), os.getloadavg()[0]
+    star = planner_setting(PLANNER_OUTER)
+    stream = planner_setting(
+        {**PLANNER_OUTER, **STREAMING, "h": [50, 100], "lr": 1.0, "momentum": 0.0}
+    )
+    if a.quick:  # rounds short enough for a smoke test; the figures mean nothing
+        star, stream = {**star, "h": 10}, {**stream, "h": 10, "overlap": 1}
+    say(f"planner: outer {star}; streaming {stream}")
+    tmp = Path(tempfile.mkdtemp(prefix="geopipe-outerloop-"))
+    loss = part_loss(a, star, tmp) if "loss" in a.parts else None
+    site = part_siteloss(tmp) if "siteloss" in a.parts else None
+    bed = part_bed(a, star, stream) if a.parts & {"bed", "peer"} else None
+    result = {
+        "benchmark": "outer_loop",
+        "quick": a.quick,
+        "planner_outer": star,
+        "planner_streaming": stream,
+        **headline(a, star, loss, bed, site),
+        "loss": loss,
+        "site_loss": site,
+        "bed_runs": (bed or {}).get("runs"),
+        "regime_runs": {
+            k: {n: _brief(r) for n, r in v.items()}
+            for k, v in (bed or {}).get("regimes", {}).items()
+        },
+        "load_before": round(load0, 2),
+        "load_after": round(os.getloadavg()[0], 2),
+        "seconds": round(time.monotonic() - t0),
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
