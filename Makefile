@@ -36,11 +36,15 @@ lint: install
 	$(VENV)/bin/ruff format --check geopipe tests benchmarks
 	$(VENV)/bin/lint-imports
 
-# The unit tier is pure and runs on both cores (pytest-xdist); the integration tier starts
-# Ray actors that take both cores themselves, so it runs alone, one test at a time.
+# The unit tier is pure and runs on both cores (pytest-xdist). The integration tier's tests
+# that start their own Ray or need none running (marked own_ray by tests/conftest.py) run
+# first, alone; the rest on two xdist workers, each with an embedded Ray of its own, one
+# module per worker (a module's shared reference runs are made once): a launch spends most
+# of its time starting actors and waiting on them, so two at a time fill the two cores.
 test: lint
 	$(VENV)/bin/python -m pytest -q -n 2 tests/unit
-	$(VENV)/bin/python -m pytest -q tests/integration
+	$(VENV)/bin/python -m pytest -q -m own_ray tests/integration
+	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile -m "not own_ray" tests/integration
 
 test-fast: install
 	$(VENV)/bin/python -m pytest -q -n 2 tests/unit
