@@ -134,6 +134,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         resume=args.resume,
         chaos_kill_every=args.chaos_kill_every,
+        sets=tuple(args.set or ()),
     )
     ctl = Controller(spec, opts)
     interrupted = False

@@ -326,6 +326,8 @@ def format_status(data: dict, state: str) -> str:
         )
     if data.get("dashboard_url"):
         lines.append(f"Ray dashboard: {data['dashboard_url']}")
+    if data.get("set"):
+        lines.append("launched with --set " + " --set ".join(data["set"]))
     rec = data.get("recoveries") or []
     if rec:
         last = rec[-1]

@@ -256,3 +256,25 @@ def test_gpus_per_actor_defaults_and_refusal() -> None:
     assert shared.digest == spec.digest  # how devices are shared changes no number
     with pytest.raises(LaunchError, match=r"ray\.gpus_per_actor"):
         gpus_per_actor(shared, {"GPU": 1}, 4)
+
+
+def test_status_shows_the_launchs_set_overrides(tmp_path, capsys) -> None:
+    """A launch's --set overrides are recorded in status.json and printed by geopipe status."""
+    from geopipe.runtime.control.history import RunHistory
+    from geopipe.runtime.control.reporting import Reporter
+
+    r = Reporter("x", tmp_path, 10, RunHistory())
+    r.sets = ["training.lr=1e-4", "plan.pipelines=2"]
+    plan = main_plan()
+    r.status("running", 3, plan, [])
+    doc = json.loads((tmp_path / "status.json").read_text())
+    assert doc["set"] == ["training.lr=1e-4", "plan.pipelines=2"]
+    code, out, _ = run(capsys, "status", str(tmp_path))
+    assert code == 0 and "--set training.lr=1e-4 --set plan.pipelines=2" in out
+
+
+def main_plan():
+    from geopipe.config import load_cluster
+    from geopipe.optimizer.runplan import plan_run
+
+    return plan_run(load_cluster(LOCAL)).plan

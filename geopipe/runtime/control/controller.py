@@ -174,7 +174,7 @@ class Controller:
         self.nan_guard = NanGuard(self.spec.training, self.reporter)
         # The data plane's secret (and TLS CA): made here, handed to the actors over Ray.
         self.creds = make_credentials(run_id, self.spec.encrypted)
-        self.reporter.run_id = run_id
+        self.reporter.run_id, self.reporter.sets = run_id, list(opts.sets)
         # The checkpoint coordinator reads the settings (directories, keep, clocks); site
         # copies are paced by the link rates of the context current when they run.
         self.checkpoints = CheckpointCoordinator(

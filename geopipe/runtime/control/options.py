@@ -27,6 +27,7 @@ class LaunchOptions:
     chaos_kill_every: int | None = None  # kill a random stage actor every N steps (demo aid)
     checkpoint_sync: bool = False  # write checkpoints synchronously (benchmarks compare)
     health: HealthSpec | None = None  # the control plane's clocks; None: the YAML's
+    sets: tuple[str, ...] = ()  # the command line's --set KEY.PATH=VALUE (already in the spec)
 
 
 @dataclass

@@ -130,6 +130,7 @@ class Reporter:
         self.checkpoint: dict | None = None  # the latest checkpoint: step, copies per site
         self.checkpoint_dirs: dict[str, str] = {}  # site -> its checkpoint directory
         self.run_id: str | None = None  # this launch's identity (checkpoints carry it)
+        self.sets: list[str] = []  # the launch's --set overrides (validated in the spec)
         self.waiting: dict | None = None  # a silent link the step waits for (link, secs)
         self.outer_h: int | None = None  # inner steps per outer round (the plan event's)
         self.outer_fragments = 1  # and the fragments each round streams
@@ -227,6 +228,7 @@ class Reporter:
         doc = {
             "run": self.run,
             "run_id": self.run_id,
+            "set": self.sets,  # the --set overrides this launch was given
             "pid": os.getpid(),
             "state": state,
             "step": step,
