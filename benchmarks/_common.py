@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from pathlib import Path
 
 import yaml
@@ -65,3 +66,13 @@ def run(
         if '"event"' in x
     ]
     return ctl, res, events
+
+
+def json_line(result: dict) -> str:
+    """A benchmark's closing JSON line: floats to 6 significant digits, others as they are."""
+    return json.dumps(
+        {
+            k: float(f"{v:.6g}") if isinstance(v, float) and math.isfinite(v) else v
+            for k, v in result.items()
+        }
+    )

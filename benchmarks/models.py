@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import shutil
 import tempfile
 import time
@@ -35,7 +34,7 @@ from pathlib import Path
 
 import torch
 import yaml
-from _common import ROOT, run, spec_of
+from _common import ROOT, json_line, run, spec_of
 from prepare_data import write_jsonl
 from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -254,14 +253,7 @@ def main() -> None:
     result.update(prepare_throughput(tmp))
     print(f"prepare-data: {result['prepare_data_mb_per_s']:.1f} MB/s")
     shutil.rmtree(tmp, ignore_errors=True)
-    print(
-        json.dumps(
-            {
-                k: float(f"{v:.6g}") if isinstance(v, float) and math.isfinite(v) else v
-                for k, v in result.items()
-            }
-        )
-    )
+    print(json_line(result))
 
 
 if __name__ == "__main__":

@@ -27,8 +27,6 @@ Run: ``.venv/bin/python benchmarks/trainer.py`` (several minutes on 2 CPU cores)
 
 from __future__ import annotations
 
-import json
-import math
 import shutil
 import tempfile
 import weakref
@@ -37,7 +35,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from _common import run, spec_of, two_site_doc
+from _common import json_line, run, spec_of, two_site_doc
 from _eval_check import eval_vs_transformers
 from _trainer_clip import global_clip_parity, lr_schedule_diffs
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -200,14 +198,7 @@ def main() -> None:
     finally:
         ray.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
-    print(
-        json.dumps(
-            {
-                k: float(f"{v:.6g}") if isinstance(v, float) and math.isfinite(v) else v
-                for k, v in result.items()
-            }
-        )
-    )
+    print(json_line(result))
 
 
 if __name__ == "__main__":
