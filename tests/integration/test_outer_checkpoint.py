@@ -13,21 +13,19 @@ and theta_global, bit for bit, with a shared checkpoint directory and with per-s
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from geopipe.checkpoint.store import latest_complete, load_checkpoint
 from geopipe.config import parse_cluster
 from geopipe.runtime.control.controller import Controller, LaunchOptions
+from tests.integration.test_outer_runtime import _doc as outer_run_doc
 
 pytestmark = pytest.mark.ray
-ROOT = Path(__file__).resolve().parents[2]
 STEPS, H, F, TAU = 8, 4, 2, 1
 
 
@@ -37,31 +35,21 @@ def _ray(ray_cluster):
 
 
 def _doc(ckpt_dir: str | None = None) -> dict:
-    doc = copy.deepcopy(yaml.safe_load((ROOT / "clusters" / "local-2dc.yaml").read_text()))
+    """test_outer_runtime's outer run, with F fragments, an overlap, int8 and DiLoCo's outer
+    optimizer."""
+    doc = outer_run_doc(steps=STEPS, h=H)
     doc["name"] = "outer-ckpt"
-    for s in doc["sites"]:
-        s["devices_per_node"] = 1
-    doc["links"][0].update(latency_ms=5.0, bandwidth_gbps=1.0, codec="none")
-    doc["model"] = {"n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 256, "max_seq_len": 32}
-    ck = {"every_steps": H, "keep": 5, **({"dir": ckpt_dir} if ckpt_dir else {})}
-    doc["training"].update(
-        global_batch_size=8,
-        steps=STEPS,
-        lr=0.01,
-        warmup_steps=1,
-        data_max_bytes=200_000,
-        checkpoint=ck,
-    )
-    outer = {"h": H, "fragments": F, "overlap": TAU, "codec": "int8", "lr": 0.7, "momentum": 0.9}
-    doc["plan"].update(
-        strategy="outer",
-        pipelines=1,
-        micro_batch_size=2,
-        seq_len=32,
-        codecs=["none"],
-        calibrate=False,
-        outer=outer,
-    )
+    doc["training"]["checkpoint"] = {"every_steps": H, "keep": 5}
+    if ckpt_dir:
+        doc["training"]["checkpoint"]["dir"] = ckpt_dir
+    doc["plan"]["outer"] = {
+        "h": H,
+        "fragments": F,
+        "overlap": TAU,
+        "codec": "int8",
+        "lr": 0.7,
+        "momentum": 0.9,
+    }
     return doc
 
 
