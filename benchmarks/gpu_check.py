@@ -17,7 +17,9 @@ Elsewhere it prints a clear "no CUDA device" line and the JSON line ``{"cuda": f
 and exits 2: it is not part of CI. Figures go into benchmarks/README.md only when measured
 on a GPU; none has been yet.
 
-Run: ``.venv/bin/python benchmarks/gpu_check.py [--steps 30]``.
+Run: ``.venv/bin/python benchmarks/gpu_check.py [--steps 30]``. ``--rehearse`` runs the same
+path on CPU (bf16 only, the demo's width, no GPU resources asked of Ray, memory not compared),
+so a device lease is not spent finding a broken script.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import argparse
 import copy
 import json
 import math
+import os
 import shutil
 import sys
 import tempfile
@@ -41,10 +44,11 @@ from geopipe.runtime.control.controller import Controller, LaunchOptions
 WIDE = {"hidden_size": 1024, "intermediate_size": 2816, "num_attention_heads": 16}
 
 
-def model_dir(tmp: Path) -> Path:
+def model_dir(tmp: Path, wide: bool = True) -> Path:
     """clusters/models/llama-tiny's config, widened, as `save_pretrained` writes it."""
     cfg = json.loads((ROOT / "clusters" / "models" / "llama-tiny" / "config.json").read_text())
-    cfg.update(WIDE, num_key_value_heads=4, num_hidden_layers=8)
+    if wide:
+        cfg.update(WIDE, num_key_value_heads=4, num_hidden_layers=8)
     out = tmp / "llama-gpu"
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
@@ -54,7 +58,9 @@ def model_dir(tmp: Path) -> Path:
 def doc_for(precision: str, model: Path, steps: int, gpus: int) -> dict:
     doc = copy.deepcopy(yaml.safe_load((ROOT / "clusters" / "llama-tiny-2dc.yaml").read_text()))
     doc["name"] = f"gpu-check-{precision}"
-    doc["ray"].update(dashboard=False, gpus_per_actor=1.0 if gpus >= 2 else 0.5)
+    doc["ray"]["dashboard"] = False
+    if gpus:
+        doc["ray"]["gpus_per_actor"] = 1.0 if gpus >= 2 else 0.5
     for s in doc["sites"]:
         # one H100-class device per site (the planner's nominal figures; calibration
         # replaces the speed with what it measures)
@@ -78,7 +84,11 @@ def check(precision: str, model: Path, steps: int, gpus: int, tmp: Path) -> dict
 
         peaks = ray.get(
             [
-                a.__ray_call__.remote(lambda self: torch.cuda.max_memory_allocated())
+                a.__ray_call__.remote(
+                    lambda self: (
+                        torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+                    )
+                )
                 for a in ctl.flat_actors()
             ]
         )
@@ -106,16 +116,19 @@ def check(precision: str, model: Path, steps: int, gpus: int, tmp: Path) -> dict
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--rehearse", action="store_true", help="the same path on CPU, bf16 only")
+    ap.add_argument("--keep", type=Path, help="keep each run's directory (metrics.jsonl) here")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and not args.rehearse:
         why = "torch.cuda.is_available() is False on this machine"
         print(f"gpu_check: no CUDA device ({why}); nothing was run", file=sys.stderr)
         print(json.dumps({"cuda": False, "why": why}))
         return 2
+    os.environ.setdefault("RAY_AUTH_MODE", "token")  # as the tests: Ray reads it at import
     import ray
 
     gpus = torch.cuda.device_count()
-    tmp = Path(tempfile.mkdtemp(prefix="geopipe-gpu-"))
+    tmp = args.keep or Path(tempfile.mkdtemp(prefix="geopipe-gpu-"))
     ray.init(
         address="local",
         include_dashboard=False,
@@ -123,14 +136,16 @@ def main() -> int:
         num_gpus=gpus,
         resources={"site:east": 1, "site:west": 1},
     )
-    out: dict = {"cuda": True, "device": torch.cuda.get_device_name(0), "gpus": gpus}
+    device = torch.cuda.get_device_name(0) if gpus else "cpu (rehearsal)"
+    out: dict = {"cuda": bool(gpus), "device": device, "gpus": gpus}
     try:
-        model = model_dir(tmp)
-        for precision in ("bf16", "fp16"):
+        model = model_dir(tmp, wide=bool(gpus))
+        for precision in ("bf16", "fp16") if gpus else ("bf16",):
             out.update(check(precision, model, args.steps, gpus, tmp))
     finally:
         ray.shutdown()
-        shutil.rmtree(tmp, ignore_errors=True)
+        if not args.keep:
+            shutil.rmtree(tmp, ignore_errors=True)
     print(json.dumps(out))
     return 0
 

@@ -108,7 +108,9 @@ class Recovery:
             "failure", step=step, dead=[names[k] for k in dead], error=err, lost_sites=lost_sites
         )
         lost = f"; site(s) {', '.join(lost_sites)} lost entirely" if lost_sites else ""
-        self.reporter.say(f"step {step} failed ({len(dead)} actor(s) lost{lost}): recovering")
+        self.reporter.say(
+            f"step {step} failed ({len(dead)} actor(s) lost{lost}: {err}): recovering"
+        )
         survivors = {key: a for key, a in roles.items() if key not in dead}
         released = self._release(survivors, ref_of, grace_s)
         w = self.workers
@@ -124,7 +126,8 @@ class Recovery:
         )
         if isinstance(decision, Fail):
             raise LaunchError(
-                f"unrecoverable: {decision.reason} (survivors hold step boundaries "
+                f"unrecoverable after step {step} failed ({err}): {decision.reason} "
+                f"(survivors hold step boundaries "
                 f"{ {f'stage{k}/r{r}': sorted(v) for (k, r), v in have.items()} }); the last "
                 f"checkpoint under {self.checkpoints.where()} is intact"
             )
