@@ -11,7 +11,7 @@ On-disk format (``FORMAT_VERSION = 1``)::
         stage-0.safetensors          one shard per pipeline stage
         stage-1.safetensors
         manifest.json                written last: a step dir without a valid one is corrupt
-      .tmp-step-00000030-<pid>/      a save in progress or one that was killed ("partial")
+      .tmp-step-00000030-<pid>-<token>/  a save in progress or a killed one ("partial")
 
 A shard ``stage-<k>.safetensors`` holds contiguous tensors (no shared storage):
 

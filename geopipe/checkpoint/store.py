@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import shutil
 import stat
 import threading
@@ -57,6 +58,7 @@ __all__ = [
     "move_aside",
     "prune",
     "step_dirname",
+    "tmp_dirname",
 ]
 
 log = logging.getLogger(__name__)
@@ -69,7 +71,9 @@ _REQUIRED = ("config_hash", "plan", "data", "model")  # the caller must supply t
 _RESERVED = ("format_version", "step", "num_stages", "stages")  # the writer fills these
 _META_FORMAT, _META_STAGE, _META_JSON = "geopipe.format", "geopipe.stage", "geopipe.meta"
 _STEP_RE = re.compile(r"^step-(\d{8,})$")
-_TMP_RE = re.compile(r"^\.tmp-step-(\d{8,})-(\d+)(?:-trash)?$")
+# ``.tmp-step-<step>-<pid>-<token>`` (``-trash``: a checkpoint being deleted); older
+# writers left no token
+_TMP_RE = re.compile(r"^\.tmp-step-(\d{8,})-(\d+)(?:-[0-9a-f]+)?(?:-trash)?$")
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
 _CHUNK = 8 << 20
 
@@ -178,11 +182,22 @@ def _dir_stats(path: Path) -> tuple[int, float]:
         return total, 0.0
 
 
+def tmp_dirname(step: int, trash: bool = False) -> str:
+    """A name no other save, retry or delete uses: ``.tmp-step-<step>-<pid>-<token>``.
+
+    [Note: one directory per save] Step and pid alone named the same directory for a
+    re-save of a step (a retry after a failed save, a site's copy made again): the first
+    attempt's abandoned pull, waking up later, then wrote into or unlinked files of the
+    new one by path. A random token makes every attempt's directory its own, so a late
+    writer can only touch the directory of the attempt it belongs to."""
+    return f".tmp-step-{step:08d}-{os.getpid()}-{secrets.token_hex(6)}" + (
+        "-trash" if trash else ""
+    )
+
+
 def _trash_path(root: Path, step: int) -> Path:
     """A fresh tmp-style name to move a checkpoint to before deleting or replacing it."""
-    trash = root / f".tmp-step-{step:08d}-{os.getpid()}-trash"
-    shutil.rmtree(trash, ignore_errors=True)
-    return trash
+    return root / tmp_dirname(step, trash=True)
 
 
 def _delete_checkpoint(path: Path, step: int) -> None:

@@ -36,7 +36,9 @@ from geopipe.checkpoint.store import (
     _sha256_file,
     _trash_path,
     step_dirname,
+    tmp_dirname,
 )
+from geopipe.checkpoint.verify import verify_dir
 
 __all__ = ["CheckpointWriter", "shard_bytes", "shard_name", "write_shard_file"]
 
@@ -182,15 +184,16 @@ class CheckpointWriter:
         self.root = Path(root)
         self.step = step
         self.root.mkdir(parents=True, exist_ok=True)
-        self.tmp_dir = self.root / f".tmp-step-{step:08d}-{os.getpid()}"
+        # Never a directory another attempt used ([Note: one directory per save]).
+        self.tmp_dir = self.root / tmp_dirname(step)
+        same = f".tmp-step-{step:08d}-{os.getpid()}-"
         with _ACTIVE_LOCK:
-            if self.tmp_dir in _ACTIVE:
+            if any(p.parent == self.root and p.name.startswith(same) for p in _ACTIVE):
                 raise CheckpointError(f"step {step} is already being written by this process")
             _ACTIVE.add(self.tmp_dir)
         # dropped without commit/abort = a killed save: the tmp dir stays, prune may take it
         self._release = weakref.finalize(self, _release_tmp, self.tmp_dir)
-        shutil.rmtree(self.tmp_dir, ignore_errors=True)  # a dead process with our pid left it
-        self.tmp_dir.mkdir()
+        self.tmp_dir.mkdir()  # exist_ok=False: a name in use is an error, never shared
         self._lock = threading.Lock()
         self._shards: dict[int, ShardInfo] = {}
         self._writing: set[int] = set()
@@ -258,6 +261,10 @@ class CheckpointWriter:
             self._write_manifest(manifest, num_stages)
             self._closed = True
         _fsync(self.tmp_dir)
+        # Verified before anything already committed is touched: every shard's size and
+        # SHA-256 against the manifest just written (re-read from disk, so a shard another
+        # process wrote on a shared filesystem is checked as this machine sees it).
+        verify_dir(self.tmp_dir)
         final = self.root / step_dirname(self.step)
         other = _other_runs(final, manifest.get("run_id"))
         if other is not None:  # another run's checkpoint of this step: kept, renamed

@@ -22,6 +22,7 @@ from geopipe.cli.render import (
     model_summary,
     print_plan,
     print_strategy,
+    replication_lines,
 )
 from geopipe.config import ClusterSpec, load_cluster
 
@@ -177,6 +178,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
             f"{pred.iteration_time_s * 1e3:.0f} ms); bubble "
             f"{sum(m.bubble_ratio for m in tail) / len(tail):.1%}"
         )
+    for line in replication_lines(ctl.reporter.replication):  # fewer copies than promised
+        console.print(f"checkpoint copies: {line.strip()}")
     return 0
 
 

@@ -24,6 +24,7 @@ __all__ = [
     "model_summary",
     "print_plan",
     "print_strategy",
+    "replication_lines",
 ]
 
 
@@ -373,6 +374,27 @@ def _checkpoint_lines(data: dict) -> list[str]:
         lines.append(f"  {'shared directory' if site == 'shared' else 'site ' + site:<17} {path}")
     for site, why in (ck.get("failed") or {}).items():
         lines.append(f"  site {site:<12} copy failed: {why}")
+    return lines + replication_lines(data.get("replication"))
+
+
+def replication_lines(rep: dict | None) -> list[str]:
+    """Per-site copies short of what ``replicate`` promises: sites whose newest copy is
+    behind the newest checkpoint, and how many saves committed too few copies."""
+    if not rep or not (rep.get("behind") or rep.get("short_saves")):
+        return []
+    lines = []
+    for site, step in (rep.get("behind") or {}).items():
+        has = f"newest copy step {step}" if step is not None else "no copy"
+        lines.append(
+            f"  site {site:<12} behind: {has}, newest checkpoint step {rep['newest_step']}"
+        )
+    if rep.get("short_saves"):
+        last = rep.get("last_short") or {}
+        why = "; ".join(f"{s}: {w}" for s, w in (last.get("failed") or {}).items())
+        lines.append(
+            f"replication short: {rep['short_saves']} save(s) committed fewer than "
+            f"{rep['promised']} copies (last: step {last.get('step')}, {why})"
+        )
     return lines
 
 

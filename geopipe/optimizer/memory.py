@@ -20,14 +20,16 @@ evaluator, ΔN refinement and the templates apply).
 
 [Note: a replica group's spec] Under ``plan.strategy: outer`` a spec describes ONE replica
 group of an outer loop (the strategy planner, :mod:`geopipe.optimizer.strategy`, hands each
-group's sites to the search as such a spec), and every device also holds its share of the
+group's sites to the search as such a spec). Every replica also holds its share of the
 outer state (:func:`outer_state_bytes_per_param`): theta_global and the outer Nesterov
 momentum in fp32, partitioned over the stage's ZeRO-1 group like the fp32 masters (the
 pseudo-gradient is taken partition by partition); a top-k error-feedback buffer (fp32) when
 the pseudo-gradient codec is ``topk``; and the fragment in flight, an fp32 accumulator of the
 groups' decoded pseudo-gradients plus its own pseudo-gradient kept for the send (``8 / F``
-bytes per parameter). With a grid of ``fragments`` or codecs the largest share is counted:
-one search per group serves every setting. Other strategies hold none of it.
+bytes per parameter). All of it is in host RAM, not on the device ([Note: the outer state
+lives on the host] in geopipe.outer.optimizer): the device model counts none of it
+(``outer_per_param`` stays 0 in :func:`plan_memory` and :func:`inflight_caps`), so an
+outer group fits exactly where the same pipeline does.
 
 [Note: recompute in the memory model]
     A decoder block run under recompute (:mod:`geopipe.model.recompute`) keeps only its input,
@@ -78,7 +80,7 @@ __all__ = [
 # and norm inputs, ~0.55 of a block's; Qi et al. count ~0.94 with the gradients W needs.
 W_HELD_FRACTION = 1.0
 
-# The outer loop's state per parameter, fp32 ([Note: a replica group's spec]).
+# The outer loop's state per parameter, fp32, in host RAM ([Note: a replica group's spec]).
 OUTER_STATE_BYTES = 8.0  # theta_global + the outer momentum
 OUTER_TOPK_FEEDBACK_BYTES = 4.0  # top-k's error feedback of the pseudo-gradient
 OUTER_IN_FLIGHT_BYTES = 8.0  # the fragment in flight: accumulator + own pseudo-gradient, / F
@@ -147,8 +149,10 @@ def recompute_peak_bytes(
 
 
 def outer_state_bytes_per_param(spec: ClusterSpec) -> float:
-    """Bytes per parameter of outer-loop state a replica group's devices hold, before the
-    ZeRO-1 partitioning ([Note: a replica group's spec]); 0 unless the strategy is outer."""
+    """Bytes per parameter of outer-loop state a replica group's replicas hold in host RAM
+    (not on their devices), before the ZeRO-1 partitioning ([Note: a replica group's
+    spec]); 0 unless the strategy is outer. With a grid of ``fragments`` or codecs the
+    largest share is counted."""
     pl = spec.plan
     if pl.strategy != "outer":
         return 0.0
@@ -190,7 +194,6 @@ def inflight_caps(spec: ClusterSpec, plan: Plan) -> list[int]:
     gradients and Adam shard on its device (0 when not even one does): the bound a
     ``lookahead-zb`` stage defers its weight gradients within."""
     out = []
-    outer = outer_state_bytes_per_param(spec)
     for k, limit in enumerate(device_limits(spec, plan.stage_sites)):
         static = stage_memory(
             spec.model,
@@ -200,7 +203,6 @@ def inflight_caps(spec: ClusterSpec, plan: Plan) -> list[int]:
             plan.micro_batch_size,
             plan.seq_len,
             0,
-            outer,
             **_recompute_of(spec, plan),
         ).total
         per_mb = _activations_per_micro_batch(
@@ -216,9 +218,8 @@ def inflight_caps(spec: ClusterSpec, plan: Plan) -> list[int]:
 
 
 def plan_memory(spec: ClusterSpec, plan: Plan, in_flight: Sequence[float]) -> list[MemoryBreakdown]:
-    """Every stage's peak under ``plan`` with ``in_flight[k]`` micro-batches in flight (and
-    the outer state of a replica group's spec)."""
-    outer = outer_state_bytes_per_param(spec)
+    """Every stage's peak device memory under ``plan`` with ``in_flight[k]`` micro-batches in
+    flight (a replica group's outer state is in host RAM: [Note: a replica group's spec])."""
     return [
         stage_memory(
             spec.model,
@@ -228,7 +229,6 @@ def plan_memory(spec: ClusterSpec, plan: Plan, in_flight: Sequence[float]) -> li
             plan.micro_batch_size,
             plan.seq_len,
             in_flight[k],
-            outer,
             **_recompute_of(spec, plan),
         )
         for k in range(plan.num_stages)

@@ -6,7 +6,7 @@ with the YAML's, or the measured, links); this module adds what the outer loop c
 One round of ``H`` inner steps, ``F`` fragments, each fragment's send overlapping ``tau``
 (``overlap``) inner steps, codec ``c``::
 
-    round = H · t_step + F · max(0, T_x − tau · t_step) + F · t_codec + t_outer
+    round = H · t_step + F · max(0, T_x − tau · t_step) + F · t_codec + t_outer + t_control
 
 * ``t_step``: the slowest group's inner step (every group waits for it at each exchange);
 * ``T_x``: one fragment's exchange, an all-gather of every group's *encoded* pseudo-gradient
@@ -34,11 +34,33 @@ One round of ``H`` inner steps, ``F`` fragments, each fragment's send overlappin
   Δ, momentum, theta_global; write momentum, theta_global, the master: 24 B); then the
   ZeRO-1 group all-gathers the updated weights inside its site, as after an inner step.
 
+* ``t_control``: the driver's control calls ([Note: the driver's control calls]).
+
 Tokens per round: ``H`` × the groups' tokens per inner step. Device utilisation: the
 devices' compute time (``1 - bubble`` of each group's step, for its devices, ``H`` times)
 over their time in the round. What binds is the largest loss of device time: bubbles
 inside the groups, waiting for the slowest group, the exposed exchange, the codec or the
 outer step.
+
+[Note: the driver's control calls]
+The driver starts every inner step's work with a call to every actor and waits for the answers
+(:mod:`geopipe.runtime.control.innerrun`): an outer run calls each actor once per *span* of
+inner steps, up to the next point where the driver acts (an outer apply, every ``H / F``
+steps; a checkpoint; an evaluation), at most :data:`SPAN_S` seconds of steps; then it gathers
+and applies the fragment, two more calls (:data:`OUTER_CALLS_PER_FRAGMENT`: the actors make
+the sends themselves). Every call waits for the farthest group's answer, so each costs the
+round trip from the driver to it plus a per-call overhead (Ray's call and the driver's own work
+on the answers, which the actors wait through)::
+
+    t_control = (H / steps_per_call + F · calls_per_fragment) · (RTT + overhead)
+
+:func:`steps_per_call` counts the spans exactly over one period of the boundaries. The driver
+is taken to sit in the first site listed (where the test bed, and usually a cluster, starts
+Ray's head): the RTT is the shortest-latency path there and back to the farthest site of any
+group. On emulated links the control plane is not emulated (every actor answers on this
+machine), so the RTT is 0 there; the overhead is the nominal :data:`CALL_OVERHEAD_S` until a
+run measures it (:mod:`geopipe.runtime.control.outercal` feeds this same function with the
+measured figures).
 """
 
 from __future__ import annotations
@@ -46,6 +68,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from itertools import pairwise
 
 from geopipe.config import ClusterSpec, OuterSetting
@@ -54,7 +77,20 @@ from geopipe.optimizer.evaluate import Evaluation, codec_speed
 from geopipe.plan import Plan
 from geopipe.transport.wire import transfer_time, wire_bytes
 
-__all__ = ["DELTA_ROW_LEN", "Hop", "RoundCost", "block_bytes", "price_round", "ring_hops"]
+__all__ = [
+    "CALL_OVERHEAD_S",
+    "DELTA_ROW_LEN",
+    "OUTER_CALLS_PER_FRAGMENT",
+    "Control",
+    "Hop",
+    "RoundCost",
+    "block_bytes",
+    "driver_rtt_s",
+    "planned_control",
+    "price_round",
+    "ring_hops",
+    "steps_per_call",
+]
 
 # Elements per int8 scale of an encoded pseudo-gradient: geopipe.outer.exchange.ROW_LEN (that
 # module imports torch, so the planner keeps its own copy; a unit test holds them equal).
@@ -62,6 +98,15 @@ DELTA_ROW_LEN = 256
 OUTER_STEP_BYTES = 40.0  # per parameter, besides 4 B per group averaged (module docstring)
 # A loss of device time below this share of the round is not named as what binds.
 _BINDS_FROM = 0.05
+# [Note: the driver's control calls]. SPAN_S and MAX_SPAN are the runtime's
+# (geopipe.runtime.control.innerrun, which imports Ray; a unit test holds them equal).
+SPAN_S = 5.0  # predicted seconds of inner steps per driver call at most
+MAX_SPAN = 1000  # inner steps per driver call at most
+OUTER_CALLS_PER_FRAGMENT = 2  # the gather and the apply (the actors send by themselves)
+# Nominal seconds of one driver call beyond the round trip (Ray's call, the driver's work on
+# the answers) until a run measures it: the order of what a call to a local actor takes.
+CALL_OVERHEAD_S = 0.005
+_HORIZON = 100_000  # steps_per_call counts spans over at most this many steps
 
 
 @dataclass(frozen=True)
@@ -161,6 +206,107 @@ def _outer_step_s(spec: ClusterSpec, plan: Plan, m: int, fragments: int) -> floa
     return worst
 
 
+@lru_cache(maxsize=4096)
+def steps_per_call(period: int, *intervals: int, cap: int = MAX_SPAN) -> float:
+    """Inner steps per driver call on average when each call runs up to the next multiple of
+    ``period`` (an outer apply: ``H / F``) or of any of ``intervals`` (checkpoints,
+    evaluations; 0 = none), at most ``cap`` steps: the spans counted exactly over one period
+    of all the boundaries (their least common multiple, at most :data:`_HORIZON` steps)."""
+    every = sorted({int(i) for i in (period, *intervals) if i and i > 0})
+    if not every or cap < 1:
+        raise ValueError(f"steps_per_call needs a period >= 1 and cap >= 1, got {every}, {cap}")
+    span = min(math.lcm(*every), _HORIZON)
+    ends = sorted({k for i in every for k in range(i, span + 1, i)} | {span})
+    calls = sum(-(-(b - a) // cap) for a, b in pairwise([0, *ends]))
+    return span / calls
+
+
+def span_cap(step_s: float) -> int:
+    """Inner steps per call at most for steps of ``step_s`` seconds (the runtime's rule)."""
+    return max(1, min(MAX_SPAN, int(SPAN_S / step_s) if step_s > 0 else 1))
+
+
+@lru_cache(maxsize=64)
+def _latencies(
+    sites: tuple[str, ...], links: tuple[tuple[str, str, float], ...]
+) -> dict[tuple[str, str], float]:
+    """One-way seconds between every two sites over the fastest path of ``links``
+    (``(src, dst, latency_s)``; one without an entry for its reverse serves both ways, as
+    :meth:`ClusterSpec.link` reads it): Floyd–Warshall over a handful of sites, memoised
+    (the strategy table prices thousands of rounds on one cluster)."""
+    best = {(a, b): 0.0 if a == b else math.inf for a in sites for b in sites}
+    listed = {(a, b) for a, b, _ in links}
+    for a, b, t in links:
+        best[a, b] = min(best[a, b], t)
+        if (b, a) not in listed:
+            best[b, a] = min(best[b, a], t)
+    for k in sites:
+        for a in sites:
+            for b in sites:
+                best[a, b] = min(best[a, b], best[a, k] + best[k, b])
+    return best
+
+
+def driver_rtt_s(spec: ClusterSpec, sites: Sequence[str], driver: str | None = None) -> float:
+    """The round trip from the driver's site (default: the first listed) to the farthest of
+    ``sites`` and back over the links; 0 on emulated links ([Note: the driver's control
+    calls])."""
+    if spec.ray.links_emulated or not sites:
+        return 0.0
+    driver = driver or spec.sites[0].name
+    names = tuple(s.name for s in spec.sites)
+    one_way = _latencies(names, tuple((lk.src, lk.dst, lk.latency_s) for lk in spec.links))
+    return max(one_way[driver, s] + one_way[s, driver] for s in sites)
+
+
+@dataclass(frozen=True)
+class Control:
+    """The driver's control calls of an outer run ([Note: the driver's control calls])."""
+
+    rtt_s: float  # the driver to the farthest group and back
+    overhead_s: float = CALL_OVERHEAD_S  # per call, beyond the round trip
+    steps_per_call: float = 1.0  # inner steps each call to the actors runs, on average
+    calls_per_fragment: int = OUTER_CALLS_PER_FRAGMENT  # at each apply
+
+    def __post_init__(self) -> None:
+        if not self.steps_per_call >= 1:
+            raise ValueError(f"steps_per_call must be >= 1, got {self.steps_per_call}")
+        if self.rtt_s < 0 or self.overhead_s < 0 or self.calls_per_fragment < 0:
+            raise ValueError(f"control figures must be >= 0: {self}")
+
+    @property
+    def call_s(self) -> float:
+        return self.rtt_s + self.overhead_s
+
+    def calls(self, setting: OuterSetting) -> float:
+        """Driver calls per round."""
+        return setting.h / self.steps_per_call + setting.fragments * self.calls_per_fragment
+
+    def round_s(self, setting: OuterSetting) -> float:
+        return self.calls(setting) * self.call_s
+
+
+def planned_control(
+    spec: ClusterSpec,
+    groups: Sequence[Sequence[str]],
+    setting: OuterSetting,
+    step_s: float,
+    overhead_s: float = CALL_OVERHEAD_S,
+    cap: int | None = None,
+) -> Control:
+    """The control calls of ``setting`` between ``groups`` with inner steps of ``step_s``:
+    the runtime's spans (apply, checkpoint and evaluation boundaries, at most ``cap`` steps:
+    default :data:`SPAN_S` seconds of steps), the links' round trip, ``overhead_s``."""
+    t = spec.training
+    ev = t.eval.every_steps if t.eval is not None else 0
+    period = setting.h // setting.fragments
+    per_call = steps_per_call(
+        period, t.checkpoint.every_steps, ev, cap=cap if cap else span_cap(step_s)
+    )
+    rtt = driver_rtt_s(spec, [s for g in groups for s in g])
+    return Control(rtt, overhead_s, per_call)
+
+
 @dataclass(frozen=True)
 class RoundCost:
     """One outer round's time and where it goes (module docstring)."""
@@ -171,6 +317,7 @@ class RoundCost:
     exposed_s: float  # per round: the exchange compute did not hide
     codec_s: float  # per round
     outer_step_s: float  # per round
+    control: Control  # the driver's calls
     tokens: int  # per round, all groups
     wan_bytes: float  # per round, every ring hop
     device_utilization: float
@@ -178,7 +325,13 @@ class RoundCost:
 
     @property
     def round_s(self) -> float:
-        return self.setting.h * self.step_s + self.exposed_s + self.codec_s + self.outer_step_s
+        h = self.setting.h
+        return h * self.step_s + self.exposed_s + self.codec_s + self.outer_step_s + self.control_s
+
+    @property
+    def control_s(self) -> float:
+        """Per round: the driver's calls ([Note: the driver's control calls])."""
+        return self.control.round_s(self.setting)
 
     @property
     def tokens_per_s(self) -> float:
@@ -193,6 +346,10 @@ class RoundCost:
             "exposed_s": self.exposed_s,
             "codec_s": self.codec_s,
             "outer_step_s": self.outer_step_s,
+            "control_s": self.control_s,
+            "control_rtt_s": self.control.rtt_s,
+            "control_overhead_s": self.control.overhead_s,
+            "steps_per_call": self.control.steps_per_call,
             "wan_bytes": self.wan_bytes,
         }
 
@@ -213,19 +370,24 @@ def price_round(
     groups: Sequence[Sequence[str]],
     evaluations: Sequence[Evaluation],
     setting: OuterSetting,
+    control: Control | None = None,
 ) -> RoundCost:
     """The round of ``setting`` between ``groups`` (site names, contiguous runs of the site
-    order), each running the plan of its feasible evaluation (same order)."""
+    order), each running the plan of its feasible evaluation (same order; its
+    ``iteration_time_s`` is the group's inner step), the driver's calls priced by
+    ``control`` (default: :func:`planned_control`)."""
     m, f = len(groups), setting.fragments
     plans = [e.plan for e in evaluations]
     step = max(e.iteration_time_s for e in evaluations)
+    control = control or planned_control(spec, groups, setting, step)
     blocks = [block_bytes(spec, p, setting) for p in plans]
-    exchange, slowest_hop = _all_gather_s(ring_hops(spec, groups), blocks)
+    # One group left (the others lost): nothing to exchange.
+    exchange, slowest_hop = _all_gather_s(ring_hops(spec, groups), blocks) if m > 1 else (0, "")
     exposed = f * max(0.0, exchange - setting.overlap * step)
     codec = f * max(_codec_s(spec, p, setting, m) for p in plans)
     outer = max(_outer_step_s(spec, p, m, f) for p in plans)
     devices = [p.pipelines * p.num_stages for p in plans]
-    round_s = setting.h * step + exposed + codec + outer
+    round_s = setting.h * step + exposed + codec + outer + control.round_s(setting)
     busy = sum(
         n * setting.h * e.device_utilization * e.iteration_time_s
         for n, e in zip(devices, evaluations, strict=True)
@@ -242,6 +404,7 @@ def price_round(
         f"exchange over {slowest_hop}": sum(devices) * exposed,
         "pseudo-gradient codec": sum(devices) * codec,
         "outer step": sum(devices) * outer,
+        "the driver's control calls": sum(devices) * control.round_s(setting),
     }
     what, lost = max(losses.items(), key=lambda kv: kv[1])
     return RoundCost(
@@ -251,6 +414,7 @@ def price_round(
         exposed_s=exposed,
         codec_s=codec,
         outer_step_s=outer,
+        control=control,
         tokens=setting.h * sum(e.tokens_per_iteration for e in evaluations),
         wan_bytes=f * (m - 1) * sum(blocks),
         device_utilization=busy / (sum(devices) * round_s),

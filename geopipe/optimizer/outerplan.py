@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from geopipe.config import ClusterSpec, OuterSetting
 from geopipe.optimizer.errors import PlanningError
+from geopipe.optimizer.evaluate import Evaluation
 from geopipe.plan import PipelineLayout, Plan
 
 __all__ = ["OuterRun", "outer_run"]
@@ -38,6 +39,12 @@ class OuterRun:
     lr: float
     momentum: float
     round_s: float  # the planner's prediction of one round (H inner steps and the exchange)
+    # Each group's sites and the evaluation its plan was chosen by (the strategy table's),
+    # so that calibration re-prices the round with measured figures
+    # (geopipe.runtime.control.outercal).
+    groups: tuple[tuple[str, ...], ...] = ()
+    evaluations: tuple[Evaluation, ...] = ()
+    control_s: float = 0.0  # of round_s: the driver's calls (outer_cost)
 
     @property
     def h(self) -> int:
@@ -54,6 +61,7 @@ class OuterRun:
             "momentum": self.momentum,
             "groups": self.plan.num_groups,
             "round_s": self.round_s,
+            "control_s": self.control_s,
         }
 
 
@@ -108,7 +116,10 @@ def outer_run(spec: ClusterSpec, chosen: object) -> OuterRun:
         groups=tuple(groups),
     )
     s = chosen.setting
-    return OuterRun(plan, s, s.lr, s.momentum, chosen.round.round_s)
+    cost = chosen.round
+    groups = tuple(tuple(g) for g in chosen.groups)
+    evals = tuple(chosen.evaluations)
+    return OuterRun(plan, s, s.lr, s.momentum, cost.round_s, groups, evals, cost.control_s)
 
 
 def _layout(p: Plan) -> tuple:

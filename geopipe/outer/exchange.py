@@ -45,13 +45,15 @@ def encode_delta(delta: Tensor, codec: Codec, key: str = "outer") -> Encoded:
     """Encode one group's flat fp32 pseudo-gradient of a fragment, as rows of ``ROW_LEN``.
 
     ``key`` names the error-feedback stream of a stateful codec (top-k): use one key per
-    fragment, e.g. ``"outer/3"``, on the group's own codec object."""
-    flat = delta.detach().to(torch.float32).reshape(-1)
+    fragment, e.g. ``"outer/3"``, on the group's own codec object. The rows are laid out on
+    the host, where the codecs work, whatever device ``delta`` is on."""
+    flat = delta.detach().to("cpu", torch.float32).reshape(-1)
     return codec.encode(_padded_rows(flat), key=key, direction="backward")
 
 
 def decode_delta(enc: Encoded, numel: int) -> Tensor:
-    """The flat fp32 pseudo-gradient of ``numel`` elements that ``enc`` carries."""
+    """The flat fp32 pseudo-gradient of ``numel`` elements that ``enc`` carries (on the host,
+    as every codec decodes)."""
     rows = -(-numel // ROW_LEN)
     if tuple(enc.shape) != (rows, ROW_LEN):
         raise ValueError(

@@ -13,6 +13,23 @@ Why fp32 and a copy of its own: the pseudo-gradient must come from the fp32 mast
 (under ZeRO-1, DeepSpeed's partitions), and theta_global must be identical in every group, so
 it is held here, in fp32, apart from the weights the inner optimizer moves.
 
+[Note: the outer state lives on the host]
+theta_global, the outer momentum and every flat vector this class returns (:meth:`gather`,
+:meth:`pseudo_gradient`) are CPU tensors, whatever device the weights are on; :meth:`scatter`
+and :meth:`copy_to` write into each target tensor on its own device. Why the host: the state is
+8 B per parameter (theta_global and the momentum, fp32), two thirds of what ZeRO-1's masters
+and Adam moments take again, touched once per round (every ``H`` inner steps) and never by the
+inner steps, and everything it meets is on the host anyway: the pseudo-gradient is encoded and
+the peers' payloads are decoded there (:mod:`geopipe.transport.codec` works on CPU tensors).
+On the device it would cost that memory for the whole run to save one device-to-host copy of
+the partition per round, a copy small beside the WAN transfer it feeds. torchft's DiLoCo
+keeps its backup of the global parameters on the host for the same reason (its outer
+momentum sits with the model, since its outer step runs on the model's parameters; here the
+step is elementwise on flat host vectors, so the momentum goes with theta_global). Not
+pinned: pinning needs CUDA, and the copies are once per round. The planner's memory model
+counts none of it in device memory
+(:func:`geopipe.optimizer.memory.outer_state_bytes_per_param`).
+
 The inner optimizer's state (Adam's moments and step count) is *not* reset at a round: after
 an outer step the local weights are set to theta_global and the inner optimizer goes on from
 its state, as DiLoCo and torchft do. Resetting it would re-run Adam's bias-corrected early
@@ -30,14 +47,24 @@ from torch import Tensor
 
 from geopipe.outer.fragments import fragment_bounds
 
-__all__ = ["OuterOptimizer", "pseudo_gradient"]
+__all__ = ["HOME", "OuterOptimizer", "pseudo_gradient"]
+
+# where the outer state lives ([Note: the outer state lives on the host])
+HOME = torch.device("cpu")
 
 
 def pseudo_gradient(theta_global: Tensor, theta_local: Tensor) -> Tensor:
     """``theta_global - theta_local`` in fp32: the direction the inner steps moved, negated,
     so that an SGD step along it (``theta - lr * delta``) moves toward the local weights.
-    torchft flipped this sign once (its PR #233); the unit tests pin it against SGD."""
-    return theta_global.detach().to(torch.float32) - theta_local.detach().to(torch.float32)
+    torchft flipped this sign once (its PR #233); the unit tests pin it against SGD. On the
+    host, wherever either operand is ([Note: the outer state lives on the host])."""
+    a = theta_global.detach().to(HOME, torch.float32)
+    return a - theta_local.detach().to(HOME, torch.float32)
+
+
+def _home_copy(t: Tensor) -> Tensor:
+    """A contiguous fp32 copy of ``t`` on the host, owning its memory."""
+    return t.detach().to(HOME, torch.float32, copy=True).contiguous()
 
 
 def _as_list(tensors: Tensor | Sequence[Tensor]) -> list[Tensor]:
@@ -45,7 +72,9 @@ def _as_list(tensors: Tensor | Sequence[Tensor]) -> list[Tensor]:
 
 
 class OuterOptimizer:
-    """theta_global (fp32 tensors: one flat partition, or a list) and the outer momentum.
+    """theta_global (fp32 tensors: one flat partition, or a list) and the outer momentum, kept
+    on the host whatever device ``theta`` is given on ([Note: the outer state lives on the
+    host]).
 
     ``fragments`` splits every tensor into that many equal contiguous slices; fragment ``f``
     is slice ``f`` of each tensor, flattened and concatenated in tensor order
@@ -71,9 +100,7 @@ class OuterOptimizer:
         self.lr = float(lr)
         self.momentum = float(momentum)
         self.fragments = int(fragments)
-        self.theta: list[Tensor] = [
-            t.detach().to(torch.float32, copy=True).contiguous() for t in tensors
-        ]
+        self.theta: list[Tensor] = [_home_copy(t) for t in tensors]
         self._bounds = [fragment_bounds(t.numel(), self.fragments) for t in self.theta]
         self._buf: list[Tensor | None] = [None] * self.fragments
         self._steps = [0] * self.fragments
@@ -87,12 +114,13 @@ class OuterOptimizer:
 
     def gather(self, tensors: Tensor | Sequence[Tensor], fragment: int) -> Tensor:
         """Slice ``fragment`` of each tensor (shaped like theta), flattened and concatenated
-        into a new fp32 vector."""
+        into a new fp32 vector on the host (copied from the tensors' device)."""
         parts = self._parts(tensors, fragment)
-        return torch.cat([p.to(torch.float32) for p in parts])
+        return torch.cat([p.detach().to(HOME, torch.float32) for p in parts])
 
     def scatter(self, flat: Tensor, tensors: Tensor | Sequence[Tensor], fragment: int) -> None:
-        """Write the flat vector ``flat`` into slice ``fragment`` of each tensor (in place)."""
+        """Write the flat vector ``flat`` into slice ``fragment`` of each tensor, in place and
+        on each tensor's own device and dtype (``copy_`` moves and casts)."""
         parts = self._parts(tensors, fragment)
         if flat.numel() != sum(p.numel() for p in parts):
             raise ValueError(
@@ -123,7 +151,7 @@ class OuterOptimizer:
         ``buf = g`` on the first step, else ``buf = momentum * buf + g``;
         ``g = g + momentum * buf`` (Nesterov); ``theta -= lr * g``."""
         self._check_fragment(fragment)
-        g = avg_pseudo_grad.detach().to(torch.float32).reshape(-1)
+        g = avg_pseudo_grad.detach().to(HOME, torch.float32).reshape(-1)
         if g.numel() != self.fragment_numel(fragment):
             raise ValueError(
                 f"fragment {fragment} holds {self.fragment_numel(fragment)} elements, "
@@ -156,7 +184,7 @@ class OuterOptimizer:
         h = hashlib.sha256()
         for t in self.theta:
             h.update(repr(tuple(t.shape)).encode())
-            h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+            h.update(t.detach().to(HOME).contiguous().view(torch.uint8).numpy().tobytes())
         return h.hexdigest()
 
     def state_dict(self) -> dict[str, Any]:
@@ -185,8 +213,8 @@ class OuterOptimizer:
                 raise ValueError(f"outer momentum of fragment {f} has {b.numel()} elements")
         self.lr = float(state["lr"])
         self.momentum = float(state["momentum"])
-        self.theta = [t.detach().to(torch.float32, copy=True).contiguous() for t in theta]
-        self._buf = [None if b is None else b.detach().to(torch.float32, copy=True) for b in bufs]
+        self.theta = [_home_copy(t) for t in theta]
+        self._buf = [None if b is None else _home_copy(b) for b in bufs]
         self._steps = [int(s) for s in state["steps"]]
 
     # ------------------------------------------------------------------ helpers

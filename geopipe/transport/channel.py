@@ -36,7 +36,18 @@ from geopipe.transport.codec import (
 )
 from geopipe.transport.link import DelayedMailbox, MailboxClosedError
 
-__all__ = ["Inbox", "P2PReceiver", "P2PSender"]
+__all__ = ["Inbox", "P2PReceiver", "P2PSender", "p2p_device"]
+
+
+def p2p_device(group: Any = None) -> torch.device:
+    """Where a point-to-point message on ``group`` (None: the default group) must be: NCCL
+    moves CUDA tensors only, on this process's current device (the one DeepSpeed set for
+    the engine: a Ray actor sees only its own GPU), gloo host tensors. A receive buffer
+    allocated elsewhere fails under NCCL ("No backend type associated with device type
+    cpu"), so the receiver allocates here and the sender moves what it is handed here."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 @dataclass(frozen=True)
@@ -133,7 +144,7 @@ class P2PSender:
         self._works: list[Any] = []
 
     def send(self, tag: int, tensor: torch.Tensor) -> None:
-        t = tensor.detach().contiguous()
+        t = tensor.detach().to(p2p_device(self.group)).contiguous()
         self._works.append((dist.isend(t, self.dst, group=self.group, tag=tag), t))
 
     def wait_all(self) -> None:
@@ -158,12 +169,14 @@ class P2PReceiver:
         dtype: torch.dtype = torch.float32,
     ) -> None:
         """Receive ``(key, tag, shape)`` messages of ``dtype`` in this order on a background
-        thread."""
+        thread, into buffers on the backend's device (:func:`p2p_device`, found here, on
+        the caller's thread: a CUDA current device is per thread)."""
         self.join()
+        device = p2p_device(self.group)
 
         def run() -> None:
             for key, tag, shape in expected:
-                buf = torch.empty(shape, dtype=dtype)
+                buf = torch.empty(shape, dtype=dtype, device=device)
                 try:
                     t0 = time.perf_counter()
                     dist.recv(buf, self.src, group=self.group, tag=tag)

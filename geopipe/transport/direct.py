@@ -82,8 +82,9 @@ _USER_TIMEOUT_S = USER_TIMEOUT_S  # the receiver's (:mod:`.receiver`), for the s
 
 def relative_error(t: torch.Tensor, enc: Encoded) -> float:
     """How far a message's decoding is from the tensor sent: ||x̂ - x|| / ||x|| (0 for x = 0
-    sent exactly). Top-k's error is that of the message, not of the error-fed sum."""
-    x = t.detach().to(torch.float32).reshape(-1)
+    sent exactly). Top-k's error is that of the message, not of the error-fed sum. On the
+    host, where the decoding is, whatever device ``t`` is on."""
+    x = t.detach().to("cpu", torch.float32).reshape(-1)
     norm = float(x.norm())
     diff = float((decode(enc).reshape(-1) - x).norm())
     return diff / norm if norm > 0 else diff

@@ -21,12 +21,17 @@ import yaml
 pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parents[2]
 RAY_PROCS = ("raylet", "gcs_server", "dashboard.py")
+# Every command these tests start carries this in its environment, and so does every Ray
+# process it starts (Ray hands its daemons a copy of the starter's environment): the Ray
+# processes these tests look for are their commands' own, whatever else runs beside them
+# (the other tests' Rays on the other pytest-xdist worker, see tests/conftest.py).
+TAG = f"GEOPIPE_TEST_CLI={os.getpid()}-{time.time_ns()}"
 
 
 def ray_processes() -> list[str]:
-    """Ray's processes of this environment in this network namespace (a test bed's Ray in
-    a namespace of its own, see geopipe.testbed, is another machine as far as these tests
-    go)."""
+    """Ray's processes of the commands these tests started, in this network namespace (a
+    test bed's Ray in a namespace of its own, see geopipe.testbed, is another machine as
+    far as these tests go)."""
     here = os.readlink("/proc/self/ns/net")
     out = []
     for proc in Path("/proc").iterdir():
@@ -34,13 +39,23 @@ def ray_processes() -> list[str]:
             if not proc.name.isdigit() or os.readlink(proc / "ns/net") != here:
                 continue
             args = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            if not any(p in args for p in RAY_PROCS):
+                continue
+            ours = TAG.encode() in (proc / "environ").read_bytes().split(b"\0")
         except OSError:  # gone meanwhile, or not ours to read
             continue
-        # Only Ray started from this checkout's environment: other checkouts' test runs
-        # on the same host are other machines as far as these tests go.
-        if sys.prefix in args and any(p in args for p in RAY_PROCS):
+        # Only Ray started from this checkout's environment by these tests: other test
+        # runs on the same host are other machines as far as these tests go.
+        if sys.prefix in args and ours:
             out.append(args)
     return out
+
+
+def env_of_a_command() -> dict[str, str]:
+    """The environment of a command these tests start: token authentication, as a user's
+    run has it, and :data:`TAG`."""
+    name, value = TAG.split("=")
+    return {**os.environ, "RAY_AUTH_MODE": "token", name: value}
 
 
 def wait_no_ray(timeout: float = 20.0) -> list[str]:
@@ -53,7 +68,7 @@ def wait_no_ray(timeout: float = 20.0) -> list[str]:
 
 
 def geopipe(*args: str, **kw) -> subprocess.CompletedProcess:
-    env = {**os.environ, "RAY_AUTH_MODE": "token"}
+    env = env_of_a_command()
     return subprocess.run(
         [sys.executable, "-m", "geopipe.cli", *args],
         capture_output=True,
@@ -75,7 +90,7 @@ def launch_until_first_step(run_dir: Path, stdout: int) -> subprocess.Popen:
     cluster = run_dir / "one-device-per-site.yaml"
     cluster.write_text(yaml.safe_dump(doc))
     metrics = run_dir / "metrics.jsonl"
-    env = {**os.environ, "RAY_AUTH_MODE": "token"}
+    env = env_of_a_command()
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -105,7 +120,7 @@ def launch_until_first_step(run_dir: Path, stdout: int) -> subprocess.Popen:
 
 
 def test_launch_default_cluster_trains_and_cleans_up(tmp_path):
-    assert wait_no_ray() == [], "another Ray is running; this test needs the machine"
+    assert wait_no_ray() == [], "an earlier test's Ray is still running"
     metrics = tmp_path / "metrics.jsonl"
     proc = geopipe(
         "launch",
@@ -170,7 +185,7 @@ def test_connect_starts_ray_with_a_one_second_kill_grace():
         "print('GRACE', ray.get(grace.remote()))\n"
         "ray.shutdown()\n"
     )
-    env = {**os.environ, "RAY_AUTH_MODE": "token"}
+    env = env_of_a_command()
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120
     )

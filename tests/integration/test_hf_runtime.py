@@ -142,11 +142,28 @@ def token_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp / "ds"
 
 
+@pytest.fixture(scope="module")
+def fp32_runs(tmp_path_factory: pytest.TempPathFactory):
+    """``fp32_runs(name)``: (model directory, document, controller, steps) of the 3-step
+    fp32 run of family ``name``, launched once for every test of the module that trains it
+    (the family's parity test and the bf16 comparison; a launch costs seconds of actor
+    start-up). Callers must not modify what they get."""
+    done: dict[str, tuple] = {}
+
+    def get(name: str) -> tuple:
+        if name not in done:
+            tmp = tmp_path_factory.mktemp(name)
+            model_dir = save_model(tmp, name)
+            doc = hf_doc(model_dir, name)
+            done[name] = (model_dir, doc, *launch(doc, tmp / "run"))
+        return done[name]
+
+    return get
+
+
 @pytest.mark.parametrize("name", sorted(FAMILIES))
-def test_hf_family_across_two_sites_matches_transformers(tmp_path: Path, name: str) -> None:
-    model_dir = save_model(tmp_path, name)
-    doc = hf_doc(model_dir, name)
-    ctl, steps = launch(doc, tmp_path / "run")
+def test_hf_family_across_two_sites_matches_transformers(fp32_runs, name: str) -> None:
+    model_dir, doc, ctl, steps = fp32_runs(name)
     assert ctl.plan.stage_sites == ("east", "west")
     ref_losses, ref_norms = reference(doc, model_dir)
     assert [m.loss for m in steps] == pytest.approx(ref_losses, abs=1e-5)
@@ -210,12 +227,12 @@ def test_bf16_resume_is_exact(tmp_path: Path, token_dataset: Path) -> None:
             assert torch.equal(t, resumed_state[group][name]), (group, name)
 
 
-def test_bf16_trains_in_bf16_and_halves_activations(tmp_path: Path) -> None:
+def test_bf16_trains_in_bf16_and_halves_activations(tmp_path: Path, fp32_runs) -> None:
     """The same Llama in bf16: close to fp32 (3 steps: within 2 %); what crosses the WAN is
     bf16 (codec none: exactly half fp32's bytes); the activations a stage holds shrink too,
-    though not to half: RMSNorm and the loss upcast to fp32 and keep those copies."""
-    model_dir = save_model(tmp_path, "llama-gqa-untied")
-    _, fp32 = launch(hf_doc(model_dir, "bf16ref"), tmp_path / "fp32")
+    though not to half: RMSNorm and the loss upcast to fp32 and keep those copies. The fp32
+    run is the family test's (the same seeded model, document and batches)."""
+    model_dir, _, _, fp32 = fp32_runs("llama-gqa-untied")
     doc = hf_doc(model_dir, "bf16run", precision="bf16")
     _, bf16 = launch(doc, tmp_path / "bf16")
     for a, b in zip(fp32, bf16, strict=True):

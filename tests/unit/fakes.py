@@ -221,6 +221,14 @@ class FakePending:
 
 
 _STAGE_METHODS = {n for n in vars(StageActor) if not n.startswith("_")}
+_STEP_CALLS = ("run_iteration", "run_iterations")  # a step, or a span of steps
+
+
+def _steps_of(p: FakePending) -> range:
+    """The steps a step call runs: ``run_iteration(step)``, ``run_iterations(start, count)``."""
+    return range(p.args[0], p.args[0] + (p.args[1] if p.method == "run_iterations" else 1))
+
+
 _STORE_METHODS = {n for n in vars(SiteStoreActor) if not n.startswith("_")}
 
 
@@ -347,37 +355,39 @@ class FakeWorkers:
         with self.lock:
             p = FakePending(actor, method, args, kwargs)
             self.calls.append((actor.name, method))
-            if method == "run_iteration":  # answers once the step's calls are all started
+            if method in _STEP_CALLS:  # answers once the step's calls are all started
                 self._outstanding.append(p)
-                self._step_started(actor, args[0])
-                p.broken = p.broken or self._breaking == args[0]
+                self._step_started(actor, _steps_of(p))
+                p.broken = p.broken or self._breaking in _steps_of(p)
             elif not self._try(p):  # anything else is answered at once if it can be
                 self._outstanding.append(p)
             return p
 
-    def _step_started(self, actor: FakeActor, step: int) -> None:
-        """Faults that strike when a step starts; a death or freeze breaks the step."""
-        if not self._starting:  # a new attempt at the step: what it saw is counted anew
+    def _step_started(self, actor: FakeActor, steps: range) -> None:
+        """Faults that strike when a step (or a span of them: ``run_iterations``) starts; a
+        death or freeze breaks the step."""
+        if not self._starting:  # a new attempt at the steps: what they saw is counted anew
             self._starting = True
-            self.samples[step] = {}
-        self.max_step = max(self.max_step, step)
+            for step in steps:
+                self.samples[step] = {}
+        self.max_step = max(self.max_step, steps[0])
         for o in self.outages:
-            if o["start"] is None and o["at_step"] == step:
+            if o["start"] is None and o["at_step"] in steps:
                 o["start"], o["end"] = time.monotonic(), time.monotonic() + o["seconds"]
         f = actor.fault
-        if f is not None and f.die_at_step == step and not actor.dead:
-            self._die(actor, f"the actor died in step {step} (injected)")
-        if f is not None and f.freeze_at_step == step:
+        if f is not None and f.die_at_step in steps and not actor.dead:
+            self._die(actor, f"the actor died in step {f.die_at_step} (injected)")
+        if f is not None and f.freeze_at_step in steps:
             actor.frozen = True
         if actor.dead or actor.frozen:
-            self._break(step)
+            self._break(steps[0])
 
     def _break(self, step: int) -> None:
         """Step ``step`` cannot finish: its calls wait until aborted (peers blocked on a
         replica that will never send, or in a collective it will never join)."""
         self._breaking = step
         for p in self._outstanding:
-            if p.method == "run_iteration" and p.args[0] == step:
+            if p.method in _STEP_CALLS and step in _steps_of(p):
                 p.broken = True
 
     def kill(self, actor: FakeActor) -> None:
@@ -389,7 +399,7 @@ class FakeWorkers:
     def _die(self, actor: FakeActor, why: str) -> None:
         actor.dead, actor.frozen = why, False
         for p in list(self._outstanding):  # the step it was in cannot finish
-            if p.actor is actor and p.method == "run_iteration":
+            if p.actor is actor and p.method in _STEP_CALLS:
                 self._break(p.args[0])
         if isinstance(actor.body, FakeStage):
             actor.body.leave_world()
@@ -472,10 +482,10 @@ class FakeWorkers:
                 raise _Die(f"the actor died in {p.method} (injected)")
             if p.method in f.raise_on:
                 raise RuntimeError(f.raise_on[p.method])
-        if p.method == "run_iteration":
+        if p.method in _STEP_CALLS:
             if p.broken and not a.body.aborted:
                 raise _Block  # waits for a peer that will never send, until aborted
-            if time.monotonic() < p.issued + self.step_s:
+            if time.monotonic() < p.issued + self.step_s * len(_steps_of(p)):
                 raise _Block
         out = getattr(a.body, p.method)(*args, **kwargs)
         if f is not None and p.method == "save_shard":
@@ -496,7 +506,7 @@ class FakeWorkers:
                     return True
                 body = a.body
                 if (
-                    method == "run_iteration"
+                    method in _STEP_CALLS
                     and not body.aborted
                     and o["site"] in body.plan.stage_sites
                 ):
@@ -544,6 +554,7 @@ class FakeStage:
         self._blobs: dict[int, bytes] = {}  # in-memory shards (per-site copies)
         self._last_save: int | None = None
         self._written: dict[int, Any] = {}  # step -> the writer's ShardInfo
+        self.sent: list[tuple[int, int]] = []  # outer sends a span made (steps done, fragment)
         self.configure(spec)
 
     def configure(self, spec: StageSpec) -> None:
@@ -631,6 +642,18 @@ class FakeStage:
         if self.spec.recovery_snapshots:
             self._take(step + 1)
         return self._result(step, record)
+
+    def run_iterations(self, start: int, count: int, record: list, sends: dict) -> list:
+        """A span of steps (:mod:`geopipe.runtime.actor.inner_run`); the fake has no outer
+        state, so a send is only noted (``sent``: (steps done, fragment))."""
+        out = []
+        for step in range(start, start + count):
+            res = self.run_iteration(step, step in record)
+            if step + 1 in sends:
+                self.sent.append((step + 1, sends[step + 1]))
+                res.outer_sent = {"fragment": sends[step + 1], "payload_bytes": 0}
+            out.append(res)
+        return out
 
     def _result(self, step: int, record: bool) -> IterationResult:
         from geopipe.model.data import group_sample_indices

@@ -192,13 +192,12 @@ def test_uncommitted_save_is_partial_ignored_and_pruned_once_stale(tmp_path: Pat
     w = CheckpointWriter(tmp_path, 20)
     for k, layers in enumerate(SPLIT):
         w.write_shard(k, _state(_names(layers), 99))
+    tmp_name = w.tmp_dir.name
+    assert tmp_name.startswith(f".tmp-step-00000020-{os.getpid()}-")  # one dir per save
     del w  # the process "dies" before commit: no abort, the tmp dir stays behind
     gc.collect()
 
-    assert _statuses(tmp_path) == {
-        "step-00000010": "complete",
-        f".tmp-step-00000020-{os.getpid()}": "partial",
-    }
+    assert _statuses(tmp_path) == {"step-00000010": "complete", tmp_name: "partial"}
     best = latest_complete(tmp_path)
     assert best is not None and best.step == 10
     got = load_checkpoint(best.path).stage(0).tensors()
@@ -207,7 +206,7 @@ def test_uncommitted_save_is_partial_ignored_and_pruned_once_stale(tmp_path: Pat
     assert prune(tmp_path, keep=3) == []  # newer than every complete one: may still be running
     _save(tmp_path, 30)
     removed = prune(tmp_path, keep=3)
-    assert [p.name for p in removed] == [f".tmp-step-00000020-{os.getpid()}"]
+    assert [p.name for p in removed] == [tmp_name]
     assert _statuses(tmp_path) == {"step-00000010": "complete", "step-00000030": "complete"}
 
 
@@ -230,11 +229,12 @@ def test_save_killed_mid_write_leaves_previous_checkpoint_loadable(tmp_path: Pat
     )
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "writing"
-        tmp_dir = tmp_path / f".tmp-step-00000020-{proc.pid}"
         deadline = time.monotonic() + 60
         # safetensors streams into a hidden temp file and renames it to stage-0.safetensors
         # when done, so the first entry to appear means the write has begun
+        tmp_dir = tmp_path / "none-yet"
         while not (tmp_dir.is_dir() and any(tmp_dir.iterdir())) and time.monotonic() < deadline:
+            tmp_dir = next(tmp_path.glob(f".tmp-step-00000020-{proc.pid}-*"), tmp_dir)
             assert proc.poll() is None, "the writer exited before it was killed"
             time.sleep(0.001)
         os.kill(proc.pid, signal.SIGKILL)
@@ -245,7 +245,7 @@ def test_save_killed_mid_write_leaves_previous_checkpoint_loadable(tmp_path: Pat
     assert not (tmp_dir / "stage-0.safetensors").exists(), "the kill landed after the write"
 
     infos = {i.path.name: i for i in list_checkpoints(tmp_path)}
-    partial = infos[f".tmp-step-00000020-{proc.pid}"]
+    partial = infos[tmp_dir.name]
     assert (partial.status, partial.step) == ("partial", 20)
     best = latest_complete(tmp_path)
     assert best is not None and best.step == 10

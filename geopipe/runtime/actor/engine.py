@@ -65,6 +65,8 @@ __all__ = [
     "EngineConfig",
     "ModelError",
     "StageEngine",
+    "add_received",
+    "add_tied_gradient",
     "destroy_process_group",
     "init_process_group",
     "lr_factor",
@@ -119,6 +121,28 @@ def engine_lr_factor(cfg: EngineConfig) -> LRFactor:
         cfg.wsd_decay_steps,
         cfg.lr_table,
     )
+
+
+def add_tied_gradient(grad: Tensor, exchange: Callable[[Tensor], Tensor]) -> None:
+    """Swap gradients with the other copy of a tied embedding; add the other's to ``grad``.
+
+    ``exchange`` is handed a host snapshot of ``grad`` taken before the add, not ``grad``
+    itself: the direct channel may encode a queued message after ``exchange`` returned, by
+    which time the add would have changed it (and the encoder reads a host copy anyway: the
+    codecs work on CPU). The other copy's gradient comes back as the wire left it
+    (:func:`add_received`)."""
+    mine = grad.detach().to("cpu", copy=True)
+    add_received(grad, exchange(mine))
+
+
+def add_received(grad: Tensor, other: Tensor) -> None:
+    """``grad += other`` for a tensor that came off the wire: a float32 CPU tensor (the codecs
+    decode to CPU), while ``grad`` lives on the engine's device in the training dtype.
+    ``other`` is moved to ``grad``'s device and dtype first: a CPU tensor added into a CUDA
+    one is the "found at least two devices, cuda:0 and cpu" of the first GPU run. A tied
+    copy's gradient travels in the training dtype (codec ``none`` widens it to fp32
+    exactly), so the cast back is exact and both copies add bitwise the same two values."""
+    grad.add_(other.to(device=grad.device, dtype=grad.dtype))
 
 
 def param_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -426,7 +450,7 @@ class StageEngine:
         A stage holding one copy of a tied embedding first adds the other copy's gradient:
         ``exchange`` sends this copy's and returns the other's ([Note: tied embeddings across
         stages] in :mod:`geopipe.model.hf`). Both sides add the same two tensors, so the
-        copies receive bitwise-equal gradients."""
+        copies receive bitwise-equal gradients (:func:`add_tied_gradient`)."""
         if self._tied is not None:
             if exchange is None:
                 raise RuntimeError(
@@ -435,8 +459,7 @@ class StageEngine:
                 )
             if self._tied.grad is None:
                 self._tied.grad = torch.zeros_like(self._tied)
-            other = exchange(self._tied.grad.detach())
-            self._tied.grad.add_(other.to(self._tied.grad.dtype))
+            add_tied_gradient(self._tied.grad, exchange)
         if self.cfg.defer_step:
             t0 = time.perf_counter()
             self.reducing = True

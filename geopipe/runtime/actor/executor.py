@@ -61,6 +61,9 @@ class IterationResult:
     grad_norm: float | None = None  # this stage's gradient norm (over its ZeRO-1 group)
     # the latest sampled relative error of each lossy WAN codec it sends with, by direction
     codec_error: dict[str, float] = field(default_factory=dict)
+    # an outer-loop run's send this replica made itself after the step (the answer of
+    # ``OuterLoop.send``; :mod:`geopipe.runtime.actor.inner_run`), else None
+    outer_sent: dict[str, Any] | None = None
 
 
 # The step-time breakdown. On the compute thread, adding up to ``duration_s``: forward,

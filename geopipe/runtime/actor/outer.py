@@ -15,6 +15,10 @@ A fragment is slice ``f`` of each of the replica's partitions (equal slices, so 
 fragments' transfers are equal). After the step theta_global is written into the masters
 and the working weights are all-gathered inside the ZeRO-1 group, as DeepSpeed does after
 its own step, so the next inner step starts from theta_global. Adam's state is not touched.
+theta_global, the momentum, the pseudo-gradient and the average live on the host while the
+masters may be on a GPU ([Note: the outer state lives on the host] in
+:mod:`geopipe.outer.optimizer`): the masters are copied out to take the pseudo-gradient and
+written back in place, on their own device, after the step.
 
 [Note: chunks, seeds and identical averages]
 A fragment's pseudo-gradient is cut into chunks of ``chunk_elems`` (a multiple of the
@@ -87,8 +91,8 @@ class OuterState:
         self.partition, self.partitions = layout["rank"], layout["size"]
         self.layout = _digest({**layout, "stage": stage, "tag": tag})
         masters = zero_state.master_partitions(engine.engine)
-        self.opt = OuterOptimizer(
-            [m.detach().clone() for m in masters],
+        self.opt = OuterOptimizer(  # copies the masters to the host
+            masters,
             settings.lr,
             settings.momentum,
             settings.fragments,
@@ -115,7 +119,8 @@ class OuterState:
 
     def delta(self, fragment: int, round_: int | None = None) -> tuple[list[Encoded], float]:
         """This replica's encoded pseudo-gradient (theta_global - masters) of ``fragment``,
-        one payload per chunk, and the codec's relative error on it (0 for ``none``)."""
+        one payload per chunk, and the codec's relative error on it (0 for ``none``). The
+        pseudo-gradient is taken on the host (the masters copied out of the device)."""
         round_ = self.opt.steps(fragment) if round_ is None else round_
         masters = zero_state.master_partitions(self.engine.engine)
         delta = self.opt.pseudo_gradient(masters, fragment)
@@ -134,10 +139,12 @@ class OuterState:
         """The outer step of ``fragment`` from every group's chunks (``payloads[g][c]``, in
         the same group order in every group, this replica's own among them); then the
         masters of ``fragment`` are set to theta_global and the working weights re-synced.
+        The average and the step are on the host; the write-back copies into each master
+        on its own device.
 
         COLLECTIVE on the ZeRO-1 group (the all-gather): every replica of the group applies
         the same fragment, between iterations."""
-        avg = torch.empty(self.opt.fragment_numel(fragment), dtype=torch.float32)
+        avg = torch.empty(self.opt.fragment_numel(fragment), dtype=torch.float32, device="cpu")
         for c, (s, e) in enumerate(self.chunks(fragment)):
             avg[s:e] = average_encoded([p[c] for p in payloads], e - s)
         self.opt.step(avg, fragment)

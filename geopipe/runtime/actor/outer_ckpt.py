@@ -7,7 +7,9 @@ them by parameter name instead, gathered over the ZeRO-1 group exactly as the bo
 snapshot gathers the masters (:func:`~geopipe.runtime.actor.zero_state.assemble_snapshot`,
 the same layout of names in the flat buffer): so the shard is written by one replica, and a
 resume with another partition layout cuts them again. Pure copies and an all-gather; the
-numbers are never recomputed, so the restore is bit-exact.
+numbers are never recomputed, so the restore is bit-exact. Everything here is on the host,
+as the outer state is ([Note: the outer state lives on the host] in
+:mod:`geopipe.outer.optimizer`); only an NCCL all-gather passes through the engine's device.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from geopipe.checkpoint.format import PARAMS
@@ -63,7 +64,7 @@ def submit_outer(loop: Any, keeper: Any, engine: Any) -> tuple[Any, int]:
     pos = live_position(loop)
     taken = take_outer(loop, canonical=pos == 0)
     return keeper.submit(
-        gather_outer, taken, keeper.layouts, engine.ckpt_group, engine.replicas
+        gather_outer, taken, keeper.layouts, engine.ckpt_group, engine.replicas, engine.device
     ), pos
 
 
@@ -95,27 +96,25 @@ def take_outer(loop: Any, canonical: bool) -> dict[str, Any]:
     return {"parts": parts, "codec": codec, "meta": meta}
 
 
-def _all(local: Tensor, group: Any, replicas: int) -> list[Tensor]:
-    local = local.contiguous()
-    if replicas == 1:
-        return [local]
-    parts = [torch.empty_like(local) for _ in range(replicas)]
-    dist.all_gather(parts, local, group=group)
-    return parts
-
-
-def gather_outer(taken: dict[str, Any], layouts: Layouts, group: Any, replicas: int) -> dict:
+def gather_outer(
+    taken: dict[str, Any], layouts: Layouts, group: Any, replicas: int, device: Any = "cpu"
+) -> dict:
     """The shard's outer tensors from every replica's :func:`take_outer`: theta_global and
-    momentum by name, the residuals by partition. COLLECTIVE on ``group`` (the engine's
-    checkpoint communicator), run on the state keeper's thread in submission order."""
+    momentum by name, the residuals by partition, on the host. COLLECTIVE on ``group`` (the
+    engine's checkpoint communicator), run on the state keeper's thread in submission order;
+    ``device``: the engine's, which an NCCL gather goes through."""
     out: dict[str, Tensor] = {}
+
+    def every(local: Tensor) -> list[Tensor]:
+        return zero_state.all_gather_host(local.cpu(), group, replicas, device)
+
     for prefix, parts in sorted(taken["parts"].items()):
         for i, local in enumerate(parts):
-            flat = torch.cat(_all(local, group, replicas))
+            flat = torch.cat(every(local))
             for name, off, shape in layouts[i]:
                 out[prefix + name] = flat[off : off + math.prod(shape)].view(shape).clone()
     for key in sorted(taken["codec"]):
-        for rank, t in enumerate(_all(taken["codec"][key], group, replicas)):
+        for rank, t in enumerate(every(taken["codec"][key])):
             out[f"{OUTER_CODEC}p{rank}/{key}"] = t.clone()
     return {"tensors": out, "meta": taken["meta"]}
 
@@ -124,10 +123,11 @@ def _cut(
     by_name: dict[str, Tensor], layouts: Layouts, base: Sequence[Tensor], rank: int
 ) -> list[Tensor]:
     """This replica's partitions of the named tensors (``base``'s values where no name
-    lies: the flat buffer's padding)."""
+    lies: the flat buffer's padding), on the host, where the outer state lives, whatever
+    device ``base`` (the masters) is on."""
     out = []
     for lay, b in zip(layouts, base, strict=True):
-        t = b.detach().to(torch.float32, copy=True).reshape(-1)
+        t = b.detach().to("cpu", torch.float32, copy=True).reshape(-1)
         lo, hi = rank * t.numel(), (rank + 1) * t.numel()
         for name, off, shape in lay:
             a, z = max(off, lo), min(off + math.prod(shape), hi)
@@ -155,7 +155,7 @@ def restore_outer(loop: Any, path: str, group: int, stage: int) -> str:
     names = [n for lay in layouts for n, _, _ in lay]
     masters = zero_state.master_partitions(st.engine.engine)
     theta = _cut(named(canon, PARAMS, names), layouts, masters, st.partition)
-    zeros = [torch.zeros_like(m) for m in masters]
+    zeros = [torch.zeros(m.shape, dtype=torch.float32) for m in masters]  # on the host
     momentum = _cut(named(canon, MOMENTUM, names), layouts, zeros, st.partition)
     bufs = [st.opt.gather(momentum, f) if s else None for f, s in enumerate(meta["momentum_set"])]
     codec = {}

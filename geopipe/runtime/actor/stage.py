@@ -34,6 +34,7 @@ from geopipe.runtime.actor import probe
 from geopipe.runtime.actor.engine_config import EngineConfig
 from geopipe.runtime.actor.executor import FOREGROUND, Fault, IterationResult, execute
 from geopipe.runtime.actor.handoff import Restore, restore_boundary
+from geopipe.runtime.actor.inner_run import run_span
 from geopipe.runtime.actor.links import StageLinks, WanPeer
 from geopipe.runtime.actor.outer_wire import OuterPeer, OuterSettings
 from geopipe.runtime.actor.shards import ShardWriter, load_stage
@@ -292,6 +293,11 @@ class StageWorker:
         res.breakdown["other"] = max(0.0, res.duration_s - foreground)
         self._collect_transport(res, step)
         return res
+
+    def run_iterations(self, start: int, count: int, record: list, sends: dict) -> list:
+        """Steps ``start ..`` ``start + count - 1`` in one call, making the outer sends
+        itself (:mod:`.inner_run`: [Note: many inner steps per driver call])."""
+        return run_span(self, start, count, record, sends)
 
     def _collect_transport(self, res: IterationResult, step: int) -> None:
         """Move this step's transport timings from the inbox into ``res`` (later steps'

@@ -27,7 +27,9 @@ from geopipe.checkpoint.format import ADAM_MOMENTS, ADAM_STATE_GROUPS, PARAMS_GR
 
 __all__ = [
     "adam_partition_states",
+    "all_gather_host",
     "assemble_snapshot",
+    "collective_device",
     "full_state",
     "load_full_state",
     "local_snapshot",
@@ -62,23 +64,42 @@ def adam_partition_states(zero_optimizer: Any) -> list[dict[str, Tensor]]:
     return states
 
 
+def collective_device(group: Any, device: Any) -> torch.device:
+    """Where the tensors of a collective on ``group`` must be: on the engine's ``device``
+    under NCCL (which moves CUDA tensors only), on the host under gloo (this module's
+    gathers are of host copies: snapshots, the outer state)."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device(device)
+    return torch.device("cpu")
+
+
+def all_gather_host(local: Tensor, group: Any, replicas: int, device: Any) -> list[Tensor]:
+    """Every replica's ``local`` (a host tensor), gathered on ``group`` and returned on the
+    host, in rank order; through ``device`` when the backend is NCCL
+    (:func:`collective_device`). COLLECTIVE on ``group`` unless ``replicas`` is 1."""
+    local = local.contiguous()
+    if replicas == 1:
+        return [local]
+    dev = collective_device(group, device)
+    sent = local.to(dev)
+    parts = [torch.empty_like(sent) for _ in range(replicas)]
+    dist.all_gather(parts, sent, group=group)
+    return [p.cpu() for p in parts]
+
+
 def assemble_snapshot(snap: dict[str, Any], group: Any, replicas: int) -> dict[str, Any]:
-    """Gather the replicas' :func:`local_snapshot` into a full state.
+    """Gather the replicas' :func:`local_snapshot` into a full state (on the host).
 
     COLLECTIVE on ``group`` (every replica calls it, same order); safe on a background
     thread when ``group`` is the engine's ``ckpt_group``. Returns the same dictionary as
-    :func:`full_state`.
+    :func:`full_state`. The snapshot is on the host; under NCCL the gather goes through the
+    engine's device (``snap["device"]``) and comes back.
     """
     out: dict[str, Any] = {g: {} for g in ADAM_STATE_GROUPS}
+    device = snap.get("device", "cpu")
     for g in snap["groups"]:
         for key in ADAM_STATE_GROUPS:
-            local = g[key].contiguous()
-            if replicas > 1:
-                parts = [torch.empty_like(local) for _ in range(replicas)]
-                dist.all_gather(parts, local, group=group)
-                flat = torch.cat(parts)
-            else:
-                flat = local
+            flat = torch.cat(all_gather_host(g[key], group, replicas, device))
             for name, off, shape in g["layout"]:
                 numel = math.prod(shape)
                 out[key][name] = flat[off : off + numel].view(shape).clone()
@@ -95,9 +116,9 @@ def full_state(engine: Any, module: nn.Module) -> dict[str, Any]:
     states = adam_partition_states(engine.optimizer)
     out: dict[str, Any] = {g: {} for g in ADAM_STATE_GROUPS}
     for name, p in module.named_parameters():
-        out[PARAMS_GROUP][name] = safe_get_full_fp32_param(p).detach().cpu().clone()
+        out[PARAMS_GROUP][name] = safe_get_full_fp32_param(p).detach().to("cpu", copy=True)
         for key in ADAM_MOMENTS:
-            out[key][name] = safe_get_full_optimizer_state(p, key).detach().cpu().clone()
+            out[key][name] = safe_get_full_optimizer_state(p, key).detach().to("cpu", copy=True)
     out["step"] = int(states[0]["step"].item())
     out["lr_step"] = int(engine.lr_scheduler.last_epoch)
     return out
@@ -120,8 +141,8 @@ def local_snapshot(engine: Any, module: nn.Module) -> dict[str, Any]:
     for i, part in enumerate(zo.single_partition_of_fp32_groups):
         groups.append(
             {
-                PARAMS_GROUP: part.detach().cpu().clone(),
-                **{k: states[i][k].detach().cpu().clone() for k in ADAM_MOMENTS},
+                PARAMS_GROUP: part.detach().to("cpu", copy=True),
+                **{k: states[i][k].detach().to("cpu", copy=True) for k in ADAM_MOMENTS},
                 "layout": [
                     (names[id(p)], int(off), tuple(p.shape))
                     for p, off in zip(
@@ -136,6 +157,7 @@ def local_snapshot(engine: Any, module: nn.Module) -> dict[str, Any]:
         "groups": groups,
         "step": int(states[0]["step"].item()),
         "lr_step": int(engine.lr_scheduler.last_epoch),
+        "device": str(engine.device),  # where an NCCL gather of it must go (assemble_snapshot)
     }
 
 

@@ -9,7 +9,9 @@ Two measurements feed the planner's cost model:
   beyond the link model (the emulator's stamps, or on real links the data plane's stamped
   send and arrival times) replace the nominal costs, the same simulator the planner uses
   predicts the next step, and over a layout's first steps ΔN — the one knob that changes
-  only the action lists, not the actors — is re-chosen (:class:`Calibrator`).
+  only the action lists, not the actors — is re-chosen (:class:`Calibrator`); an outer-loop
+  run's forecast is the planner's price of a round fed with its measured group steps and
+  driver calls instead (:mod:`geopipe.runtime.control.outercal`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from geopipe.optimizer.simulator import PipelineCosts
 from geopipe.pipeline.schedule import LOOKAHEAD_FAMILIES, SPLIT_FAMILIES
 from geopipe.plan import Plan
 from geopipe.runtime.actor.executor import IterationResult
+from geopipe.runtime.control.outercal import OuterCalibrator
 from geopipe.transport.codec import measure_speeds
 from geopipe.transport.wire import codec_pair
 
@@ -264,8 +267,15 @@ class Calibrator:
     """
 
     def __init__(
-        self, spec: ClusterSpec, fixed_plan: bool, predicted_s: float, links: list | None = None
+        self,
+        spec: ClusterSpec,
+        fixed_plan: bool,
+        predicted_s: float,
+        links: list | None = None,
+        outer: Any = None,
     ) -> None:
+        """``outer``: an outer-loop run's driver half (:class:`~geopipe.runtime.control.
+        outerloop.OuterRounds`), whose steps :class:`OuterCalibrator` forecasts."""
         self.spec = spec
         self.fixed_plan = fixed_plan  # the plan was given: ΔN stays within its own values
         self.predicted_s = predicted_s
@@ -275,6 +285,7 @@ class Calibrator:
         self._pool: list[list[IterationResult]] = []
         self.costs: PipelineCosts | None = None  # the latest calibrated costs
         self._shares: list[float] = []  # each stage's I share of a split backward
+        self.outer = OuterCalibrator(spec, outer.run, outer) if outer is not None else None
 
     def restart(self, step: int) -> None:
         """A new layout (recovery, grow-back) from ``step`` on: measure it afresh."""
@@ -282,6 +293,8 @@ class Calibrator:
         self._pool = []
         self._shares = []
         self.calibrated = False
+        if self.outer is not None:
+            self.outer.restart(step)
 
     def wants(self, step: int) -> bool:
         """Whether ``step``'s events are recorded (the first steps' timelines)."""
@@ -289,6 +302,13 @@ class Calibrator:
 
     def observe(self, step: int, plan: Plan, results: list[IterationResult]) -> Calibration:
         i = step - self._base
+        if self.outer is not None:  # a mix of replica groups: priced as the planner prices it
+            got = self.outer.observe(step, plan, results, self.predicted_s)
+            if got is None:
+                return Calibration(plan, self.predicted_s, None)
+            self.predicted_s, self.calibrated = got[0], True
+            fresh = i < CALIBRATION_STEPS or self.outer.closed
+            return Calibration(plan, got[0], got[1] if fresh else None)
         choose = i < DELTA_N_STEPS
         # Pool only steps run under the ΔN in force: after a choice, start afresh.
         self._pool = [] if choose else [*self._pool, results][-WINDOW:]

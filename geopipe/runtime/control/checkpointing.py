@@ -21,6 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from geopipe.checkpoint.lineage import (
+    config_refusal,
+    previous_launch,
+    resume_lineage,
+    trajectory_hash,
+)
 from geopipe.checkpoint.store import (
     CheckpointError,
     CheckpointInfo,
@@ -30,6 +36,7 @@ from geopipe.checkpoint.store import (
     move_aside,
     prune,
 )
+from geopipe.checkpoint.verify import bad_file
 from geopipe.checkpoint.writer import CheckpointWriter
 from geopipe.config import ClusterSpec
 from geopipe.runtime.control.cluster import LaunchError
@@ -43,7 +50,7 @@ from geopipe.runtime.control.outerckpt import (
 )
 from geopipe.runtime.control.reporting import Reporter
 from geopipe.runtime.control.sitecopies import SiteCopies
-from geopipe.runtime.control.workers import Workers, ask, call_all
+from geopipe.runtime.control.workers import WorkerFailed, Workers, ask, call_all
 
 __all__ = ["CheckpointCoordinator", "RestoreFrom", "ResumePoint"]
 
@@ -122,7 +129,11 @@ class CheckpointCoordinator:
         self.spec = spec  # the run's settings: directories, keep, replication, clocks
         self.workers = workers
         self.root = Path(spec.training.checkpoint.dir or run_dir / "checkpoints")
+        self.run_dir = run_dir  # its status.json names the launch `--resume` continues
         self.reporter = reporter
+        self.trajectory = trajectory_hash(spec)  # every manifest records it (lineage.py)
+        self._unsaid: list[dict] = []  # skip events found before the metrics file opened
+        self._said: set[tuple[str, str, str | None]] = set()
         # An outer-loop run saves one shard per (group, stage) (set by begin_outer): the
         # saves see shard rows and their writers' sites (runtime.control.outerckpt).
         self.outer: Any = None
@@ -131,7 +142,7 @@ class CheckpointCoordinator:
         self._run_manifest = manifest
         self.synchronous = synchronous
         self._pending: _Pending | None = None
-        self.skipped: list[tuple[str, str]] = []  # (checkpoint, why) skipped on resume
+        self.skipped: list[tuple[str, str]] = []  # (checkpoint, why) skipped, once each
         self.copies: SiteCopies | None = None
         if spec.training.checkpoint.per_site:
             self.copies = SiteCopies(
@@ -145,6 +156,7 @@ class CheckpointCoordinator:
                 link,
                 workers=workers,
             )
+            self.copies.on_rejected = lambda site, path, why: self.skip(path, why, site)
         # Which checkpoints are this run's (set by the controller at launch): its id, and
         # its lineage (checkpoint.store.accepts); fresh: a launch without --resume, which
         # moves another run's checkpoints aside before saving any of its own.
@@ -170,10 +182,11 @@ class CheckpointCoordinator:
     def _manifest(self, step: int) -> dict:
         """The run's manifest fields, with an outer-loop run's ``outer`` entry."""
         group_of = self._group_of()
+        own = {**self._run_manifest(step), "trajectory_hash": self.trajectory}
         if group_of is None:
-            return self._run_manifest(step)
+            return own
         groups = sorted({group_of(a) for a in self._flat()})
-        return {**self._run_manifest(step), **outer_manifest(self.outer, groups)}
+        return {**own, **outer_manifest(self.outer, groups)}
 
     def begin_outer(self, outer: Any, resume: ResumePoint | None) -> None:
         """From now on saves hold ``outer``'s state (an :class:`~.outerloop.OuterRounds`
@@ -189,6 +202,7 @@ class CheckpointCoordinator:
 
     def identify(self, run_id: str, lineage: dict[str, int | None], fresh: bool) -> None:
         self.run_id, self.lineage, self.fresh = run_id, lineage, fresh
+        self.reporter.lineage = lineage  # in status.json: what a later --resume continues
         if self.copies is not None:
             self.copies.run = {"id": run_id, "lineage": lineage, "fresh": fresh}
 
@@ -203,6 +217,9 @@ class CheckpointCoordinator:
         the shared directory (``site_actors``: one actor per site). Returns a warning for
         storage that a lost site would take its checkpoints with, else None."""
         ck = self.spec.training.checkpoint
+        for fields in self._unsaid:  # the metrics file is open now
+            self.reporter.event("checkpoint_skipped", **fields)
+        self._unsaid = []
         if self.copies is not None:
             try:
                 self.copies.open_stores(self.copies.copy_sites())
@@ -391,19 +408,40 @@ class CheckpointCoordinator:
 
     def resume_paths(self, resume: ResumePoint, sites: list[str]) -> dict[str, str]:
         """Where the actors of each site read ``resume`` from: with per-site copies their
-        own site's copy (pulled from a site that holds one where missing), else the path
-        the driver found."""
+        own site's copy, verified (pulled from a site that holds one where missing), else
+        the path the driver found (and verified)."""
         if self.copies is not None:
-            found = self.newest(prefer=sites)
-            if found is not None and found.step == resume.step:
-                return self.restore_from(found, sites).paths
+            point = self.copies.restorable(sites, not_after=resume.step)
+            if point is not None and point.step == resume.step:
+                found = Found(point.step, point.site, point)
+                restore = self.restore_from(found, sites)
+                if restore.step == resume.step:
+                    return restore.paths
         return {s: resume.path for s in sites}
 
     # -- lookup --------------------------------------------------------------------------------
+    def skip(self, path: Path | str, reason: str, site: str | None = None) -> None:
+        """A checkpoint a resume or a recovery will not load (corrupt or incomplete): one
+        console line and a ``checkpoint_skipped`` event naming the bad file (kept until the
+        metrics file opens when found before it)."""
+        if (str(path), reason, site) in self._said:  # each recovery looks again: said once
+            return
+        self._said.add((str(path), reason, site))
+        where = f" (site {site})" if site else ""
+        self.reporter.say(f"skipping checkpoint {path}{where}: {reason}", warning=True)
+        self.skipped.append((Path(path).name, reason))
+        fields = {"path": str(path), "file": bad_file(reason), "reason": reason, "site": site}
+        if self.reporter.sink is None:
+            self._unsaid.append(fields)
+        else:
+            self.reporter.event("checkpoint_skipped", **fields)
+
     def latest(self) -> CheckpointInfo | None:
+        """The newest checkpoint of the run's lineage whose every shard verifies (newer
+        unusable ones are skipped, said and recorded)."""
         if not self.root.is_dir():
             return None
-        return latest_complete(self.root, lineage=self.lineage)
+        return latest_complete(self.root, on_skip=self.skip, lineage=self.lineage)
 
     def newest(self, prefer: list[str]) -> Found | None:
         """The newest checkpoint a recovery can restore: in the shared directory, or the
@@ -416,10 +454,23 @@ class CheckpointCoordinator:
 
     def restore_from(self, found: Found, sites: list[str]) -> RestoreFrom:
         """Make ``found`` loadable by actors in ``sites``: each site's own copy (pulled from
-        a site holding one where missing), or the shared directory."""
+        a site holding one where missing; each store verifies the copy it hands over), or
+        the shared directory (verified by :meth:`latest`). A copy that fails verification
+        now is skipped for the newest good checkpoint before it."""
         if self.copies is None:
             return RestoreFrom(found.step, {s: str(found.handle.path) for s in sites}, None)
-        return RestoreFrom(found.step, self.copies.paths_for(found.handle, sites), found.site)
+        while True:
+            try:
+                paths = self.copies.paths_for(found.handle, sites)
+                return RestoreFrom(found.step, paths, found.site)
+            except (CheckpointError, WorkerFailed) as exc:
+                self.reporter.event("checkpoint_restore_failed", step=found.step, why=str(exc))
+                older = self.copies.restorable(sites, not_after=found.step - 1)
+                if older is None:  # unrecoverable: said as the launch's errors are
+                    raise LaunchError(
+                        f"no checkpoint of the run verifies on a live site: {exc}"
+                    ) from None
+                found = Found(older.step, older.site, older)
 
     def load_into(self, resume: ResumePoint, rows: list[list[Any]], sites: list[str]) -> None:
         """Every stage actor (``rows[stage][replica]``, stage ``k`` in ``sites[k]``) loads its
@@ -438,38 +489,65 @@ class CheckpointCoordinator:
                 f"--resume: the stages loaded steps {sorted(set(steps))}, not {resume.step}"
             )
 
-    def find_resume(self, resume: str | bool) -> ResumePoint | None:
-        """The checkpoint ``--resume`` names (True: the newest complete one of the run)."""
+    def find_resume(self, resume: str | bool, run_id: str | None = None) -> ResumePoint | None:
+        """The checkpoint ``--resume`` names (True: the newest complete one of the lineage
+        of the last launch in the run directory: [Note: resuming a lineage])."""
         if not resume:
             return None
-        if resume is True and self.copies is not None:
-            found = self.copies.find_latest()
-            if found is None:
-                raise LaunchError(f"--resume: no complete checkpoint under {self.where()}")
-            path = found[0]
-            for p, reason in found[1]:
-                self.reporter.say(f"skipping checkpoint {p}: {reason}")
-                self.skipped.append((p.name, reason))
-        elif resume is True:
-            if not self.root.is_dir():
-                raise LaunchError(f"--resume: no checkpoint directory {self.root}")
-
-            def skipped(path: Path, reason: str) -> None:
-                self.reporter.say(f"skipping checkpoint {path.name}: {reason}")
-                self.skipped.append((path.name, reason))
-
-            info = latest_complete(self.root, on_skip=skipped)
-            if info is None:
-                raise LaunchError(f"--resume: no complete checkpoint under {self.root}")
-            path = info.path
-        else:
-            path = Path(resume)
+        path = self._newest_of_lineage(run_id) if resume is True else Path(resume)
         try:
             ckpt = load_checkpoint(path)
             check_compatible(ckpt.manifest, model_shape(self.spec))
         except CheckpointError as exc:
             raise LaunchError(f"--resume: {exc}") from None
         m = ckpt.manifest
+        refusal = config_refusal(m, path, self.trajectory, run_id)
+        if refusal is not None and resume is True:
+            raise LaunchError(f"--resume: {refusal}")
+        if refusal is not None:  # named by hand: the user's choice, said once
+            self.reporter.say(f"--resume {path}: other settings than the checkpoint's run")
         lineage = m.get("lineage") if isinstance(m.get("lineage"), dict) else None
-        run_id = m.get("run_id") if isinstance(m.get("run_id"), str) else None
-        return ResumePoint(str(path), ckpt.step, m.get("data", {}).get("digest"), run_id, lineage)
+        writer = m.get("run_id") if isinstance(m.get("run_id"), str) else None
+        return ResumePoint(str(path), ckpt.step, m.get("data", {}).get("digest"), writer, lineage)
+
+    def _newest_of_lineage(self, run_id: str | None) -> Path:
+        """The newest verified checkpoint ``--resume`` may continue from (newer corrupt or
+        incomplete ones skipped and said); the error names what is there instead."""
+        last = previous_launch(self.run_dir)
+        lineage = resume_lineage(last)
+        if self.copies is not None:
+            found = self.copies.find_latest(lineage)
+            for p, reason in found[1] if found is not None else []:
+                self.skip(p, reason)
+            path = found[0] if found is not None else None
+        elif self.root.is_dir():
+            info = latest_complete(self.root, on_skip=self.skip, lineage=lineage)
+            path = info.path if info is not None else None
+        else:
+            raise LaunchError(f"--resume: no checkpoint directory {self.root}")
+        if path is not None:
+            return path
+        if lineage is None or last is None:
+            raise LaunchError(f"--resume: no complete checkpoint under {self.where()}")
+        others = self._other_runs_newest()
+        there = (
+            f"; run {others[1]}'s {others[0].name} is there: name it to resume from it "
+            f"(--resume {others[0]})"
+            if others is not None
+            else ""
+        )
+        raise LaunchError(
+            f"--resume: no complete checkpoint of run {last.run_id} (the last launch in "
+            f"{self.run_dir}, lineage {sorted(lineage)}) under {self.where()}{there}"
+        )
+
+    def _other_runs_newest(self) -> tuple[Path, str] | None:
+        """The newest complete checkpoint of any run (for the refusal's message)."""
+        roots = [Path(r) for r in self.copies.roots().values()] if self.copies else [self.root]
+        best = None
+        for root in roots:
+            if root.is_dir():
+                info = latest_complete(root, on_skip=lambda p, r: None)
+                if info is not None and (best is None or info.step > best.step):
+                    best = info
+        return None if best is None else (best.path, best.run_id or "(no run id)")

@@ -187,14 +187,26 @@ def gpus_per_actor(spec: ClusterSpec, resources: dict[str, float], actors: int) 
     return want
 
 
-def check_precision(precision: str, use_gpu: bool) -> None:
+def check_precision(precision: str, use_gpu: bool, stages: int = 1) -> None:
     """Refuse a precision the devices cannot train in, before any actor starts: a YAML never
     silently trains in another precision. DeepSpeed refuses fp16 on a CPU (its dynamic loss
-    scaling needs the accelerator); bf16 and fp32 run on both."""
+    scaling needs the accelerator); bf16 and fp32 run on both.
+
+    fp16 is refused on pipelines of more than one stage: each stage's DeepSpeed engine keeps
+    its own dynamic loss scale, so the gradient a stage sends upstream carries its scale into
+    the upstream stage's (which unscales by its own only), and an overflow skips the step in
+    one stage and not in the others. DeepSpeed's own pipeline engine syncs the overflow over
+    its model-parallel group; geopipe's stages do not yet, and a silently wrong gradient is
+    worse than a refusal."""
     if precision == "fp16" and not use_gpu:
         raise LaunchError(
             "training.precision: fp16 needs GPUs (DeepSpeed refuses fp16 on a CPU); "
             "use bf16 or fp32 on this cluster"
+        )
+    if precision == "fp16" and stages > 1:
+        raise LaunchError(
+            f"training.precision: fp16 runs on one-stage pipelines only (this plan has "
+            f"{stages} stages, and the stages' loss scales are not kept in step); use bf16"
         )
 
 

@@ -37,7 +37,6 @@ from geopipe.optimizer.errors import PlanningError
 from geopipe.optimizer.evaluate import Evaluation
 from geopipe.optimizer.measurements import Measurements
 from geopipe.optimizer.outerplan import OuterRun
-from geopipe.optimizer.policies import GrowBack
 from geopipe.optimizer.runplan import Overrides, plan_run
 from geopipe.plan import Plan
 from geopipe.runtime.control.calibration import Calibrator
@@ -63,6 +62,7 @@ from geopipe.runtime.control.health import (
     raise_model_error,
 )
 from geopipe.runtime.control.history import RunHistory
+from geopipe.runtime.control.innerrun import next_state, run_span
 from geopipe.runtime.control.linkprobe import probe_links
 from geopipe.runtime.control.metrics import aggregate, measured_events
 from geopipe.runtime.control.models import check_data_source
@@ -261,7 +261,7 @@ class Controller:
         """PLANNING: find the checkpoint to resume, measure this machine (when the run
         profiles it) and plan with :func:`~geopipe.optimizer.runplan.plan_run`, the function
         ``geopipe plan`` and ``--dry-run`` call."""
-        self._resume = self.checkpoints.find_resume(self.opts.resume)
+        self._resume = self.checkpoints.find_resume(self.opts.resume, self.run_id)
         self.start_step = self._resume.step if self._resume else 0
         if self._resume is not None:  # the resumed run's checkpoints up to here are ours too
             self.ctx = self.ctx.resumed(self._resume.lineage_for(self.run_id))
@@ -291,7 +291,7 @@ class Controller:
         self.reporter.ray_address = self.cluster.address
         check_sites(self.spec, self.plan, self.workers.resources())
         gpus = gpus_per_actor(self.spec, self.workers.resources(), len(self.plan.actors()))
-        check_precision(self.spec.training.precision, gpus > 0)
+        check_precision(self.spec.training.precision, gpus > 0, self.plan.num_stages)
         if (plaintext := plaintext_warning(self.spec)) is not None:
             self.reporter.say(plaintext)
         # Placement reads settings only (names, data, the emulated links' YAML figures).
@@ -338,9 +338,8 @@ class Controller:
             templates,
             self.workers,
         )
-        self.calibrator = Calibrator(
-            priced, self.opts.plan is not None, self.predicted.iteration_time_s, self.links_measured
-        )
+        predicted_s, fixed = self.predicted.iteration_time_s, self.opts.plan is not None
+        self.calibrator = Calibrator(priced, fixed, predicted_s, self.links_measured, self.outer)
         if self._resume is not None:
             self.reporter.event("resumed", path=self._resume.path, step=self.start_step)
         self._status(self.start_step)  # `geopipe status` works from the first step on
@@ -440,6 +439,8 @@ class Controller:
         total = self.spec.training.steps
         if step >= total:  # e.g. resumed at the end: nothing to run
             return Checkpointing(step, final=True) if self._result.steps else Finished()
+        if self.outer is not None and self.outer.max_span != 0:  # many steps per call
+            return run_span(self, step)
         record = self.calibrator.wants(step) or (bool(self.opts.trace) and step == total - 1)
         flat = self.flat_actors()
         refs = call_all(self.workers, flat, "run_iteration", step, record)
@@ -470,18 +471,7 @@ class Controller:
             self.evals.after_step(nxt, total, self.flat_actors())  # training.eval
         except (WorkerLost, WorkerFailed) as exc:  # an actor died between steps (ΔN)
             return Recovering(nxt, exc, self._pings())
-        if self.stop.requested and not (self.outer and self.outer.in_flight(nxt)):
-            return Checkpointing(nxt, final=True, interrupted=True)
-        if nxt == total:
-            return Checkpointing(nxt, final=True)
-        every = self.spec.training.checkpoint.every_steps
-        if every and nxt % every == 0:
-            if self.history.lost_devices:
-                decision = self.recovery.grow_decision()
-                if isinstance(decision, GrowBack):
-                    return Growing(nxt, decision)
-            return Checkpointing(nxt)
-        return Running(nxt)
+        return next_state(self, nxt)
 
     def run_step(self, step: int) -> list:
         """One optimizer step outside the state machine (benchmarks): nothing is recorded
@@ -498,8 +488,8 @@ class Controller:
         self._result.steps.append(m)
         self.reporter.step(m, self.calibrator.predicted_s)
         # The calibration model replays one uniform layout; a mix keeps the planner's
-        # prediction (its pipelines' ΔN were chosen with it).
-        if not self.plan.heterogeneous:
+        # prediction (its pipelines' ΔN were chosen with it); an outer run's is re-priced.
+        if not self.plan.heterogeneous or self.outer is not None:
             self._calibrate(step, results)
         self._guard_codecs(step, results)
         self.nan_guard.check(step, results)  # before this boundary can be checkpointed

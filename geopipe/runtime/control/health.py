@@ -95,7 +95,8 @@ class StepHung(TimeoutError):
 def hang_timeout_s(predicted_s: float, calibrated: bool, cfg: HealthSpec) -> float:
     """How long a step may run before it counts as hung: ``hang_factor`` × the predicted
     step — after calibration a prediction from the measured stage times and link delays —
-    but at least the floor (a longer one before calibration, whose steps include warm-up)."""
+    but at least the floor (a longer one before calibration, whose steps include warm-up).
+    A call running a span of steps (:mod:`.innerrun`) passes the span's predicted time."""
     floor = cfg.hang_floor_s if calibrated else cfg.hang_floor_uncalibrated_s
     return max(floor, cfg.hang_factor * predicted_s)
 

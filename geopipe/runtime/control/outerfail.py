@@ -9,7 +9,9 @@ others nothing: no checkpoint is read, no survivor redoes or loses a step. What 
    those :class:`~geopipe.runtime.control.outerloop.GroupsLost` names (silent past
    ``health.wan_outage_s`` at the outer apply); their remaining actors are stopped;
 2. a step in flight is finished by the survivors (their calls were never aborted) and
-   recorded; its metrics are the survivors';
+   recorded; its metrics are the survivors'; so is each step of a span in flight
+   ([Note: many inner steps per driver call] in :mod:`geopipe.runtime.actor.inner_run`):
+   the groups share nothing inside a span, so the survivors run it to its end;
 3. the layout drops the lost groups' pipelines (the survivors' actors are not touched:
    no reconfigure, no relayout), the survivors are told to drop the lost groups'
    peers, and the round in flight (its sends, its apply) is completed over the survivors
@@ -56,7 +58,8 @@ from typing import Any
 from geopipe.optimizer.policies import GrowBack, Stay
 from geopipe.plan import Plan
 from geopipe.runtime.control.cluster import LaunchError, site_resource
-from geopipe.runtime.control.health import ActorsUnresponsive, StepHung, alive
+from geopipe.runtime.control.health import ActorsUnresponsive, StepHung, alive, hang_timeout_s
+from geopipe.runtime.control.innerrun import record_span
 from geopipe.runtime.control.outerloop import GroupsLost
 from geopipe.runtime.control.states import Checkpointing, Recovering, Running, State
 from geopipe.runtime.control.workers import WorkerLost
@@ -101,10 +104,14 @@ def _lost_groups(ctl: Any, state: Recovering, actors: list[Any]) -> tuple[set[in
     if isinstance(exc, ActorsUnresponsive):
         lost |= {group[id(actors[i])] for i in exc.indices}
     answers: dict[int, Any] = {}
+    wait_s = ctl.spec.health.hang_floor_s
+    if outer.span is not None:  # a span's survivors may have steps to go: as long as they may
+        cal = ctl.calibrator
+        wait_s = hang_timeout_s(cal.predicted_s * outer.span[1], cal.calibrated, ctl.spec.health)
     for a, ref in zip(actors, state.refs, strict=True):
         if group[id(a)] in lost:
             continue
-        timeout = 0.0 if isinstance(exc, StepHung) else ctl.spec.health.hang_floor_s
+        timeout = 0.0 if isinstance(exc, StepHung) else wait_s
         try:
             answers[id(a)] = w.get([ref], timeout=timeout)[0]
         except Exception:  # died, raised or hung since: its group goes too
@@ -150,9 +157,14 @@ def recover_groups(ctl: Any, state: Recovering) -> State:
     )
     mid_step = any(not isinstance(x, int) for x in answers.values())  # a ping answers a pid
     ctl._set_plan(pl.plan)
-    done = state.step + 1 if mid_step else state.step
-    if mid_step:  # the survivors finished the step: it counts
-        ctl._record(state.step, [answers[id(a)] for a in survivors])
+    outer.span, done = None, state.step
+    if mid_step:  # the survivors finished the step, or a span of them: they count
+        mine = [answers[id(a)] for a in survivors]
+        if isinstance(mine[0], list):
+            done = record_span(ctl, state.step, mine)
+        else:
+            ctl._record(state.step, mine)
+            done = state.step + 1
     seconds = time.perf_counter() - t0
     rep.event(
         "recovered",

@@ -3,7 +3,8 @@ inner step send or apply the fragments the streaming schedule says.
 
 The actors' half (:mod:`geopipe.runtime.actor.outer`) holds theta_global and the outer
 momentum on each replica's fp32 master partition and moves the encoded pseudo-gradients over
-the data plane itself; the driver only carries addresses and says when. Order of a round
+the data plane itself; the driver only carries addresses and says when (in a span of inner
+steps the actors make the sends themselves: :mod:`.innerrun`). Order of a round
 (torchft's DiLoCo, :mod:`geopipe.outer.fragments`): after inner step ``s``, fragment
 ``sends_at(s)`` is encoded and its transfer starts (it runs on while training goes on), then
 fragment ``applies_at(s)`` is averaged and applied, collectively in each ZeRO-1 group,
@@ -124,6 +125,11 @@ class OuterRounds:
         self.site_of: dict[int, str] = {}  # replica group -> its first site (for the console)
         self.live: set[int] = set()  # the groups still in the run
         self.done_through = 0  # the inner steps whose sends and applies are all done
+        # Steps per call to each actor (:mod:`.innerrun`): None, as many as the schedule,
+        # checkpoints and the progress line allow; n, at most n; 0, one ``run_iteration`` per
+        # step with the sends made by the driver (the path before spans; tests compare them).
+        self.max_span: int | None = None
+        self.span: tuple[int, int] | None = None  # (first step, steps) of the call in flight
 
     def begin(self, actors: list[Any], sites: list[str]) -> None:
         """theta_global from every replica's masters now (all groups hold the same weights:
@@ -158,6 +164,17 @@ class OuterRounds:
             took = (time.perf_counter() - t0, t0 - sent_at, wait_s)
             self._record(done, f, actors, took, sent, applied)
         self.done_through = done
+
+    def note_sends(self, done: int, results: list, received: float) -> None:
+        """The sends the actors made themselves after ``done`` inner steps (``results``: each
+        actor's :class:`~geopipe.runtime.actor.executor.IterationResult` of that step, whose
+        ``outer_sent`` is the send's answer), as if :meth:`after_step` had made them: dated
+        ``before_end_s`` (the actors' clocks) before ``received``, when the span came back."""
+        sent = [r.outer_sent for r in results if getattr(r, "outer_sent", None)]
+        if not sent or sent[0]["fragment"] in self._sent:
+            return
+        at = received - max(s.get("before_end_s", 0.0) for s in sent)
+        self._sent[sent[0]["fragment"]] = (at, sent)
 
     def states(self, actors: list[Any]) -> dict[tuple[int, int], dict]:
         """The outer state (theta_global, momentum, rounds) of each (stage, partition),
@@ -255,7 +272,10 @@ class OuterRounds:
                     f"no outer payload over {links} in {h.wan_outage_s:g} s",
                     silent=True,
                 )
-            if time.monotonic() - said >= _SAY_EVERY_S or said == t0:
+            # first after a while: with spans a group may simply reach the apply later than
+            # another (its steps ran slower), which is no silence yet
+            first = min(_SAY_EVERY_S, h.wan_outage_s / 2)
+            if time.monotonic() - said >= (first if said == t0 else _SAY_EVERY_S):
                 said = time.monotonic()
                 self.say(
                     f"outer round of fragment {f} waits on {links}: silent {waited:.0f} s "

@@ -130,6 +130,11 @@ class Reporter:
         self.checkpoint: dict | None = None  # the latest checkpoint: step, copies per site
         self.checkpoint_dirs: dict[str, str] = {}  # site -> its checkpoint directory
         self.run_id: str | None = None  # this launch's identity (checkpoints carry it)
+        # and its lineage: a later `--resume` in this run directory
+        # continues this launch's lineage (geopipe.checkpoint.lineage)
+        self.lineage: dict | None = None
+        # per-site copies: saves short of the copies promised, sites whose copy is behind
+        self.replication: dict | None = None
         self.sets: list[str] = []  # the launch's --set overrides (validated in the spec)
         self.waiting: dict | None = None  # a silent link the step waits for (link, secs)
         self.outer_h: int | None = None  # inner steps per outer round (the plan event's)
@@ -228,6 +233,7 @@ class Reporter:
         doc = {
             "run": self.run,
             "run_id": self.run_id,
+            "lineage": self.lineage,
             "set": self.sets,  # the --set overrides this launch was given
             "pid": os.getpid(),
             "state": state,
@@ -268,6 +274,7 @@ class Reporter:
             "growbacks": list(self.history.growbacks),
             "checkpoint": self.checkpoint,
             "checkpoint_dirs": self.checkpoint_dirs,
+            "replication": self.replication,
             "waiting": self.waiting,
             "updated": time.time(),
         }
@@ -281,6 +288,8 @@ class Reporter:
         doc = json.loads(path.read_text())
         doc["state"] = state
         doc["pid"] = None
+        # the run's last save may have committed (or fallen short) since the last step
+        doc["checkpoint"], doc["replication"] = self.checkpoint, self.replication
         self._write(doc)
 
     def _write(self, doc: dict) -> None:

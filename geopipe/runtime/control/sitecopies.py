@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from geopipe.checkpoint.restore import Restorable, SiteCopy, copy_sites, newest_restorable
-from geopipe.checkpoint.store import CheckpointError, latest_complete
+from geopipe.checkpoint.store import CheckpointError, Lineage, latest_complete
 from geopipe.config import ClusterSpec
 from geopipe.runtime.control.cluster import kill_actors
 from geopipe.runtime.control.health import quiet_get, ref_failed
@@ -121,6 +121,13 @@ class SiteCopies:
         self._made = 0
         self._handles: dict[str, Any] = {}  # every store ever made, by Ray name (close)
         self._pending: _Save | None = None
+        # told of each corrupt or incomplete copy a store finds (CheckpointCoordinator)
+        self.on_rejected: Callable[[str, str, str], None] | None = None
+        self._said: set[tuple[str, str, str]] = set()
+        # Replication ([k copies]): each site's newest committed copy, and the saves that
+        # committed fewer copies than promised (status.json, `geopipe status`).
+        self.newest_copy: dict[str, int] = {}
+        self.short_saves: list[dict] = []
 
     # -- where ---------------------------------------------------------------------------------
     def root(self, site: str) -> Path:
@@ -375,6 +382,7 @@ class SiteCopies:
                     self.workers.call(store, "abort", save.step, save.save_id)
         flat = [a for row in self._actors() for a in row]
         call_all(self.workers, flat, "release_shard", save.step)
+        self._replication(save, committed)
         if not committed:
             self.reporter.event("checkpoint_failed", step=save.step, failed=save.failed)
             why = f"no copy of checkpoint step {save.step} could be committed: " + "; ".join(
@@ -407,6 +415,34 @@ class SiteCopies:
             failed = f"{', '.join(save.failed)} ({'; '.join(save.failed.values())})"
             self.reporter.say(f"checkpoint step {save.step}: copy failed on {failed}")
 
+    def _replication(self, save: _Save, committed: dict[str, dict]) -> None:
+        """Count a save that committed fewer copies than promised, and note which sites'
+        newest copy is behind the newest checkpoint: the reporter puts both in status.json
+        (``replication``), so a run cannot end with fewer copies than ``replicate``
+        promises and say so only in its log."""
+        for s in committed:
+            self.newest_copy[s] = save.step
+        if len(committed) < len(save.sites):
+            missing = {s: save.failed.get(s, "no copy committed") for s in save.sites}
+            missing = {s: why for s, why in missing.items() if s not in committed}
+            self.short_saves.append({"step": save.step, "failed": missing})
+        newest = max(self.newest_copy.values(), default=None)
+        behind = {
+            s: self.newest_copy.get(s)
+            for s in self.copy_sites()
+            if newest is not None and self.newest_copy.get(s, -1) < newest
+        }
+        self.reporter.replication = {
+            "promised": len(save.sites),
+            "newest_step": newest,
+            "newest_copy": dict(self.newest_copy),
+            "behind": behind,
+            "short_saves": len(self.short_saves),
+            "last_short": self.short_saves[-1] if self.short_saves else None,
+        }
+        if behind:
+            self.reporter.event("replication_short", step=save.step, behind=behind)
+
     def settle(self) -> None:
         """After a failure: commit what can be committed of the save in flight, abandon the
         rest (each site's previous copy stays its newest)."""
@@ -427,15 +463,24 @@ class SiteCopies:
 
     # -- restoring -----------------------------------------------------------------------------
     def holdings(self) -> dict[str, list[SiteCopy]]:
-        """What every live store holds (complete, verified copies)."""
+        """What every live store holds (complete, verified copies); the copies a store
+        found corrupt or incomplete go to ``on_rejected(site, path, why)``, once each."""
         live = self.live_stores()
-        got = quiet_get(self.workers, call_all(self.workers, list(live.values()), "holdings"), 60)
+        stores = list(live.values())
+        got = quiet_get(self.workers, call_all(self.workers, stores, "holdings"), 60)
+        bad = quiet_get(self.workers, call_all(self.workers, stores, "rejected"), 30)
+        for site, rejected in zip(live, bad, strict=True):
+            for path, why in (rejected or {}).items():
+                if (site, path, why) not in self._said and self.on_rejected is not None:
+                    self._said.add((site, path, why))
+                    self.on_rejected(site, path, why)
         return {s: h for s, h in zip(live, got, strict=True) if h is not None}
 
-    def restorable(self, prefer: list[str]) -> Restorable | None:
-        """The newest checkpoint whose every shard survives on a live site."""
+    def restorable(self, prefer: list[str], not_after: int | None = None) -> Restorable | None:
+        """The newest checkpoint (at most ``not_after``) whose every shard survives,
+        verified, on a live site."""
         held = self.holdings()
-        return newest_restorable(held, held, prefer=prefer)
+        return newest_restorable(held, held, not_after=not_after, prefer=prefer)
 
     def paths_for(self, point: Restorable, sites: list[str]) -> dict[str, str]:
         """Each of ``sites`` gets a complete copy of ``point`` (pulled from ``point.site``
@@ -451,14 +496,18 @@ class SiteCopies:
                 self.reporter.event("checkpoint_copied", step=point.step, to=s, source=point.site)
         return out
 
-    def find_latest(self) -> tuple[Path, list[tuple[Path, str]]] | None:
-        """The newest complete checkpoint in any site directory the driver sees (for
-        ``--resume``), and the newer unusable ones skipped."""
+    def find_latest(
+        self, lineage: Lineage | None = None
+    ) -> tuple[Path, list[tuple[Path, str]]] | None:
+        """The newest complete checkpoint of ``lineage`` in any site directory the driver
+        sees (for ``--resume``), and the newer unusable ones skipped."""
         best, skipped = None, []
         for root in dict.fromkeys(self.roots().values()):
             if not Path(root).is_dir():
                 continue
-            info = latest_complete(root, on_skip=lambda p, r: skipped.append((p, r)))
+            info = latest_complete(
+                root, on_skip=lambda p, r: skipped.append((p, r)), lineage=lineage
+            )
             if info is not None and (best is None or info.step > best.step):
                 best = info
         return None if best is None else (best.path, skipped)

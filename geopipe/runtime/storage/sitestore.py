@@ -45,6 +45,7 @@ from geopipe.checkpoint.store import (
     prune,
     step_dirname,
 )
+from geopipe.checkpoint.verify import signature
 from geopipe.checkpoint.writer import CheckpointWriter
 from geopipe.runtime.node import node_ip
 from geopipe.transport.bulk import ChunkClient, ChunkError, ChunkServer
@@ -101,7 +102,9 @@ class SiteStore:
         self._lock = threading.Lock()
         self._writers: dict[int, tuple[str, CheckpointWriter]] = {}  # step -> (save id, w)
         self._cancelled: set[str] = set()
-        self._verified: dict[tuple[int, float], SiteCopy] = {}  # (step, manifest mtime)
+        # copies hashed once, by (step, directory signature): [Note: what is verified, when]
+        self._verified: dict[tuple[int, tuple], SiteCopy] = {}
+        self._rejected: dict[str, str] = {}  # copy path -> why it failed verification
         self.get: Any = None  # ray.get unless a test plugs in another (the seam for fakes)
         self._server: ChunkServer | None = None
         self._via: dict[int, dict[str, int]] = {}  # step -> bytes copied per path
@@ -128,9 +131,10 @@ class SiteStore:
             held = self._writers.get(step)
             if held is not None and held[0] == save_id:
                 return held[1]
-            if held is not None:
+            if held is not None:  # superseded: its late pulls stop, its directory goes
+                self._cancelled.add(held[0])
                 held[1].abort()
-            w = CheckpointWriter(self.root, step)
+            w = CheckpointWriter(self.root, step)  # a directory of its own, never held's
             self._writers[step] = (save_id, w)
             return w
 
@@ -260,31 +264,50 @@ class SiteStore:
 
     # -- copies already on this site -----------------------------------------------------------
     def _remember(self, path: Path, step: int, num_stages: int) -> None:
-        mtime = (path / MANIFEST).stat().st_mtime
-        self._verified[(step, mtime)] = SiteCopy(step, num_stages, frozenset(range(num_stages)))
+        copy = SiteCopy(step, num_stages, frozenset(range(num_stages)))
+        self._verified[(step, signature(path))] = copy
+
+    def _check(self, path: Path, step: int) -> SiteCopy:
+        """This site's copy in ``path``, hashed again unless no file of it changed since it
+        last verified ([Note: what is verified, when]); raises naming the bad file."""
+        try:
+            key = (step, signature(path))
+            if key not in self._verified:
+                ckpt = load_checkpoint(path, verify=True)
+                self._verified[key] = SiteCopy(
+                    step, len(ckpt.stages), frozenset(range(len(ckpt.stages)))
+                )
+        except (CheckpointError, OSError) as exc:
+            self._verified = {k: v for k, v in self._verified.items() if k[0] != step}
+            self._rejected[str(path)] = str(exc)
+            raise CheckpointError(f"site {self.site}'s copy {path}: {exc}") from None
+        self._rejected.pop(str(path), None)
+        return self._verified[key]
 
     def holdings(self) -> list[SiteCopy]:
-        """The complete copies on this site's disk whose checksums verify (each copy is
-        hashed once per store: the ones this store committed were checked as they came)."""
+        """The complete copies of the run's lineage on this site's disk whose checksums
+        verify (a copy is hashed again only when one of its files changed)."""
         out = []
         for info in list_checkpoints(self.root):
+            if info.status == "corrupt":  # a shard missing or of the wrong size
+                self._rejected[str(info.path)] = info.reason or "corrupt"
             if info.status != "complete" or not accepts(self.lineage, info.run_id, info.step):
                 continue
             try:
-                key = (info.step, (info.path / MANIFEST).stat().st_mtime)
-            except OSError:  # pruned meanwhile
-                continue
-            if key not in self._verified:
-                try:
-                    ckpt = load_checkpoint(info.path, verify=True)
-                except CheckpointError:
-                    continue
-                self._remember(info.path, info.step, len(ckpt.stages))
-            out.append(self._verified[key])
+                out.append(self._check(info.path, info.step))
+            except CheckpointError:
+                continue  # said by rejected(); pruned meanwhile is no copy either
         return out
 
+    def rejected(self) -> dict[str, str]:
+        """The copies found corrupt or incomplete since this store started, and why."""
+        return dict(self._rejected)
+
     def path_of(self, step: int) -> str:
-        return str(self.root / step_dirname(step))
+        """Where the stage actors of this site load ``step`` from, verified first."""
+        path = self.root / step_dirname(step)
+        self._check(path, step)
+        return str(path)
 
     def manifest(self, step: int) -> dict:
         return json.loads((self.root / step_dirname(step) / MANIFEST).read_text())

@@ -1,0 +1,220 @@
+"""Calibration of an outer-loop run: its forecast per inner step is the planner's own price of
+a round (:func:`geopipe.optimizer.outer_cost.price_round`), fed with what the run measures.
+
+An outer run's plan is a mix of replica groups, which the pipeline calibration
+(:class:`~geopipe.runtime.control.calibration.Calibrator`) does not replay; without this its
+forecast stayed the planner's nominal one (0.06-0.24 s against 0.20-0.56 s measured on the
+test bed). After every inner step :class:`OuterCalibrator` measures
+
+* each group's inner step: the slowest of its replicas' steps (``duration_s``: the group's
+  stages wait for each other inside a step), the mean over the latest :data:`STEPS` steps;
+  the slowest group's, as the exchange sees it: over each stretch of inner steps between
+  two points where the driver acts (an outer apply, a checkpoint, an evaluation) the groups
+  run their spans side by side and the driver waits for the last, so per step the largest
+  of the groups' summed steps, over the latest stretches that hold :data:`STEPS` steps (on
+  a shared host the groups' steps jitter apart, and the larger of two sums exceeds the
+  larger of two means);
+* the driver's seconds per control call: over those stretches, the wall time the driver saw
+  (from recording the stretch's last step to recording the previous one's) less the
+  slowest group's steps, less the price of the apply that opened the stretch (exposed
+  transfer, codec, outer step: modelled, from the measured links and step), over the calls
+  the stretch took (its spans, and the apply's gather and apply). Stretches opened by a
+  checkpoint or an evaluation are left out (the forecast does not price them, as the
+  pipeline's does not). What the link model gives for the round trip to the farthest group
+  is the call's RTT, the rest its overhead.
+
+and prices the round with them, the spans counted as the runtime makes them (the same
+:func:`~geopipe.optimizer.outer_cost.steps_per_call`): ``predicted_s = round_s / H``. Links
+are the costed spec's: probed at launch on real networks, the YAML's on emulated ones.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass, replace
+from typing import Any
+
+from geopipe.config import ClusterSpec
+from geopipe.optimizer.evaluate import Evaluation
+from geopipe.optimizer.outer_cost import (
+    OUTER_CALLS_PER_FRAGMENT,
+    Control,
+    RoundCost,
+    planned_control,
+    price_round,
+    span_cap,
+)
+from geopipe.optimizer.outerplan import OuterRun
+from geopipe.outer.fragments import StreamingSchedule
+from geopipe.plan import Plan
+
+__all__ = ["STEPS", "OuterCalibrator"]
+
+STEPS = 20  # measured figures: over this many latest steps (whole stretches, at least one)
+RECORDED = 3  # a layout's first steps run one per call (they record events: innerrun)
+
+
+@dataclass(frozen=True)
+class _Seen:
+    at: float  # when the driver recorded the step (its clock)
+    group_s: dict[int, float]  # each group's inner step: its slowest replica's
+
+
+def group_sites(plan: Plan) -> dict[int, tuple[str, ...]]:
+    """Each replica group's sites, in its pipelines' stage order."""
+    out: dict[int, dict[str, None]] = {}
+    for r in range(plan.pipelines):
+        sites = plan.mix[r].stage_sites if plan.mix else plan.stage_sites
+        out.setdefault(plan.group_of(r), {}).update(dict.fromkeys(sites))
+    return {g: tuple(s) for g, s in out.items()}
+
+
+class OuterCalibrator:
+    """The forecast of an outer run's inner step from its measured steps (module docstring).
+    ``rounds`` is the driver's outer loop (:class:`~geopipe.runtime.control.outerloop.
+    OuterRounds`: its ``max_span`` says how many steps a call runs at most: None for
+    :data:`~geopipe.optimizer.outer_cost.SPAN_S` seconds of steps, 0 for one)."""
+
+    def __init__(self, spec: ClusterSpec, run: OuterRun, rounds: Any = None) -> None:
+        s = run.setting
+        self.spec, self.run, self.rounds = spec, run, rounds
+        self.schedule = StreamingSchedule(s.h, s.fragments, s.overlap)
+        self.cost: RoundCost | None = None  # the latest calibrated round
+        self.closed = False  # the latest step ended a stretch (its event is worth writing)
+        self.restart(0)
+
+    def restart(self, step: int) -> None:
+        """A new layout (a group lost or grown back) from ``step`` on: measure it afresh."""
+        self._base = step
+        self._seen: dict[int, _Seen] = {}  # the steps of the stretch under way
+        self._warm: deque[dict[int, float]] = deque(maxlen=STEPS)  # each group's step
+        self._mark: int | None = None  # the last step of the latest stretch
+        # per stretch: (seconds beyond compute and the apply, calls, compute seconds, steps)
+        self._units: deque[tuple[float, float, float, int]] = deque(maxlen=STEPS)
+
+    # -- the runtime's calls ---------------------------------------------------------------
+    def _cap(self, predicted_s: float) -> int:
+        span = getattr(self.rounds, "max_span", None)
+        if span == 0:
+            return 1
+        return span if span else span_cap(predicted_s)
+
+    def _acts(self, done: int) -> str | None:
+        """What the driver does after ``done`` inner steps that bounds a stretch."""
+        t = self.spec.training
+        ev = t.eval.every_steps if t.eval is not None else 0
+        if (t.checkpoint.every_steps and done % t.checkpoint.every_steps == 0) or (
+            ev and done % ev == 0
+        ):
+            return "other"
+        return "apply" if self.schedule.applies_at(done) is not None else None
+
+    def _calls(self, first: int, last: int, cap: int) -> int:
+        """The calls that ran steps ``first..last``: a recorded step alone, the rest in spans
+        of at most ``cap``."""
+        alone = sum(1 for s in range(first, last + 1) if s - self._base < RECORDED)
+        rest = last - first + 1 - alone
+        return alone + -(-rest // cap)
+
+    # -- measuring and pricing ---------------------------------------------------------------
+    def observe(
+        self,
+        step: int,
+        plan: Plan,
+        results: list[Any],
+        predicted_s: float,
+        now: float | None = None,
+    ) -> tuple[float, dict[str, Any]] | None:
+        """Step ``step``'s results, recorded by the driver at ``now``: the next forecast per
+        inner step and the ``calibrated`` event's fields, or None before a warm step."""
+        now = time.perf_counter() if now is None else now
+        per: dict[int, float] = {}
+        for r in results:
+            g = plan.group_of(r.replica)
+            per[g] = max(per.get(g, 0.0), r.duration_s)
+        self._seen[step] = _Seen(now, per)
+        if not self.run.evaluations:  # an outer run made without the strategy table's plans
+            return None
+        if self._mark is None:  # the layout's first step runs cold: the reference only
+            self._mark = step
+            return None
+        self._warm.append(per)
+        cap = self._cap(predicted_s)
+        groups, evals = self._groups(plan)
+        self.closed = self._acts(step + 1) is not None  # a stretch ends: a new measurement
+        if self.closed:
+            self._close(step, cap, groups, evals)
+            groups, evals = self._groups(plan)
+        control = self._control(groups, evals, cap)
+        self.cost = cost = price_round(self.spec, groups, evals, self.run.setting, control)
+        t = cost.round_s / self.run.h
+        event = {
+            "step": step,
+            "outer": True,
+            "group_step_s": [e.iteration_time_s for e in evals],
+            "call_s": control.call_s,
+            "calls_measured": sum(u[1] for u in self._latest()),
+            "round": cost.to_json(),
+            "predicted_iteration_time_s": t,
+        }
+        return t, event
+
+    def _groups(self, plan: Plan) -> tuple[list[tuple[str, ...]], list[Evaluation]]:
+        """The live groups' sites (the planner's tuples) and evaluations carrying each group's
+        measured inner step."""
+        runs = zip(self.run.groups, self.run.evaluations, strict=True)
+        planned = {frozenset(g): (g, e) for g, e in runs}
+        groups, evals = [], []
+        for g, sites in sorted(group_sites(plan).items()):
+            sites_, ev = planned.get(frozenset(sites), (sites, self.run.evaluations[0]))
+            got = [w[g] for w in self._warm if g in w]
+            groups.append(sites_)
+            evals.append(replace(ev, iteration_time_s=statistics.mean(got)) if got else ev)
+        units = self._latest()
+        if units:  # the slowest group as the exchanges see it (module docstring)
+            slow = max(range(len(evals)), key=lambda i: evals[i].iteration_time_s)
+            step = sum(u[2] for u in units) / sum(u[3] for u in units)
+            evals[slow] = replace(evals[slow], iteration_time_s=step)
+        return groups, evals
+
+    def _latest(self) -> list[tuple[float, float, float, int]]:
+        """The latest measured stretches that hold :data:`STEPS` steps (at least one)."""
+        out: list[tuple[float, float, float, int]] = []
+        for u in reversed(self._units):
+            if sum(x[3] for x in out) >= STEPS:
+                break
+            out.append(u)
+        return out
+
+    def _close(self, last: int, cap: int, groups: list, evals: list[Evaluation]) -> None:
+        """The stretch ``mark + 1 .. last`` is done: its seconds per call (module docstring)."""
+        first, mark = self._mark + 1, self._mark
+        self._mark = last
+        opened = self._acts(first)
+        steps = [self._seen.get(s) for s in range(first, last + 1)]
+        if opened == "other" or mark not in self._seen or None in steps:
+            return
+        wall = self._seen[last].at - self._seen[mark].at
+        compute = max(sum(w.group_s.get(g, 0.0) for w in steps) for g in steps[-1].group_s)
+        calls = self._calls(first, last, cap)
+        outer = 0.0
+        if opened == "apply":  # its exposed transfer, codec and outer step, as priced
+            c = price_round(self.spec, groups, evals, self.run.setting, Control(0.0, 0.0))
+            outer = (c.exposed_s + c.codec_s + c.outer_step_s) / self.run.setting.fragments
+            calls += OUTER_CALLS_PER_FRAGMENT
+        self._units.append((wall - compute - outer, calls, compute, last - mark))
+        for s in [s for s in self._seen if s < mark]:
+            del self._seen[s]
+
+    def _control(self, groups: list, evals: list[Evaluation], cap: int) -> Control:
+        """The runtime's calls: measured seconds each once a stretch is (else the planner's)."""
+        step = max(e.iteration_time_s for e in evals)
+        planned = planned_control(self.spec, groups, self.run.setting, step, cap=cap)
+        units = self._latest()
+        if not units:
+            return planned
+        seconds, calls = sum(u[0] for u in units), sum(u[1] for u in units)
+        overhead = max(0.0, seconds / calls - planned.rtt_s)
+        return replace(planned, overhead_s=overhead)

@@ -1,0 +1,182 @@
+"""Tier 2: an outer-loop run asks its actors for spans of inner steps, not one call per step
+([Note: many inner steps per driver call] in geopipe.runtime.actor.inner_run), on the suite's
+embedded Ray (real actors, DeepSpeed, the authenticated data plane).
+
+Two emulated sites, one group each (a one-stage pipeline on one device); Streaming DiLoCo
+with H = 6, F = 2, overlap 1, codec int8, DiLoCo's outer lr 0.7 and momentum 0.9: fragment 0
+is sent after 2 and 8 steps and applied after 3 and 9, fragment 1 sent after 5 and 11 and
+applied after 6 and 12, so every send falls inside a span and is the actors' own. The
+reference is the same run with the driver's per-step path (``OuterRounds.max_span = 0``: one
+``run_iteration`` per step, the driver's ``outer_send``): the losses, the rounds and the
+final weights must be bit-identical, and the spans must take fewer than one step call per
+inner step. A third run loses group 1 as a span starts: the survivor runs the whole span,
+every step is recorded once, and no step is lost.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+from geopipe.config import parse_cluster
+from geopipe.runtime.control.controller import Controller, LaunchOptions
+from geopipe.runtime.control.workers import RayWorkers
+from tests.integration.test_outer_runtime import _doc as outer_run_doc
+
+pytestmark = pytest.mark.ray
+STEPS, H, F, TAU = 12, 6, 2, 1
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ray(ray_cluster):
+    yield
+
+
+class Counting(RayWorkers):
+    """The production seam, counting the calls the driver starts, by method; ``before``
+    runs before each call is started (a test's hook)."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+        self.before = lambda actor, method, args: None
+
+    def call(self, actor, method, *args, **kwargs):
+        self.counts[method] += 1
+        self.before(actor, method, args)
+        return super().call(actor, method, *args, **kwargs)
+
+
+def _doc() -> dict:
+    doc = outer_run_doc(steps=STEPS, h=H)
+    doc["name"] = "outer-spans"
+    doc["training"]["checkpoint"] = {"every_steps": H, "keep": 5}
+    doc["plan"]["outer"] = {
+        "h": H,
+        "fragments": F,
+        "overlap": TAU,
+        "codec": "int8",
+        "lr": 0.7,
+        "momentum": 0.9,
+    }
+    return doc
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Each run once for the module (launches are the tier's cost)."""
+    row = {"replicas": 2, "h": H, "fragments": F, "overlap": TAU, "codec": "int8"}
+    row.update(rel_gap=0.01, outer_lr=0.7, outer_momentum=0.9)
+    table = {"source": "t", "model": "t", "steps": 1, "tokens_per_step": 1, "sync_noise": 0.0}
+    root = tmp_path_factory.mktemp("outer-spans")
+    (root / "penalty.json").write_text(json.dumps({**table, "rows": [row]}))
+    done: dict[str, dict] = {}
+
+    def get(kind: str) -> dict:
+        if kind not in done:
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setenv("GEOPIPE_LOSS_PENALTY", str(root / "penalty.json"))
+                done[kind] = _run(root / kind, kind)
+        return done[kind]
+
+    return get
+
+
+def _kill(actor) -> None:
+    ray.kill(actor, no_restart=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.ping.remote(), timeout=5)
+        except Exception:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the killed actor still answers")
+
+
+def _run(run_dir: Path, kind: str) -> dict:
+    """``spans`` (the default), ``per_step`` (the driver's path before spans) or ``loss``
+    (spans; group 1 killed as the span from step 6 starts)."""
+    workers = Counting()
+    opts = LaunchOptions(run_dir=str(run_dir), progress=False)
+    ctl = Controller(parse_cluster(_doc(), "outer-spans"), opts, workers=workers)
+    try:
+        ctl.launch()
+        assert ctl.plan.num_groups == 2 and ctl.outer is not None
+        if kind == "per_step":
+            ctl.outer.max_span = 0
+        victim = ctl.placement.rows[0][1]
+
+        def before(actor, method, args) -> None:
+            if kind == "loss" and actor is victim and method == "run_iterations" and args[0] == 6:
+                _kill(victim)
+
+        workers.counts.clear()
+        workers.before = before
+        losses = [m.loss for m in ctl.train().steps]
+        counts = Counter(workers.counts)
+        survivors = [a for row in ctl.placement.rows for a in row]
+        states = ctl.workers.get([ctl.workers.call(a, "full_state") for a in survivors])
+    finally:
+        ctl.close()
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {"losses": losses, "counts": counts, "states": states, "lines": lines}
+
+
+def _events(lines: list[dict], kind: str) -> list[dict]:
+    return [x for x in lines if x.get("event") == kind]
+
+
+def _rounds(lines: list[dict]) -> list[tuple]:
+    return [
+        (r["step"], r["fragment"], r["groups"], r["bytes"], r["digests_equal"])
+        for r in _events(lines, "outer_round")
+    ]
+
+
+def test_spans_train_bit_identically_to_one_call_per_step(runs) -> None:
+    spans, per_step = runs("spans"), runs("per_step")
+    assert len(spans["losses"]) == STEPS
+    assert spans["losses"] == per_step["losses"]  # bit for bit
+    assert _rounds(spans["lines"]) == _rounds(per_step["lines"])
+    assert [r[0] for r in _rounds(spans["lines"])] == [3, 6, 9, 12]
+    assert all(r[4] and r[3] > 0 for r in _rounds(spans["lines"]))
+    for a, b in zip(spans["states"], per_step["states"], strict=True):
+        assert a["params"].keys() == b["params"].keys()
+        assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
+    # every step's metrics line is written, once, as before
+    rows = [x["step"] for x in spans["lines"] if "event" not in x]
+    assert rows == list(range(STEPS))
+
+
+def test_spans_take_fewer_driver_calls_than_inner_steps(runs) -> None:
+    actors = 2
+    spans, per_step = runs("spans"), runs("per_step")
+    # steps 0-2 one a call (calibration records them), then 3-5, 6-8, 9-11: 6 calls
+    got = spans["counts"]
+    assert got["run_iteration"] == 0 and got["outer_send"] == 0  # the actors send
+    assert got["run_iterations"] == 6 * actors
+    per_inner_step = (got["run_iterations"] + got["outer_send"]) / (STEPS * actors)
+    assert per_inner_step < 1
+    old = per_step["counts"]
+    assert old["run_iteration"] == STEPS * actors and old["outer_send"] == 4 * actors
+    assert (old["run_iteration"] + old["outer_send"]) / (STEPS * actors) > 1
+
+
+def test_a_group_lost_as_a_span_starts_costs_the_survivor_no_step(runs) -> None:
+    lost, spans = runs("loss"), runs("spans")
+    rows = [x for x in lost["lines"] if "event" not in x]
+    assert [x["step"] for x in rows] == list(range(STEPS))  # each step once: none lost
+    assert lost["losses"][:6] == spans["losses"][:6]  # undisturbed before the loss
+    (rec,) = _events(lost["lines"], "recovered")
+    assert rec["failed_step"] == 6 and rec["lost_steps"] == 0 and rec["step"] == 9
+    assert rec["lost_groups"] == [1] and rec["source"] == "surviving groups"
+    assert not _events(lost["lines"], "resumed")  # no checkpoint read
+    # the survivor ran the whole span 6-8; the round after 9 averages over it alone
+    assert [(r[0], r[2]) for r in _rounds(lost["lines"])] == [(3, 2), (6, 2), (9, 1), (12, 1)]
+    assert all(r[4] for r in _rounds(lost["lines"]))

@@ -1,0 +1,266 @@
+"""The driver's control calls in the price of an outer round, against hand computations, and
+an outer run's calibrated forecast from measured figures (geopipe.optimizer.outer_cost's
+[Note: the driver's control calls], geopipe.runtime.control.outercal).
+
+The calibration test drives :class:`OuterCalibrator` with a fake run whose timeline is built
+the way the runtime spends time (a call per span, recorded steps alone, the gather and the
+apply after each span that ends at an apply point, each call costing a known round trip
+plus a known overhead): the calibrator must recover that overhead from the timeline alone
+and forecast the wall time per inner step the timeline shows."""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import replace
+from itertools import pairwise
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from geopipe.config import OuterSetting, parse_cluster
+from geopipe.optimizer.outer_cost import (
+    CALL_OVERHEAD_S,
+    MAX_SPAN,
+    OUTER_CALLS_PER_FRAGMENT,
+    SPAN_S,
+    Control,
+    block_bytes,
+    driver_rtt_s,
+    price_round,
+    span_cap,
+    steps_per_call,
+)
+from geopipe.optimizer.penalty import PenaltyModel, parse_table
+from geopipe.optimizer.planner import plan_cluster
+from geopipe.optimizer.runplan import plan_run
+from geopipe.optimizer.strategy import group_spec
+from geopipe.outer.fragments import StreamingSchedule
+from geopipe.runtime.control.calibration import CALIBRATION_STEPS, Calibrator
+from geopipe.runtime.control.outercal import RECORDED
+
+LOCAL = Path(__file__).resolve().parents[2] / "clusters" / "local-2dc.yaml"
+LATENCY_S = 0.025  # local-2dc's east <-> west, one way
+
+
+def _doc(real_links: bool = True, every: int = 0, **outer) -> dict:
+    doc = copy.deepcopy(yaml.safe_load(LOCAL.read_text()))
+    doc["ray"]["emulate_links"] = not real_links
+    doc["plan"]["strategy"] = "outer"
+    doc["plan"]["outer"] = {"h": 10, "fragments": 2, "overlap": 1, "codec": "none", **outer}
+    doc["training"]["checkpoint"] = {"every_steps": every}
+    return doc
+
+
+def _table() -> PenaltyModel:
+    rows = [
+        {"replicas": 2, "h": h, "fragments": f, "codec": "none", "rel_gap": 0.001}
+        for h in (2, 10, 20)
+        for f in (1, 2)
+    ]
+    doc = {"source": "t", "model": "t", "steps": 1, "tokens_per_step": 1, "sync_noise": 0.0}
+    return PenaltyModel(parse_table({**doc, "rows": rows}), "t.json")
+
+
+# -- the pricing function -------------------------------------------------------------------
+def test_steps_per_call_counts_the_spans_exactly() -> None:
+    assert steps_per_call(10) == 10 == steps_per_call(10, 0, 0)
+    # applies every 10, checkpoints every 25: over 50 steps calls end at 10 20 25 30 40 50
+    assert steps_per_call(10, 25) == pytest.approx(50 / 6)
+    # ... at most 4 steps a call: gaps 10 10 5 5 10 10 take 3 3 2 2 3 3 calls
+    assert steps_per_call(10, 25, cap=4) == pytest.approx(50 / 16)
+    assert steps_per_call(10, 20, 5) == 5  # an evaluation every 5 bounds every call
+    assert steps_per_call(10, cap=3) == 2.5  # 3 + 3 + 3 + 1
+    assert steps_per_call(10, cap=1) == 1  # one call per step: the old driver
+    assert span_cap(0.3) == 16 and span_cap(0.0) == 1 and span_cap(1e-9) == MAX_SPAN
+    with pytest.raises(ValueError, match="cap >= 1"):
+        steps_per_call(10, cap=0)
+
+
+def test_the_round_trip_is_to_the_farthest_site_over_the_fastest_path() -> None:
+    site = yaml.safe_load(LOCAL.read_text())["sites"][0]
+    doc = _doc()
+    doc["sites"] = [dict(site, name=n) for n in "abc"]
+    doc["links"] = [
+        {"from": "a", "to": "b", "bandwidth_gbps": 1, "latency_ms": 10},
+        {"from": "b", "to": "c", "bandwidth_gbps": 1, "latency_ms": 20},
+        {"from": "a", "to": "c", "bandwidth_gbps": 1, "latency_ms": 50},
+    ]
+    spec = parse_cluster(doc, "t")
+    assert driver_rtt_s(spec, ["a", "b", "c"]) == pytest.approx(2 * (0.010 + 0.020))
+    assert driver_rtt_s(spec, ["b"]) == pytest.approx(0.020)
+    assert driver_rtt_s(spec, ["a", "b"], driver="c") == pytest.approx(2 * 0.030)
+    doc["links"].append({"from": "c", "to": "b", "bandwidth_gbps": 1, "latency_ms": 40})
+    asymmetric = parse_cluster(doc, "t")  # c -> b is its own link now: a -> c -> a 30 + 50
+    assert driver_rtt_s(asymmetric, ["c"]) == pytest.approx(0.030 + 0.050)
+    emulated = parse_cluster({**doc, "ray": {**doc["ray"], "emulate_links": True}}, "t")
+    assert driver_rtt_s(emulated, ["a", "b", "c"]) == 0.0  # every actor answers locally
+
+
+def test_an_outer_round_matches_the_analytic_formula_with_its_control_calls() -> None:
+    """H = 10, F = 2, overlap 1, codec none over one 25 ms, 0.2 Gbit/s link: the round is
+    H·t + F·max(0, T_x − tau·t) + t_outer + (H / steps_per_call + 2F)·(RTT + overhead)."""
+    spec = parse_cluster(_doc(), "t")
+    groups = (("east",), ("west",))
+    evals = [plan_cluster(group_spec(spec, g, 16)).best for g in groups]
+    s = OuterSetting(h=10, fragments=2, overlap=1, codec="none")
+    t = max(e.iteration_time_s for e in evals)
+    payload = block_bytes(spec, evals[0].plan, s)
+    exchange = LATENCY_S + math.ceil(payload) * 8 / 0.2e9  # M = 2: one ring step
+    exposed = 2 * max(0.0, exchange - 1 * t)
+    for rtt, overhead, per_call in ((0.05, 0.003, 5.0), (0.05, 0.003, 1.0), (0.2, 0.0, 2.5)):
+        cost = price_round(spec, groups, evals, s, Control(rtt, overhead, per_call))
+        control = (10 / per_call + 2 * 2) * (rtt + overhead)
+        assert cost.exchange_s == pytest.approx(exchange)
+        assert cost.control_s == pytest.approx(control)
+        expected = 10 * t + exposed + cost.codec_s + cost.outer_step_s + control
+        assert cost.round_s == pytest.approx(expected)
+        assert cost.to_json()["control_s"] == pytest.approx(control)
+    alone = price_round(spec, groups[:1], evals[:1], s, Control(0.05, 0.0, 5.0))
+    assert alone.exchange_s == 0 and alone.control_s == pytest.approx((2 + 4) * 0.05)
+    # The default is the runtime's: spans up to each apply (H / F = 5 steps, fewer than
+    # SPAN_S seconds here), the links' round trip, the nominal overhead.
+    assert 5 * t < SPAN_S
+    cost = price_round(spec, groups, evals, s)
+    assert cost.control.steps_per_call == 5 and cost.control.rtt_s == pytest.approx(0.05)
+    assert cost.control_s == pytest.approx((10 / 5 + 2 * 2) * (0.05 + CALL_OVERHEAD_S))
+
+
+def test_the_launch_forecast_of_an_outer_run_carries_its_control_calls() -> None:
+    spec = parse_cluster(_doc(every=20), "t")
+    rp = plan_run(spec, penalty=_table())
+    run = rp.outer
+    assert run is not None and run.groups and len(run.evaluations) == 2
+    cost = rp.strategy.chosen.round
+    assert run.control_s == cost.control_s > 0 and run.to_dict()["control_s"] == cost.control_s
+    assert rp.predicted.iteration_time_s == pytest.approx(run.round_s / run.h)
+    period = run.h // run.setting.fragments
+    cap = span_cap(cost.step_s)
+    assert cost.control.steps_per_call == pytest.approx(steps_per_call(period, 20, cap=cap))
+    emulated = plan_run(parse_cluster(_doc(real_links=False, every=20), "t"), penalty=_table())
+    assert emulated.outer.control_s < run.control_s  # no round trip to price
+
+
+def test_the_planners_span_rule_is_the_runtimes() -> None:
+    from geopipe.runtime.control import innerrun
+
+    assert (SPAN_S, MAX_SPAN) == (innerrun.SPAN_S, innerrun.MAX_SPAN)
+    assert RECORDED == CALIBRATION_STEPS
+
+
+# -- the calibrated forecast ----------------------------------------------------------------
+STEP_S = {0: 0.20, 1: 0.30}  # each group's measured inner step (west's the slower)
+OVERHEAD_S = 0.012  # the driver's true overhead per call, beyond the round trip
+
+
+def _step_s(group: int, step: int, jitter: bool) -> float:
+    """Group ``group``'s inner step ``step``: steady, or on a shared host, the groups taking
+    turns to be slow (0.35 s, the other 0.15 s) from one apply interval to the next: both
+    average 0.25 s, but every exchange waits for 0.35 s steps."""
+    if not jitter:
+        return STEP_S[group]
+    return 0.25 + (0.1 if (step // 5 + group) % 2 == 0 else -0.1)
+
+
+def _results(plan, step: int, jitter: bool = False) -> list:
+    return [
+        SimpleNamespace(
+            replica=r, stage=0, step=step, duration_s=_step_s(plan.group_of(r), step, jitter)
+        )
+        for r in range(plan.pipelines)
+    ]
+
+
+def _timeline(run, spec, steps: int, cap: int, every: int, jitter: bool) -> list[tuple[int, float]]:
+    """``(step, when the driver recorded it)`` of a run that spends time as the runtime
+    does ([Note: the driver's control calls]); a checkpoint costs 1 s more."""
+    sched = StreamingSchedule(run.h, run.setting.fragments, run.setting.overlap)
+    call_s = 2 * LATENCY_S + OVERHEAD_S
+    out, t, step = [], 0.0, 0
+    while step < steps:
+        n = 1 if step < RECORDED else min(cap, sched.period - step % sched.period)
+        # the groups run the span side by side; the driver waits for the slower
+        span = range(step, step + n)
+        t += call_s + max(sum(_step_s(g, s, jitter) for s in span) for g in (0, 1))
+        out += [(s, t) for s in span]
+        step += n
+        if sched.applies_at(step) is not None:  # the apply's price at the measured step
+            t += OUTER_CALLS_PER_FRAGMENT * call_s + _apply_s(run, spec)
+        if every and step % every == 0:
+            t += 1.0
+    return out
+
+
+def _apply_s(run, spec) -> float:
+    """The modelled codec and outer step of one apply (its transfer hides behind the
+    overlapped step at any step time here, so the price is the same for every step)."""
+    evals = [replace(e, iteration_time_s=0.15) for e in run.evaluations]
+    bare = price_round(spec, run.groups, evals, run.setting, Control(0.0, 0.0))
+    assert bare.exposed_s == 0  # a tiny model's pseudo-gradient over 0.2 Gbit/s: hidden
+    return (bare.codec_s + bare.outer_step_s) / run.setting.fragments
+
+
+@pytest.mark.parametrize(("every", "jitter"), [(0, False), (20, False), (0, True)])
+def test_calibration_recovers_the_call_overhead_and_forecasts_the_wall_time(
+    every: int, jitter: bool
+) -> None:
+    spec = parse_cluster(_doc(every=every), "t")
+    run = plan_run(spec, penalty=_table()).outer
+    rounds = SimpleNamespace(run=run, max_span=None)
+    cal = Calibrator(spec, False, 1.0, [], rounds)
+    predicted = 0.4  # the cap the runtime derives from it: 12 steps, more than a period
+    cap = span_cap(predicted)
+    assert cap > run.h // run.setting.fragments
+    seen = _timeline(run, spec, 60, cap, every, jitter)
+    forecasts, events = {}, []
+    for step, at in seen:
+        got = cal.outer.observe(step, run.plan, _results(run.plan, step, jitter), predicted, at)
+        if got is not None:
+            forecasts[step] = got[0]
+            events.append(got[1])
+    assert 0 not in forecasts  # the first step runs cold
+    # Before a stretch is measured: the measured steps, the planner's calls.
+    c1 = events[0]["round"]
+    assert c1["inner_step_s"] == max(_step_s(g, 1, jitter) for g in (0, 1))
+    assert c1["control_overhead_s"] == CALL_OVERHEAD_S
+    # After: the overhead the timeline holds, and the wall time per step it shows.
+    control = cal.outer.cost.control
+    assert control.rtt_s == pytest.approx(2 * LATENCY_S)
+    assert control.overhead_s == pytest.approx(OVERHEAD_S)
+    period = run.h // run.setting.fragments
+    ends = [at for step, at in seen if (step + 1) % period == 0]
+    walls = [(b - a) / period for a, b in pairwise(ends)]
+    plain = min(walls)  # a period without a checkpoint's second
+    if not jitter:
+        assert max(walls[1:]) == pytest.approx(plain + 1.0 / period if every else plain)
+        assert events[-1]["group_step_s"] == [STEP_S[0], STEP_S[1]]
+    else:  # the slower group as the exchanges see it, not the larger mean (0.25 s)
+        assert max(walls[1:]) == pytest.approx(plain)
+        assert events[-1]["group_step_s"] == [pytest.approx(0.35), pytest.approx(0.25)]
+    assert forecasts[seen[-1][0]] == pytest.approx(plain, rel=1e-9)
+
+
+def test_the_calibrator_hands_an_outer_run_its_plan_and_forecast() -> None:
+    spec = parse_cluster(_doc(), "t")
+    run = plan_run(spec, penalty=_table()).outer
+    cal = Calibrator(spec, False, 1.0, [], SimpleNamespace(run=run, max_span=0))
+    first = cal.observe(0, run.plan, _results(run.plan, 0))
+    assert first.plan is run.plan and first.predicted_s == 1.0 and not cal.calibrated
+    second = cal.observe(1, run.plan, _results(run.plan, 1))
+    assert second.plan is run.plan and cal.calibrated and second.event["outer"]
+    assert cal.predicted_s == second.predicted_s != 1.0
+    # one call per step (max_span 0): the old driver's calls, priced as such
+    assert cal.outer.cost.control.steps_per_call == 1
+    cal.restart(5)
+    assert cal.observe(5, run.plan, _results(run.plan, 5)).event is None  # cold again
+    # west's group lost: the survivor's layout, re-priced with one group (no exchange)
+    from geopipe.runtime.control.outerfail import without_groups
+
+    east = without_groups(run.plan, {1})
+    cal.restart(7)
+    cal.observe(7, east, _results(east, 7))
+    alone = cal.observe(8, east, _results(east, 8))
+    assert alone.plan is east and alone.event["group_step_s"] == [STEP_S[0]]
+    assert cal.outer.cost.exchange_s == 0 and cal.outer.cost.control.rtt_s == 0
