@@ -10,6 +10,7 @@ an inbox.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import struct
@@ -98,10 +99,12 @@ def launch(doc: dict, run_dir: Path, attack: bool) -> tuple[list[float], dict]:
                 for a in actors
             ]
         )
+        events = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
         return [m.loss for m in res.steps], {
             "counts": counts,
             "sent": sent,
             "encrypt": ctl.creds.encrypt,
+            "skew": [e for e in events if e.get("event") == "clock_skew"],
         }
     finally:
         stop.set()
@@ -126,3 +129,9 @@ def test_a_stranger_changes_nothing(tmp_path: Path) -> None:
     refused = sum(wan + chunk for wan, chunk, _ in info["counts"])
     assert refused >= info["sent"][0] * 0.9  # nearly every attempt counted (a few in flight)
     assert all(errors == 0 for _, _, errors in info["counts"])  # nothing reached a stream
+    # the skew the WAN handshakes measured, reported at launch (issue 33, item 5): one
+    # host, so one clock; each stage's link to the other measured, within its round trip
+    (skew,) = info["skew"]
+    assert skew["measured"] and {p["link"] for p in skew["pairs"]} == {"up", "down"}
+    assert all(abs(p["offset_s"]) <= p["error_s"] + 0.05 for p in skew["pairs"])
+    assert skew["tolerance_s"] == 86400.0

@@ -569,6 +569,9 @@ class FakeStage:
     def ping(self) -> int:
         return 4242
 
+    def clock_skews(self) -> dict[str, tuple[float, float]]:
+        return {}  # in-process: no WAN handshake, nothing measured
+
     def abort(self) -> None:
         self.aborted = True
 

@@ -301,6 +301,17 @@ class StageLinks:
             if isinstance(ch, DirectSender):
                 ch.load_codec_state(tensors_of(f"codec/{name}/"))
 
+    def clock_skews(self) -> dict[str, tuple[float, float]]:
+        """The peer's wall clock minus this one's, ± half the round trip, as each outgoing WAN
+        connection's handshake measured it (``up``, ``down``, ``tie``): the launch reports the
+        worst, since certificates are checked against the peers' clocks."""
+        out = {}
+        for name, ch in (("up", self.up_send), ("down", self.down_send), ("tie", self.tie_send)):
+            skew = ch.clock_skew if isinstance(ch, DirectSender) else None
+            if skew is not None:
+                out[name] = (skew.offset_s, skew.error_s)
+        return out
+
     def close(self) -> None:
         """Fail waiting receives fast; drop the WAN connections (a new layout makes new)."""
         self.inbox.close()

@@ -529,6 +529,9 @@ class StageWorker:
     def ping(self) -> int:
         return os.getpid()
 
+    def clock_skews(self) -> dict[str, tuple[float, float]]:
+        return self.links.clock_skews()  # what the WAN handshakes measured (launch reports it)
+
     def reducing(self) -> bool:
         """Whether this replica is inside its step's ZeRO-1 collectives now (answered on
         another thread while the step blocks there: see ``Recovery._wait_aborted``)."""

@@ -63,7 +63,7 @@ from geopipe.runtime.control.health import (
 )
 from geopipe.runtime.control.history import RunHistory
 from geopipe.runtime.control.innerrun import next_state, run_span
-from geopipe.runtime.control.linkprobe import probe_links
+from geopipe.runtime.control.linkprobe import measure_clock_skew, probe_links
 from geopipe.runtime.control.metrics import aggregate, measured_events
 from geopipe.runtime.control.models import check_data_source
 from geopipe.runtime.control.options import LaunchOptions, RunResult
@@ -98,7 +98,7 @@ from geopipe.runtime.control.workers import (
     ask,
     call_all,
 )
-from geopipe.transport.security import make_credentials
+from geopipe.transport.security import CERT_BACKDATE, make_credentials
 
 __all__ = [
     "OUTER_NOT_LAUNCHED",
@@ -117,6 +117,7 @@ OUTER_NOT_LAUNCHED = (
 
 # A recovery interrupted by another death is retried from what is left, this many times.
 MAX_NESTED_RECOVERIES = 3
+CERT_TOLERANCE_S = CERT_BACKDATE.total_seconds()  # how far behind a node's clock may be
 
 
 def run_dir_for(spec: ClusterSpec, override: str | None) -> Path:
@@ -350,6 +351,10 @@ class Controller:
         metrics = Path(self.opts.metrics_out or self.run_dir / "metrics.jsonl")
         self.reporter.open(metrics, self.workers.ray_metrics, self.spec)
         self.reporter.event("security", **self.creds.protection(), listen=self.spec.security.listen)
+        skew, line = measure_clock_skew(self.workers, self.placement.roles(), CERT_TOLERANCE_S)
+        self.reporter.event("clock_skew", **skew)
+        if line:
+            self.reporter.say(line)
         outer = self.outer_run.to_dict() if self.outer_run else None
         links = [m.to_dict() for m in self.links_measured]
         fields = self.ctx.plan_event(self.plan, self.predicted, self.planned_with, links, outer)

@@ -39,9 +39,11 @@ __all__ = [
     "LinkMeasurement",
     "burst_rate",
     "clock_offset",
+    "measure_clock_skew",
     "measure_codec_speeds",
     "measure_links",
     "probe_links",
+    "skew_report",
 ]
 
 WARN_OFF = 0.20  # warn when a measurement is this far from the YAML
@@ -187,3 +189,56 @@ def warn_if_off(measured: list[LinkMeasurement], say: Callable[[str], None]) -> 
                 f"link {m.src} -> {m.dst} measures {'; '.join(off)}: more than "
                 f"{WARN_OFF:.0%} off; planning with the measurement"
             )
+
+
+# Above this, a launch says so on the console (the event always carries the figures).
+SKEW_WARN_S = 60.0
+
+
+def skew_report(
+    answers: dict[str, dict[str, tuple[float, float]]], tolerance_s: float
+) -> tuple[dict[str, Any], str | None]:
+    """The launch's ``clock_skew`` event and, past :data:`SKEW_WARN_S`, a console line, from
+    what each actor's WAN handshakes measured (``{actor: {link: (offset_s, error_s)}}``, the
+    peer's wall clock minus the actor's ± half the round trip).
+
+    Why at launch: the run's certificates are valid from ``tolerance_s`` before the
+    driver's clock, so a node that far behind fails every new connection; minutes of skew
+    are harmless but worth knowing before a recovery's rewiring depends on them. The
+    monotonic offsets :func:`clock_offset` takes are another matter (calibration's)."""
+    pairs = [
+        {"actor": actor, "link": link, "offset_s": off, "error_s": err}
+        for actor, links in sorted(answers.items())
+        for link, (off, err) in sorted(links.items())
+    ]
+    if not pairs:
+        return {"measured": False, "tolerance_s": tolerance_s, "pairs": []}, None
+    worst = max(pairs, key=lambda p: abs(p["offset_s"]))
+    fields = {
+        "measured": True,
+        "max_abs_offset_s": abs(worst["offset_s"]),
+        "error_s": worst["error_s"],
+        "worst": f"{worst['actor']} {worst['link']}",
+        "tolerance_s": tolerance_s,
+        "pairs": pairs,
+    }
+    if abs(worst["offset_s"]) <= SKEW_WARN_S:
+        return fields, None
+    line = (
+        f"clock skew: the {worst['link']} peer of {worst['actor']} is "
+        f"{worst['offset_s']:+.1f} s (± {worst['error_s']:.2f} s) off its clock; certificates "
+        f"tolerate {tolerance_s / 3600:g} h behind the driver: keep the nodes' clocks in sync"
+    )
+    return fields, line
+
+
+def measure_clock_skew(
+    workers: Workers, roles: dict[tuple[int, int], Any], tolerance_s: float
+) -> tuple[dict[str, Any], str | None]:
+    """:func:`skew_report` of every stage actor (``roles``: ``(stage, replica)`` -> actor),
+    asked once the actors are wired (their WAN handshakes done)."""
+    keys = list(roles)
+    got = workers.get([workers.call(roles[k], "clock_skews") for k in keys])
+    return skew_report(
+        {f"stage{k}/r{r}": a for (k, r), a in zip(keys, got, strict=True)}, tolerance_s
+    )
