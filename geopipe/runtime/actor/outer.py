@@ -63,7 +63,13 @@ import torch
 
 from geopipe.outer import OuterOptimizer, average_encoded, decode_delta, encode_delta
 from geopipe.runtime.actor import zero_state
-from geopipe.runtime.actor.outer_wire import CHUNK_ELEMS, OuterExchange, OuterPeer, OuterSettings
+from geopipe.runtime.actor.outer_wire import (
+    CHUNK_ELEMS,
+    OuterExchange,
+    OuterFrames,
+    OuterPeer,
+    OuterSettings,
+)
 from geopipe.transport import wire
 from geopipe.transport.codec import Codec, Encoded, make_codec
 from geopipe.transport.security import RunCredentials
@@ -212,6 +218,9 @@ class OuterLoop:
         self.net = OuterExchange(
             "0.0.0.0" if listen_all else host, host, creds, settings.max_payload, user_timeout_s
         )
+        opt = self.state.opt  # every group's layout is this one's: its frames are known
+        numels = [opt.fragment_numel(f) for f in range(settings.fragments)]
+        self.net.expect(OuterFrames(settings, self._tag(0, 0)[:3], numels, opt.steps))
         # fragment -> (round, own chunks, what the send answered); the peers' chunks by group
         self._pending: dict[int, tuple[int, list[Encoded], dict[str, Any]]] = {}
         self._got: dict[int, dict[int, list[Encoded]]] = {}

@@ -16,7 +16,9 @@ same bytes to every peer, so that every group averages identical payloads
 records, the link emulator's delivery stamp) written for a pre-encoded payload; the receiving
 side is the direct channel's own :class:`~geopipe.transport.direct.DirectReceiver` (its
 handshake, payload bound and checks) filing into an :class:`EncodedInbox`, which keeps the
-verified payload encoded instead of decoding it.
+verified payload encoded instead of decoding it; it takes only the frames the replica's
+partition layout lets its peers send (:class:`OuterFrames`), refusing the rest before
+anything is allocated.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,8 +35,14 @@ from geopipe.transport import wire
 from geopipe.transport.codec import CorruptPayloadError, Encoded, Sealed, open_sealed, seal
 from geopipe.transport.dial import DialError, dial
 from geopipe.transport.direct import CONGESTION, DirectReceiver, PeerLostError
-from geopipe.transport.frames import encode_frame, key_to_json, sendmsg_all
-from geopipe.transport.link import DelayedMailbox, LinkEmulator, LinkParams, MailboxClosedError
+from geopipe.transport.frames import (
+    FrameInfo,
+    FrameRefusedError,
+    encode_frame,
+    key_to_json,
+    sendmsg_all,
+)
+from geopipe.transport.link import DelayedMailbox, LinkEmulator, LinkParams
 from geopipe.transport.security import (
     HandshakeError,
     RunCredentials,
@@ -47,6 +55,7 @@ __all__ = [
     "EncodedInbox",
     "EncodedSender",
     "OuterExchange",
+    "OuterFrames",
     "OuterPeer",
     "OuterSettings",
 ]
@@ -104,14 +113,94 @@ class _Failed:
     error: BaseException
 
 
+class OuterFrames:
+    """The frames an outer listener takes (issue 33's frame plan, for the outer exchange):
+    called with each frame's header on the reader's thread, before its payload is
+    allocated, it raises `FrameRefusedError` for anything else, and the receiver drops
+    that connection (see `EncodedInbox` for what the exchange does then).
+
+    Every group splits its stages and ZeRO-1 partitions alike (the layout digest), so this
+    replica knows every frame its peers may send: key ``("O", stage, partition, fragment,
+    round, group, chunk)`` with ``tag = ("O", stage, partition)``, a fragment of
+    ``fragment_numels``, a chunk of it (``chunk_elems`` each), the group of a connected,
+    not dropped peer (``peers``, kept by `OuterExchange`) and a round that is this
+    replica's own for the fragment (``round_of``) or the next (a peer one apply ahead: it
+    cannot get two ahead, its next round needs this one's payload); shaped as
+    `~geopipe.outer.exchange.encode_delta` rows, float32, the run's codec, and exactly the
+    chunk's `wire.wire_bytes`. :mod:`geopipe.transport.expect`'s `ExpectedFrames` checks
+    one window of steps for a kind and a set of shapes: the outer keys need a window per
+    fragment and a size per chunk, hence this class."""
+
+    def __init__(
+        self,
+        settings: OuterSettings,
+        tag: tuple,
+        fragment_numels: Sequence[int],
+        round_of: Callable[[int], int],
+    ) -> None:
+        self.settings, self.tag, self.round_of = settings, tuple(tag), round_of
+        size = settings.chunk_elems
+        self.chunks = [  # per fragment, per chunk: its element count
+            [min(size, n - s) for s in range(0, n, size)] or [0] for n in fragment_numels
+        ]
+        self.peers: frozenset[int] = frozenset()
+
+    def __call__(self, info: FrameInfo) -> None:
+        reason = self.why_not(info)
+        if reason is not None:
+            raise FrameRefusedError(f"outer frame {info.key!r} not expected: {reason}")
+
+    def why_not(self, info: FrameInfo) -> str | None:
+        """Why ``info`` is not an outer frame this replica expects, or None if it is."""
+        key, n = info.key, len(self.tag)
+        if not (isinstance(key, tuple) and len(key) == n + 4 and key[:n] == self.tag):
+            return f"not a key {self.tag} + (fragment, round, group, chunk)"
+        fragment, round_, group, chunk = key[n:]
+        if any(type(k) is not int for k in key[n:]):
+            return "fragment, round, group and chunk must be integers"
+        if not 0 <= fragment < len(self.chunks):
+            return f"no fragment {fragment} (of {len(self.chunks)})"
+        if not 0 <= chunk < len(self.chunks[fragment]):
+            return f"fragment {fragment} has no chunk {chunk} ({len(self.chunks[fragment])})"
+        if group not in self.peers:
+            return f"group {group} is not a connected peer ({sorted(self.peers)})"
+        now = self.round_of(fragment)
+        if not now <= round_ <= now + 1:
+            return f"round {round_} of fragment {fragment}, expected {now} or {now + 1}"
+        return self._wrong_payload(info, self.chunks[fragment][chunk])
+
+    def _wrong_payload(self, info: FrameInfo, numel: int) -> str | None:
+        s = self.settings
+        shape = (-(-numel // ROW_LEN), ROW_LEN)
+        nbytes = wire.wire_bytes(s.codec, shape[0] * ROW_LEN, ROW_LEN, 4, "backward", s.topk_ratio)
+        if info.codec != s.codec:
+            return f"codec {info.codec}, expected {s.codec}"
+        if info.dtype != "float32" or info.direction != "backward":
+            return f"{info.dtype} {info.direction}, expected float32 backward"
+        if info.shape != shape:
+            return f"shape {list(info.shape)}, expected {list(shape)}"
+        if info.payload_nbytes != nbytes:
+            return f"{info.payload_nbytes} payload bytes, expected {nbytes}"
+        return None
+
+
 class EncodedInbox:
     """Where a :class:`DirectReceiver` files the peers' payloads: verified against their
     seal, kept *encoded* (the average decodes every group's payload itself, in group order),
-    and held until their emulated delivery time."""
+    and held until their emulated delivery time.
+
+    A stream the receiver failed (a corrupt frame, or one `OuterFrames` refused: that
+    connection is dropped) does not close the inbox: its failure cannot be pinned on a group
+    (a peer's frame may claim any key), the other peers' payloads keep arriving, and the
+    same peer may connect again. A plain :meth:`get` raises the failure at once;
+    :meth:`OuterExchange.gather` waits past it (``strict=False``), so a peer that sent
+    garbage is only missing when the wait (``health.wan_outage_s``) ends, and the driver's
+    group-loss path decides, with the failure named in why it is missing."""
 
     def __init__(self) -> None:
         self._box = DelayedMailbox()
         self._error: BaseException | None = None
+        self.failures: list[BaseException] = []  # the latest few, for the missing reason
 
     def deliver_sealed(
         self, key: Hashable, sealed: Sealed, deliver_at: float, sent_at: float = 0.0
@@ -125,17 +214,24 @@ class EncodedInbox:
         self._box.put(key, _Failed(error), 0.0)
 
     def fail(self, error: BaseException) -> None:
-        """The stream broke in a way no key can be blamed for: every wait raises ``error``."""
+        """A stream broke in a way no key can be blamed for (see the class's note)."""
         self._error = error
-        self._box.close()
+        self.failures = [*self.failures[-3:], error]
 
-    def get(self, key: Hashable, timeout: float | None) -> Encoded:
-        try:
-            item = self._box.get(key, timeout=timeout)
-        except MailboxClosedError:
-            if self._error is not None:
-                raise self._error from None
-            raise
+    def get(self, key: Hashable, timeout: float | None, strict: bool = True) -> Encoded:
+        """The payload of ``key``; ``strict``: a failed stream's error is raised at once."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if strict and self._error is not None:
+                raise self._error
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            wait = left if not strict else (_POLL_S if left is None else min(_POLL_S, left))
+            try:
+                item = self._box.get(key, timeout=wait)
+                break
+            except TimeoutError:
+                if not strict or (left is not None and left <= 0):
+                    raise
         if isinstance(item, _Failed):
             raise item.error
         return item
@@ -236,6 +332,17 @@ class OuterExchange:
         self._senders: dict[int, EncodedSender] = {}
         self._posts: list[tuple[int, threading.Thread, list[Any]]] = []
         self._dropped: set[int] = set()  # groups written off: never waited for again
+        self.frames: OuterFrames | None = None
+
+    def expect(self, frames: OuterFrames) -> None:
+        """Take only ``frames``' frames from now on (checked before allocation)."""
+        self.frames = frames
+        self._peers_changed()
+        self.receiver.expect = frames
+
+    def _peers_changed(self) -> None:
+        if self.frames is not None:
+            self.frames.peers = frozenset(g for g in self.peers if g not in self._dropped)
 
     def connect(self, peers: Sequence[OuterPeer]) -> None:
         """(Re)connect to ``peers`` (drops connections to groups no longer listed)."""
@@ -248,6 +355,7 @@ class OuterExchange:
                 p.address, self.creds, p.link, user_timeout_s=self.user_timeout_s
             )
             self.peers[p.group] = p
+        self._peers_changed()
 
     def post(self, tag: tuple, group: int, chunks: Sequence[Encoded]) -> None:
         """Send ``chunks`` (this replica's payload, from group ``group``) to every peer."""
@@ -276,6 +384,7 @@ class OuterExchange:
             if sender is not None:
                 sender.close()
             self.peers.pop(g, None)
+        self._peers_changed()
 
     def gather(
         self, tag: tuple, chunks: int, timeout_s: float
@@ -307,18 +416,19 @@ class OuterExchange:
             while len(have) < chunks and g not in self._dropped:
                 left = deadline - time.monotonic()
                 try:
-                    have.append(self.inbox.get((*tag, g, len(have)), max(0.0, min(_POLL_S, left))))
+                    wait = max(0.0, min(_POLL_S, left))
+                    have.append(self.inbox.get((*tag, g, len(have)), wait, strict=False))
                 except TimeoutError:
                     if left <= 0:
                         break
             if len(have) == chunks:
                 got[g] = have
+            elif g in self._dropped:
+                missing[g] = "dropped"
             else:
-                missing[g] = (
-                    "dropped"
-                    if g in self._dropped
-                    else f"no payload from group {g} at {peer.address} in {timeout_s:g}s"
-                )
+                missing[g] = f"no payload from group {g} at {peer.address} in {timeout_s:g}s"
+                if self.inbox.failures:  # a peer's frames refused: the likeliest why
+                    missing[g] += f" (latest stream failure: {self.inbox.failures[-1]})"
         return got, missing, sent
 
     def collect(
