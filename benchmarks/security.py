@@ -5,7 +5,17 @@
 2. **Bulk throughput** at the highest rate this machine sustains (loopback, one stream,
    ``DirectSender`` → ``DirectReceiver``, 4 MiB fp32 messages, codec none): no
    authentication, authenticated, authenticated + TLS.
-3. **Training over a real network** (the test bed: two namespaces joined by the user-space
+3. **A starved run through chaos** (issue 33, item 1; local, the embedded Ray): the tiny
+   two-site run of ``tests/integration/test_starved_chaos.py`` -- TLS on, per-site
+   checkpoint copies every 2 steps, 3 replicas per stage -- for 30 steps with a replica
+   killed every 10 (``--chaos-kill-every 10``), while a stranger holds 48 idle sockets on
+   every WAN receiver (from launch, before wiring) and chunk server, reopening each one
+   closed:
+   ``starved_run_lost_steps`` (steps never finished or redone after a rollback; 0 is the
+   bar), ``starved_run_ray_fallback_bytes`` (checkpoint bytes that crossed sites through
+   Ray instead of the data plane; 0), the largest loss difference from the undisturbed
+   run (the same run, no stranger, no kill).
+4. **Training over a real network** (the test bed: two namespaces joined by the user-space
    forwarder at 200 Mbit/s, one-way 40 ms; needs root): the demo GPT, one stage per site,
    look-ahead, ``security.encrypt`` on and off, runs interleaved (off, on, off, on), the
    median step time of each after calibration: ``encrypted_step_time_ratio``.
@@ -78,6 +88,35 @@ def bulk_mb_s(mode: str, messages: int = 48) -> float:
     finally:
         tx.close()
         rx.close()
+
+
+def starved_run(steps: int, every: int) -> dict:
+    """The starved chaos run (the integration test's scenario at the issue's size)."""
+    sys.path[:0] = [str(ROOT / "tests" / "integration"), str(ROOT / "tests" / "unit")]
+    from test_runtime import reference
+    from test_starved_chaos import starved_chaos_run, starved_doc
+
+    tmp = Path(tempfile.mkdtemp())
+    doc = starved_doc(tmp / "ck-{site}", pipelines=3)  # a replica to lose at each kill
+    doc["training"]["steps"] = steps
+    ref = reference(doc)[0]
+    calm = starved_chaos_run(doc, tmp / "calm", steps, 0, stranger=False)["losses"]
+    doc["training"]["checkpoint"]["dir"] = str(tmp / "ck2-{site}")
+    got = starved_chaos_run(doc, tmp / "run", steps, every)
+    diffs = [abs(a - b) for a, b in zip(got["losses"], calm, strict=False)]
+    return {
+        "starved_run_steps": steps,
+        "starved_run_kills": len(got["kills"]),
+        "starved_run_lost_steps": got["lost_steps"],
+        "starved_run_ray_fallback_bytes": got["ray_fallback_bytes"],
+        "starved_run_data_plane_bytes": got["data_plane_bytes"],
+        "starved_run_failed_copies": len(got["failed_copies"]),
+        "starved_run_loss_max_diff": max(diffs) if len(diffs) == steps else None,
+        "calm_run_loss_max_diff_vs_one_process": max(
+            abs(a - b) for a, b in zip(calm, ref, strict=True)
+        ),
+        "starved_run_listeners_held": len(got["held"]),
+    }
 
 
 # --------------------------------------------------------------------------- the test bed
@@ -161,7 +200,8 @@ def main() -> None:
     ap.add_argument("--encrypt", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--steps", type=int, default=10, help="3 calibrate, the rest count")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved off/on pairs")
-    ap.add_argument("--no-testbed", action="store_true", help="loopback figures only")
+    ap.add_argument("--no-testbed", action="store_true", help="no test-bed figures")
+    ap.add_argument("--starved-steps", type=int, default=30, help="the starved run's length")
     a = ap.parse_args()
     if a.role:
         return _role(a.address, a.steps, bool(a.encrypt))
@@ -181,6 +221,12 @@ def main() -> None:
     ):
         out[key] = bulk_mb_s(mode)
         print(f"bulk over loopback ({mode}): {out[key]:.0f} MB/s", file=sys.stderr)
+    out.update(starved_run(a.starved_steps, 10))
+    print(
+        f"starved run through chaos: {out['starved_run_lost_steps']} step(s) lost, "
+        f"{out['starved_run_ray_fallback_bytes']} bytes fell back to Ray",
+        file=sys.stderr,
+    )
     if not a.no_testbed:
         out.update(testbed(a.steps, a.rounds))
         from outage import measure  # a partition cut and healed on the test bed
@@ -188,7 +234,10 @@ def main() -> None:
         part = measure(15.0)
         out.update({k: v for k, v in part.items() if k.startswith(("partition_", "outage_s"))})
     out["load_before"], out["load_after"] = round(load0, 2), round(os.getloadavg()[0], 2)
-    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}))
+    four = {k: round(v, 4) for k, v in out.items() if isinstance(v, float)}
+    for k in ("starved_run_loss_max_diff", "calm_run_loss_max_diff_vs_one_process"):
+        four.pop(k, None)  # small: kept as they are
+    print(json.dumps({**out, **four}))
 
 
 if __name__ == "__main__":
