@@ -16,17 +16,16 @@ every step is recorded once, and no step is lost.
 from __future__ import annotations
 
 import json
-import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
-import ray
 import torch
 
 from geopipe.config import parse_cluster
 from geopipe.runtime.control.controller import Controller, LaunchOptions
 from geopipe.runtime.control.workers import RayWorkers
+from tests.integration.test_outer_failures_runtime import _kill
 from tests.integration.test_outer_runtime import _doc as outer_run_doc
 
 pytestmark = pytest.mark.ray
@@ -85,18 +84,6 @@ def runs(tmp_path_factory):
         return done[kind]
 
     return get
-
-
-def _kill(actor) -> None:
-    ray.kill(actor, no_restart=True)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            ray.get(actor.ping.remote(), timeout=5)
-        except Exception:
-            return
-        time.sleep(0.05)
-    raise AssertionError("the killed actor still answers")
 
 
 def _run(run_dir: Path, kind: str) -> dict:

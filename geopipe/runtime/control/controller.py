@@ -453,10 +453,27 @@ class Controller:
         hang_s = hang_timeout_s(
             self.calibrator.predicted_s, self.calibrator.calibrated, self.spec.health
         )
+        results = self._await(step, flat, refs, hang_s)
+        if isinstance(results, Recovering):
+            return results
+        nxt = step + 1
+        try:
+            self._record(step, results)
+            if self.outer is not None:  # the outer loop's sends and applies after this step
+                self.outer.after_step(nxt, [a for a, _ in self.placement.actor_sites()])
+            self.evals.after_step(nxt, total, self.flat_actors())  # training.eval
+        except (WorkerLost, WorkerFailed) as exc:  # an actor died between steps (ΔN)
+            return Recovering(nxt, exc, self._pings())
+        return next_state(self, nxt)
+
+    def _await(self, step: int, flat: list, refs: list, hang_s: float) -> list | Recovering:
+        """The answers to the calls ``refs`` (one per actor of ``flat``) that run from
+        ``step`` on, or the Recovering state their failure calls for (a model error ends the
+        run instead): one step's calls here, a span's in runtime.control.innerrun."""
         site_of = {id(a): s for a, s in self.placement.actor_sites()}
         sites = [site_of.get(id(a), "?") for a in flat]
         try:
-            results = await_step(
+            return await_step(
                 self.workers,
                 flat,
                 refs,
@@ -468,15 +485,6 @@ class Controller:
         except (WorkerLost, WorkerFailed, StepHung, ActorsUnresponsive) as exc:
             raise_model_error(exc)  # the model's own exception: no recovery
             return Recovering(step, exc, refs)
-        nxt = step + 1
-        try:
-            self._record(step, results)
-            if self.outer is not None:  # the outer loop's sends and applies after this step
-                self.outer.after_step(nxt, [a for a, _ in self.placement.actor_sites()])
-            self.evals.after_step(nxt, total, self.flat_actors())  # training.eval
-        except (WorkerLost, WorkerFailed) as exc:  # an actor died between steps (ΔN)
-            return Recovering(nxt, exc, self._pings())
-        return next_state(self, nxt)
 
     def run_step(self, step: int) -> list:
         """One optimizer step outside the state machine (benchmarks): nothing is recorded

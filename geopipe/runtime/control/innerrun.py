@@ -42,11 +42,7 @@ from typing import Any
 from geopipe.optimizer.policies import GrowBack
 from geopipe.outer.fragments import StreamingSchedule
 from geopipe.runtime.control.health import (
-    ActorsUnresponsive,
-    StepHung,
-    await_step,
     hang_timeout_s,
-    raise_model_error,
 )
 from geopipe.runtime.control.states import Checkpointing, Growing, Recovering, Running, State
 from geopipe.runtime.control.workers import WorkerFailed, WorkerLost, call_all
@@ -110,21 +106,9 @@ def run_span(ctl: Any, step: int) -> State:
     for s in steps:  # --chaos-kill-every: 40 % into step s, as when each step was a call
         ctl.chaos.maybe_strike(s, ctl._rows(), cal.predicted_s * (s - step + 0.4) / 0.4)
     hang_s = hang_timeout_s(cal.predicted_s * count, cal.calibrated, ctl.spec.health)
-    site_of = {id(a): s for a, s in ctl.placement.actor_sites()}
-    sites = [site_of.get(id(a), "?") for a in flat]
-    try:
-        answers = await_step(
-            ctl.workers,
-            flat,
-            refs,
-            hang_s,
-            ctl.spec.health,
-            sites,
-            lambda *e: ctl._silence(step, sites, *e),
-        )
-    except (WorkerLost, WorkerFailed, StepHung, ActorsUnresponsive) as exc:
-        raise_model_error(exc)  # the model's own exception: no recovery
-        return Recovering(step, exc, refs)
+    answers = ctl._await(step, flat, refs, hang_s)
+    if isinstance(answers, Recovering):
+        return answers
     outer.span, nxt = None, step + count
     try:
         record_span(ctl, step, answers)
