@@ -46,15 +46,23 @@ outer step.
 The driver starts every inner step's work with a call to every actor and waits for the answers
 (:mod:`geopipe.runtime.control.innerrun`): an outer run calls each actor once per *span* of
 inner steps, up to the next point where the driver acts (an outer apply, every ``H / F``
-steps; a checkpoint; an evaluation), at most :data:`SPAN_S` seconds of steps; then it gathers
-and applies the fragment, two more calls (:data:`OUTER_CALLS_PER_FRAGMENT`: the actors make
-the sends themselves). Every call waits for the farthest group's answer, so each costs the
-round trip from the driver to it plus a per-call overhead (Ray's call and the driver's own work
-on the answers, which the actors wait through)::
+steps; a checkpoint; an evaluation), at most :data:`SPAN_S` seconds of steps. The outer
+loop's own work rides on those calls (:data:`OUTER_CALLS_PER_FRAGMENT` is 0): the actors make
+the sends themselves, a span ending at an apply ends with the actors' gather, and the apply
+the driver decides from it is made at the start of the next span (one made between spans, before
+a checkpoint or an evaluation, is rare enough to leave out). Every call waits for the farthest
+group's answer, so each costs the round trip from the driver to it plus a per-call overhead
+(Ray's call and the driver's own work on the answers, which the actors wait through)::
 
-    t_control = (H / steps_per_call + F · calls_per_fragment) · (RTT + overhead)
+    t_control = (H / steps_per_call) · overhead + (H / steps_per_wait) · RTT
 
-:func:`steps_per_call` counts the spans exactly over one period of the boundaries. The driver
+A span that ends only because it is long (at :data:`SPAN_S` seconds of steps, not at a point
+where the driver acts) has the next one queued behind it as soon as it is called, so the
+actors go on without waiting for the driver: of the calls, only the first after each
+boundary (an apply, a checkpoint, an evaluation) costs its round trip (``steps_per_wait``
+steps per such call), every call its overhead. :func:`steps_per_call` counts the spans
+exactly over one period of the boundaries (with ``cap`` = :data:`_HORIZON`, the boundaries
+alone). The driver
 is taken to sit in the first site listed (where the test bed, and usually a cluster, starts
 Ray's head): the RTT is the shortest-latency path there and back to the farthest site of any
 group. On emulated links the control plane is not emulated (every actor answers on this
@@ -70,6 +78,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from itertools import pairwise
+from typing import Any
 
 from geopipe.config import ClusterSpec, OuterSetting
 from geopipe.model.sizes import elem_bytes, stage_param_count
@@ -88,6 +97,7 @@ __all__ = [
     "driver_rtt_s",
     "planned_control",
     "price_round",
+    "queues_spans",
     "ring_hops",
     "steps_per_call",
 ]
@@ -102,7 +112,7 @@ _BINDS_FROM = 0.05
 # (geopipe.runtime.control.innerrun, which imports Ray; a unit test holds them equal).
 SPAN_S = 5.0  # predicted seconds of inner steps per driver call at most
 MAX_SPAN = 1000  # inner steps per driver call at most
-OUTER_CALLS_PER_FRAGMENT = 2  # the gather and the apply (the actors send by themselves)
+OUTER_CALLS_PER_FRAGMENT = 0  # the send, gather and apply ride on the span calls
 # Nominal seconds of one driver call beyond the round trip (Ray's call, the driver's work on
 # the answers) until a run measures it: the order of what a call to a local actor takes.
 CALL_OVERHEAD_S = 0.005
@@ -267,6 +277,10 @@ class Control:
     overhead_s: float = CALL_OVERHEAD_S  # per call, beyond the round trip
     steps_per_call: float = 1.0  # inner steps each call to the actors runs, on average
     calls_per_fragment: int = OUTER_CALLS_PER_FRAGMENT  # at each apply
+    # inner steps per call whose round trip the actors wait through (a span queued behind
+    # the one running hides its round trip: [Note: the driver's control calls]); None: every
+    # call's (one step per call)
+    steps_per_wait: float | None = None
 
     def __post_init__(self) -> None:
         if not self.steps_per_call >= 1:
@@ -282,8 +296,20 @@ class Control:
         """Driver calls per round."""
         return setting.h / self.steps_per_call + setting.fragments * self.calls_per_fragment
 
+    def waits(self, setting: OuterSetting) -> float:
+        """Of :meth:`calls`, those whose round trip the actors wait through."""
+        per_wait = self.steps_per_wait or self.steps_per_call
+        return setting.h / per_wait + setting.fragments * self.calls_per_fragment
+
     def round_s(self, setting: OuterSetting) -> float:
-        return self.calls(setting) * self.call_s
+        return self.calls(setting) * self.overhead_s + self.waits(setting) * self.rtt_s
+
+
+def queues_spans(plans: Sequence[Any]) -> bool:
+    """Whether the runtime queues a span behind one that ends for its length: not when a
+    group sends over a lossy codec (its guard may order a finer one, which must land between
+    spans) -- the planner's rule and the runtime's (:mod:`geopipe.runtime.control.innerrun`)."""
+    return all(c == "none" for p in plans for c in p.codecs)
 
 
 def planned_control(
@@ -293,18 +319,22 @@ def planned_control(
     step_s: float,
     overhead_s: float = CALL_OVERHEAD_S,
     cap: int | None = None,
+    queued: bool = True,
 ) -> Control:
     """The control calls of ``setting`` between ``groups`` with inner steps of ``step_s``:
     the runtime's spans (apply, checkpoint and evaluation boundaries, at most ``cap`` steps:
-    default :data:`SPAN_S` seconds of steps), the links' round trip, ``overhead_s``."""
+    default :data:`SPAN_S` seconds of steps; ``queued``: see :func:`queues_spans`), the
+    links' round trip, ``overhead_s``."""
     t = spec.training
     ev = t.eval.every_steps if t.eval is not None else 0
     period = setting.h // setting.fragments
     per_call = steps_per_call(
         period, t.checkpoint.every_steps, ev, cap=cap if cap else span_cap(step_s)
     )
+    per_wait = steps_per_call(period, t.checkpoint.every_steps, ev, cap=_HORIZON)
     rtt = driver_rtt_s(spec, [s for g in groups for s in g])
-    return Control(rtt, overhead_s, per_call)
+    queued = queued and (cap or span_cap(step_s)) > 1  # one a call: the per-step driver
+    return Control(rtt, overhead_s, per_call, steps_per_wait=per_wait if queued else None)
 
 
 @dataclass(frozen=True)
@@ -350,6 +380,7 @@ class RoundCost:
             "control_rtt_s": self.control.rtt_s,
             "control_overhead_s": self.control.overhead_s,
             "steps_per_call": self.control.steps_per_call,
+            "steps_per_wait": self.control.steps_per_wait or self.control.steps_per_call,
             "wan_bytes": self.wan_bytes,
         }
 
@@ -379,7 +410,7 @@ def price_round(
     m, f = len(groups), setting.fragments
     plans = [e.plan for e in evaluations]
     step = max(e.iteration_time_s for e in evaluations)
-    control = control or planned_control(spec, groups, setting, step)
+    control = control or planned_control(spec, groups, setting, step, queued=queues_spans(plans))
     blocks = [block_bytes(spec, p, setting) for p in plans]
     # One group left (the others lost): nothing to exchange.
     exchange, slowest_hop = _all_gather_s(ring_hops(spec, groups), blocks) if m > 1 else (0, "")

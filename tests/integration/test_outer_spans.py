@@ -9,8 +9,11 @@ applied after 6 and 12, so every send falls inside a span and is the actors' own
 reference is the same run with the driver's per-step path (``OuterRounds.max_span = 0``: one
 ``run_iteration`` per step, the driver's ``outer_send``): the losses, the rounds and the
 final weights must be bit-identical, and the spans must take fewer than one step call per
-inner step. A third run loses group 1 as a span starts: the survivor runs the whole span,
-every step is recorded once, and no step is lost.
+inner step, with the applies after 3 and 9 riding on the next span's call (no gather or
+apply call of their own; those after 6 and 12 precede a checkpoint, so the driver makes
+them). A third run, with spans of at most 2 steps (each interval's second span queued behind
+its first), loses group 1 as a span starts: the survivor runs that span and the one queued
+behind it, every step is recorded once, and no step is lost.
 """
 
 from __future__ import annotations
@@ -97,6 +100,8 @@ def _run(run_dir: Path, kind: str) -> dict:
         assert ctl.plan.num_groups == 2 and ctl.outer is not None
         if kind == "per_step":
             ctl.outer.max_span = 0
+        if kind == "loss":
+            ctl.outer.max_span = 2
         victim = ctl.placement.rows[0][1]
 
         def before(actor, method, args) -> None:
@@ -148,10 +153,13 @@ def test_spans_take_fewer_driver_calls_than_inner_steps(runs) -> None:
     got = spans["counts"]
     assert got["run_iteration"] == 0 and got["outer_send"] == 0  # the actors send
     assert got["run_iterations"] == 6 * actors
-    per_inner_step = (got["run_iterations"] + got["outer_send"]) / (STEPS * actors)
-    assert per_inner_step < 1
+    assert got["outer_gather"] == 0  # each span's own gather found every payload
+    assert got["outer_apply"] == 2 * actors  # after 6 and 12 (a checkpoint next)
+    calls = sum(got[m] for m in ("run_iterations", "outer_send", "outer_gather", "outer_apply"))
+    assert calls == 8 * actors  # 6 spans and 2 applies each, for 12 inner steps
     old = per_step["counts"]
     assert old["run_iteration"] == STEPS * actors and old["outer_send"] == 4 * actors
+    assert old["outer_apply"] == 4 * actors and old["outer_gather"] >= 4 * actors
     assert (old["run_iteration"] + old["outer_send"]) / (STEPS * actors) > 1
 
 
@@ -164,6 +172,9 @@ def test_a_group_lost_as_a_span_starts_costs_the_survivor_no_step(runs) -> None:
     assert rec["failed_step"] == 6 and rec["lost_steps"] == 0 and rec["step"] == 9
     assert rec["lost_groups"] == [1] and rec["source"] == "surviving groups"
     assert not _events(lost["lines"], "resumed")  # no checkpoint read
-    # the survivor ran the whole span 6-8; the round after 9 averages over it alone
+    # 0, 1, 2 alone; 3-4 and 5 queued; 6-7 (the victim's call fails) and 8 queued; after
+    # the recovery 9, 10, 11 alone on the survivor (the new layout's calibration records them)
+    assert lost["counts"]["run_iterations"] == 3 * 2 + 2 * 2 + 2 * 2 + 3
+    # the survivor ran the span 6-7 and 8 queued; the round after 9 averages over it alone
     assert [(r[0], r[2]) for r in _rounds(lost["lines"])] == [(3, 2), (6, 2), (9, 1), (12, 1)]
     assert all(r[4] for r in _rounds(lost["lines"]))

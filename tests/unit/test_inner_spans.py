@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from geopipe.outer.fragments import StreamingSchedule
 from geopipe.runtime.actor.inner_run import run_span
 from geopipe.runtime.control.innerrun import MAX_SPAN, SPAN_S, span_of
@@ -84,6 +86,36 @@ class _Worker:
         self.calls.append(("send", fragment))
         return {"fragment": fragment, "payload_bytes": 7}
 
+    def outer_apply(self, fragment: int, groups: list[int]) -> dict:
+        self.calls.append(("apply", fragment, groups))
+        return {"fragment": fragment, "round": 0, "wait_s": 0.0, "digest": "d"}
+
+    def outer_gather(self, fragment: int, timeout_s: float) -> dict:
+        self.calls.append(("gather", fragment, timeout_s))
+        return {"fragment": fragment, "have": [0, 1], "missing": {}, "wait_s": 0.25}
+
+
+def test_the_apply_rides_on_the_next_span_and_the_gather_closes_this_one() -> None:
+    """Where the driver's own calls used to land: the apply after the last span's send and
+    step, before this span's first step; the gather after the span's last step (and its
+    send), so the weights and the round are those of the per-step driver's order."""
+    w = _Worker()
+    out = run_span(w, 8, 4, sends={12: 0}, apply=(1, [0, 1]), gather=(0, 2.5))
+    assert w.calls == [
+        ("apply", 1, [0, 1]),
+        ("step", 8, False),
+        ("step", 9, False),
+        ("step", 10, False),
+        ("step", 11, False),
+        ("send", 0),
+        ("gather", 0, 2.5),
+    ]
+    assert out[0].outer_applied["fragment"] == 1
+    assert all(getattr(r, "outer_applied", None) is None for r in out[1:])
+    assert out[-1].outer_gathered["have"] == [0, 1]
+    assert all(getattr(r, "outer_gathered", None) is None for r in out[:-1])
+    assert out[-1].outer_sent["before_end_s"] >= 0  # dated from the end, after the gather
+
 
 def test_the_actor_sends_right_after_the_step_that_calls_for_it() -> None:
     w = _Worker()
@@ -119,3 +151,58 @@ def test_sends_the_actors_made_are_not_made_again_and_are_counted_in_the_round()
     assert [r["step"] for r in rows] == [4, 8, 12, 16]
     assert [r["fragment"] for r in rows] == [0, 1, 0, 1]
     assert all(r["bytes"] == 300 and r["digests_equal"] for r in rows)
+
+
+def test_an_apply_decided_from_the_spans_gathers_is_made_by_the_next_span() -> None:
+    """The driver's half: a span's closing gathers that show every payload everywhere make
+    no gather or apply call; the apply is handed to the next span and recorded from its
+    answers; one the driver must make itself (a checkpoint next) is flushed as a call."""
+    rounds, rec, events = _rounds(h=8, fragments=2, overlap=1)
+    actors = list(range(6))
+    rounds.begin(actors, ["east"] * 3 + ["west"] * 3)
+    rec.calls.clear()
+    everyone = [{"have": [0, 1], "wait_s": 0.1} for _ in actors]
+    rounds.note_sends(
+        3, [SimpleNamespace(outer_sent={"fragment": 0, "payload_bytes": 50})] * 6, 1.0
+    )
+    rounds.after_step(4, actors, everyone, defer=True)
+    assert rec.calls == [] and rounds.span_apply() == (0, [0, 1])
+    assert not [f for kind, f in events if kind == "outer_round"]
+    applied = {"fragment": 0, "round": 0, "wait_s": 0.0, "digest": "x"}
+    answers = [[SimpleNamespace(outer_applied=applied)] for _ in actors]
+    rounds.note_applied(answers, actors)
+    assert rounds.deferred is None and rounds.span_apply() is None
+    rows = [f for kind, f in events if kind == "outer_round"]
+    assert [(r["step"], r["fragment"], r["bytes"]) for r in rows] == [(4, 0, 300)]
+    assert rows[0]["exposed_s"] == 0.1  # the spans' gathers waited that long
+    # a gather that misses a payload goes on in the driver's slices; the next deferred
+    # apply is made by a call when the driver must act first (flush)
+    short = [{"have": [0] if a < 3 else [0, 1], "wait_s": 2.0} for a in actors]
+    rounds.note_sends(
+        7, [SimpleNamespace(outer_sent={"fragment": 1, "payload_bytes": 50})] * 6, 2.0
+    )
+    rounds.after_step(8, actors, short, defer=True)
+    assert [m for _, m, _ in rec.calls] == ["outer_gather"] * 6
+    rounds.flush(actors)
+    assert [m for _, m, _ in rec.calls][6:] == ["outer_apply"] * 6
+    assert rounds.deferred is None
+    assert [r["step"] for kind, r in events if kind == "outer_round"] == [4, 8]
+    rounds.after_step(8, actors)  # asked again: nothing is made twice
+    assert len(rec.calls) == 12
+
+
+def test_a_group_whose_frames_were_refused_is_lost_at_once() -> None:
+    """A replica that refused a group's frames (NaN, a frame off the plan) says so in its
+    gather: the driver writes that group off there, not after health.wan_outage_s."""
+    from geopipe.runtime.control.outerloop import GroupsLost
+
+    rounds, rec, _ = _rounds(h=4, fragments=1, overlap=0)
+    actors = list(range(6))
+    rounds.begin(actors, ["east"] * 3 + ["west"] * 3)
+    rec.calls.clear()
+    answers = [{"have": [0], "wait_s": 0.0} for _ in actors]
+    answers[0] = {"have": [0], "wait_s": 0.0, "refused": {1: "refused: NaN in the payload"}}
+    with pytest.raises(GroupsLost, match="refused") as lost:
+        rounds.after_step(4, actors, answers, defer=True)
+    assert lost.value.groups == [1] and not lost.value.silent
+    assert [m for _, m, _ in rec.calls] == ["outer_send"] * 6  # no gather, no apply

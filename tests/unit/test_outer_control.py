@@ -29,6 +29,7 @@ from geopipe.optimizer.outer_cost import (
     Control,
     block_bytes,
     driver_rtt_s,
+    planned_control,
     price_round,
     span_cap,
     steps_per_call,
@@ -101,7 +102,9 @@ def test_the_round_trip_is_to_the_farthest_site_over_the_fastest_path() -> None:
 
 def test_an_outer_round_matches_the_analytic_formula_with_its_control_calls() -> None:
     """H = 10, F = 2, overlap 1, codec none over one 25 ms, 0.2 Gbit/s link: the round is
-    H·t + F·max(0, T_x − tau·t) + t_outer + (H / steps_per_call + 2F)·(RTT + overhead)."""
+    H·t + F·max(0, T_x − tau·t) + t_outer + (H / steps_per_call)·overhead
+    + (H / steps_per_wait)·RTT (the apply and its gather ride on the span calls; a span
+    queued behind another hides its round trip)."""
     spec = parse_cluster(_doc(), "t")
     groups = (("east",), ("west",))
     evals = [plan_cluster(group_spec(spec, g, 16)).best for g in groups]
@@ -110,22 +113,30 @@ def test_an_outer_round_matches_the_analytic_formula_with_its_control_calls() ->
     payload = block_bytes(spec, evals[0].plan, s)
     exchange = LATENCY_S + math.ceil(payload) * 8 / 0.2e9  # M = 2: one ring step
     exposed = 2 * max(0.0, exchange - 1 * t)
-    for rtt, overhead, per_call in ((0.05, 0.003, 5.0), (0.05, 0.003, 1.0), (0.2, 0.0, 2.5)):
-        cost = price_round(spec, groups, evals, s, Control(rtt, overhead, per_call))
-        control = (10 / per_call + 2 * 2) * (rtt + overhead)
+    assert OUTER_CALLS_PER_FRAGMENT == 0
+    cases = ((0.05, 0.003, 5.0, None), (0.05, 0.003, 1.0, None), (0.2, 0.0, 2.5, 5.0))
+    for rtt, overhead, per_call, per_wait in cases:
+        control_ = Control(rtt, overhead, per_call, steps_per_wait=per_wait)
+        cost = price_round(spec, groups, evals, s, control_)
+        control = 10 / per_call * overhead + 10 / (per_wait or per_call) * rtt
         assert cost.exchange_s == pytest.approx(exchange)
         assert cost.control_s == pytest.approx(control)
         expected = 10 * t + exposed + cost.codec_s + cost.outer_step_s + control
         assert cost.round_s == pytest.approx(expected)
         assert cost.to_json()["control_s"] == pytest.approx(control)
     alone = price_round(spec, groups[:1], evals[:1], s, Control(0.05, 0.0, 5.0))
-    assert alone.exchange_s == 0 and alone.control_s == pytest.approx((2 + 4) * 0.05)
+    assert alone.exchange_s == 0 and alone.control_s == pytest.approx(2 * 0.05)
     # The default is the runtime's: spans up to each apply (H / F = 5 steps, fewer than
     # SPAN_S seconds here), the links' round trip, the nominal overhead.
     assert 5 * t < SPAN_S
     cost = price_round(spec, groups, evals, s)
     assert cost.control.steps_per_call == 5 and cost.control.rtt_s == pytest.approx(0.05)
-    assert cost.control_s == pytest.approx((10 / 5 + 2 * 2) * (0.05 + CALL_OVERHEAD_S))
+    assert cost.control_s == pytest.approx(10 / 5 * (0.05 + CALL_OVERHEAD_S))
+    # Spans capped below the apply interval: the second of each interval is queued.
+    capped = price_round(spec, groups, evals, s, planned_control(spec, groups, s, t, cap=2))
+    assert capped.control.steps_per_call == pytest.approx(10 / 6)  # 2 + 2 + 1, twice
+    assert capped.control.steps_per_wait == 5
+    assert capped.control_s == pytest.approx(6 * CALL_OVERHEAD_S + 2 * 0.05)
 
 
 def test_the_launch_forecast_of_an_outer_run_carries_its_control_calls() -> None:
@@ -178,12 +189,20 @@ def _timeline(run, spec, steps: int, cap: int, every: int, jitter: bool) -> list
     does ([Note: the driver's control calls]); a checkpoint costs 1 s more."""
     sched = StreamingSchedule(run.h, run.setting.fragments, run.setting.overlap)
     call_s = 2 * LATENCY_S + OVERHEAD_S
-    out, t, step = [], 0.0, 0
+    out, t, step, queued = [], 0.0, 0, False
     while step < steps:
         n = 1 if step < RECORDED else min(cap, sched.period - step % sched.period)
-        # the groups run the span side by side; the driver waits for the slower
+        # the groups run the span side by side; the driver waits for the slower; a span
+        # queued behind one that ended for its length waits for no round trip
         span = range(step, step + n)
-        t += call_s + max(sum(_step_s(g, s, jitter) for s in span) for g in (0, 1))
+        t += (OVERHEAD_S if queued else call_s) + max(
+            sum(_step_s(g, s, jitter) for s in span) for g in (0, 1)
+        )
+        queued = (
+            step >= RECORDED
+            and (step + n) % sched.period != 0
+            and not (every and (step + n) % every == 0)
+        )
         out += [(s, t) for s in span]
         step += n
         if sched.applies_at(step) is not None:  # the apply's price at the measured step
@@ -202,17 +221,23 @@ def _apply_s(run, spec) -> float:
     return (bare.codec_s + bare.outer_step_s) / run.setting.fragments
 
 
-@pytest.mark.parametrize(("every", "jitter"), [(0, False), (20, False), (0, True)])
+@pytest.mark.parametrize(
+    ("every", "jitter", "short"),
+    [(0, False, False), (20, False, False), (0, True, False), (0, False, True)],
+)
 def test_calibration_recovers_the_call_overhead_and_forecasts_the_wall_time(
-    every: int, jitter: bool
+    every: int, jitter: bool, short: bool
 ) -> None:
     spec = parse_cluster(_doc(every=every), "t")
     run = plan_run(spec, penalty=_table()).outer
     rounds = SimpleNamespace(run=run, max_span=None)
     cal = Calibrator(spec, False, 1.0, [], rounds)
-    predicted = 0.4  # the cap the runtime derives from it: 12 steps, more than a period
+    period = run.h // run.setting.fragments
+    # the cap the runtime derives from it: 12 steps, more than a period; or (``short``)
+    # half a period, so every interval's second span is queued behind its first
+    predicted = SPAN_S / (period // 2 + 0.5) if short else 0.4
     cap = span_cap(predicted)
-    assert cap > run.h // run.setting.fragments
+    assert cap > period or (short and 1 < cap < period)
     seen = _timeline(run, spec, 60, cap, every, jitter)
     forecasts, events = {}, []
     for step, at in seen:
@@ -229,7 +254,6 @@ def test_calibration_recovers_the_call_overhead_and_forecasts_the_wall_time(
     control = cal.outer.cost.control
     assert control.rtt_s == pytest.approx(2 * LATENCY_S)
     assert control.overhead_s == pytest.approx(OVERHEAD_S)
-    period = run.h // run.setting.fragments
     ends = [at for step, at in seen if (step + 1) % period == 0]
     walls = [(b - a) / period for a, b in pairwise(ends)]
     plain = min(walls)  # a period without a checkpoint's second

@@ -15,9 +15,24 @@ done -> fragment, from the pure :class:`~geopipe.outer.fragments.StreamingSchedu
 the replica makes each itself right after the step that calls for it, exactly where the
 driver's ``outer_send`` call used to land (after that step's optimizer step and boundary
 snapshot, before the next step), so the pseudo-gradient taken is the same, bit for bit.
-Applies stay driver-coordinated: a span ends at an apply point, since the driver owns the
-set of live groups each apply averages over ([Note: a round over the survivors] in
-:mod:`geopipe.runtime.actor.outer`).
+
+Applies stay driver-coordinated, since the driver owns the set of live groups each apply
+averages over ([Note: a round over the survivors] in :mod:`geopipe.runtime.actor.outer`), but
+they ride on the span calls instead of costing calls of their own: a span ends at an apply
+point with the replica's gather (``gather``: wait up to a slice for the peers' payloads of
+that fragment and say whose it holds), and when every replica of every live group holds
+every live group's payload, the driver names the groups in the *next* span's call
+(``apply``), which the replica makes before its first step -- where the driver's
+``outer_apply`` call used to land (after the send and the last step, before the next step),
+so the weights are the same, bit for bit. One call per apply point instead of three: a far
+group pays one control round trip there, not three. A gather that finds a payload missing
+goes on as the driver's own slices (:mod:`geopipe.runtime.control.outerloop`).
+
+A span may be called while the one before it still runs (the driver queues the next span
+when it has nothing to do between them: [Note: the driver's control calls] in
+:mod:`geopipe.optimizer.outer_cost`). A stage actor serves calls on several threads, so two
+outstanding spans could start in either order: each waits its turn (:class:`_Turn`: the
+span from the step the last one ended at, or from an earlier step after a rollback).
 
 Each step's :class:`~geopipe.runtime.actor.executor.IterationResult` is returned, in order,
 so the driver records every step as before; a step that made a send carries the send's
@@ -27,13 +42,42 @@ span (on this replica's clock), from which the driver dates the send on its own 
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Collection, Mapping
 from typing import Any
 
 from geopipe.runtime.actor.executor import IterationResult
 
-__all__ = ["run_span"]
+__all__ = ["TURN_WAIT_S", "run_span"]
+
+TURN_WAIT_S = 3600.0  # a queued span waits this long at most for the one before it
+
+
+class _Turn:
+    """Whose turn it is among a replica's outstanding spans: one at a time, and a span
+    from step ``s`` only once the steps before ``s`` are done (``next``: the step the last
+    span ended at; None after a failed span, when the order no longer matters)."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.busy = False
+        self.next: int | None = None
+
+    def take(self, start: int) -> None:
+        with self.cond:
+            ok = self.cond.wait_for(
+                lambda: not self.busy and (self.next is None or start <= self.next),
+                timeout=TURN_WAIT_S,
+            )
+            if not ok:
+                raise TimeoutError(f"the span from step {start} waited for step {self.next}")
+            self.busy = True
+
+    def give(self, end: int | None) -> None:
+        with self.cond:
+            self.busy, self.next = False, end
+            self.cond.notify_all()
 
 
 def run_span(
@@ -42,24 +86,56 @@ def run_span(
     count: int,
     record: Collection[int] = (),
     sends: Mapping[int, int] | None = None,
+    apply: tuple[int, list[int]] | None = None,
+    gather: tuple[int, float] | None = None,
 ) -> list[IterationResult]:
     """Run optimizer steps ``start .. start + count - 1`` on ``worker`` (a
     :class:`~geopipe.runtime.actor.stage.StageWorker`), recording the events of the steps in
     ``record``; after the step that completes ``d`` inner steps, send fragment
-    ``sends[d]`` of the outer loop. An error in any step ends the span with that error, as
-    it would have ended that step's own call."""
+    ``sends[d]`` of the outer loop. ``apply`` (fragment, groups): the outer apply to make
+    before the first step (its answer: the first result's ``outer_applied``); ``gather``
+    (fragment, seconds): after the last step, wait that long at most for the peers'
+    payloads of the fragment (the answer: the last result's ``outer_gathered``). An error
+    in any step ends the span with that error, as it would have ended that step's own
+    call."""
     if count < 1:
         raise ValueError(f"a span runs at least one step, got count={count}")
+    turn = worker.__dict__.setdefault("_span_turn", _Turn())
+    turn.take(start)
+    try:
+        out = _run(worker, start, count, record, sends, apply, gather)
+    except BaseException:
+        turn.give(None)
+        raise
+    turn.give(start + count)
+    return out
+
+
+def _run(
+    worker: Any,
+    start: int,
+    count: int,
+    record: Collection[int],
+    sends: Mapping[int, int] | None,
+    apply: tuple[int, list[int]] | None,
+    gather: tuple[int, float] | None,
+) -> list[IterationResult]:
+    """:func:`run_span`'s steps, once it is the span's turn."""
     recorded, sends = set(record), dict(sends or {})
     out: list[IterationResult] = []
     sent_at: list[tuple[IterationResult, float]] = []
+    applied = dict(worker.outer_apply(apply[0], list(apply[1]))) if apply else None
     for step in range(start, start + count):
         res = worker.run_iteration(step, step in recorded)
+        if applied is not None:
+            res.outer_applied, applied = applied, None
         fragment = sends.get(step + 1)
         if fragment is not None:
             res.outer_sent = dict(worker.outer_send(fragment))
             sent_at.append((res, time.monotonic()))
         out.append(res)
+    if gather is not None:
+        out[-1].outer_gathered = dict(worker.outer_gather(gather[0], gather[1]))
     end = time.monotonic()
     for res, t in sent_at:
         res.outer_sent["before_end_s"] = end - t

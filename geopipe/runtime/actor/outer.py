@@ -38,7 +38,10 @@ payload reached some of them and not others: a lost group's payload is never use
 round in flight averages over the survivors alone, whenever in the round the loss came.
 :meth:`OuterLoop.drop` (called beside a waiting gather, on another of the actor's threads)
 ends the wait for a group the driver wrote off; sends and gathers asked again after a
-failure repeat nothing already done.
+failure repeat nothing already done. A group whose frames this replica's listener refused
+(a header off the plan, a payload holding NaN, inf or an overflowing value: :mod:`.outer_frames`)
+is not waited for: the gather names it missing, and refused, at once, for the driver to
+write it off like a silent one. Its payload is never filed, so no apply can average it.
 
 [Note: tied embeddings and the outer loop]
 With ZeRO-1 a partition never holds two copies of one tensor, but a pipeline whose first and
@@ -63,12 +66,14 @@ import torch
 
 from geopipe.outer import OuterOptimizer, average_encoded, decode_delta, encode_delta
 from geopipe.runtime.actor import zero_state
+from geopipe.runtime.actor.gradnorm import ModelError
 from geopipe.runtime.actor.outer_wire import (
     CHUNK_ELEMS,
     OuterExchange,
     OuterFrames,
     OuterPeer,
     OuterSettings,
+    bad_values,
 )
 from geopipe.transport import wire
 from geopipe.transport.codec import Codec, Encoded, make_codec
@@ -126,19 +131,45 @@ class OuterState:
     def delta(self, fragment: int, round_: int | None = None) -> tuple[list[Encoded], float]:
         """This replica's encoded pseudo-gradient (theta_global - masters) of ``fragment``,
         one payload per chunk, and the codec's relative error on it (0 for ``none``). The
-        pseudo-gradient is taken on the host (the masters copied out of the device)."""
+        pseudo-gradient is taken on the host (the masters copied out of the device).
+
+        Raises :class:`~geopipe.runtime.actor.gradnorm.ModelError` when the pseudo-gradient,
+        or what a peer would decode from its encoding, holds values no average may take
+        (NaN, inf, beyond ``MAX_ABS``: [Note: what an outer payload may hold]), or the codec
+        cannot carry it: this group's model diverged, and sending would poison every other
+        group's theta_global (each would refuse it and write this group off); as a model
+        error, the driver ends the run naming the fragment instead."""
         round_ = self.opt.steps(fragment) if round_ is None else round_
         masters = zero_state.master_partitions(self.engine.engine)
         delta = self.opt.pseudo_gradient(masters, fragment)
+        if (why := bad_values(delta)) is not None:
+            raise self._diverged(fragment, round_, why)
         out, err2 = [], 0.0
         for c, (s, e) in enumerate(self.chunks(fragment)):
             codec = self._codec_for(fragment, round_, c)
-            enc = encode_delta(delta[s:e], codec, key=f"outer/{fragment}/{c}")
-            if self.settings.codec != "none":
-                err2 += float((decode_delta(enc, e - s) - delta[s:e]).pow(2).sum())
+            try:
+                enc = encode_delta(delta[s:e], codec, key=f"outer/{fragment}/{c}")
+            except ValueError as exc:  # a grouped codec's scale beyond fp16's range
+                if self.settings.codec not in wire.GROUPED:
+                    raise
+                raise self._diverged(fragment, round_, f"cannot be encoded ({exc})") from exc
+            if self.settings.codec != "none":  # what the peers decode (fp16 may overflow)
+                sent = decode_delta(enc, e - s)
+                if (why := bad_values(sent)) is not None:
+                    raise self._diverged(fragment, round_, f"decodes to a chunk that {why}")
+                err2 += float((sent - delta[s:e]).pow(2).sum())
             out.append(enc)
         norm = float(delta.norm())
         return out, (err2**0.5 / norm if norm > 0 else err2**0.5)
+
+    def _diverged(self, fragment: int, round_: int, why: str) -> ModelError:
+        """The :class:`ModelError` :meth:`delta` raises: its message names the fragment and
+        leads with the mark the driver reads as a model error."""
+        return ModelError(
+            f"{ModelError.MARK} outer fragment {fragment} (round {round_}) of stage "
+            f"{self.stage}, ZeRO-1 partition {self.partition}: its pseudo-gradient {why}; "
+            "this group's model diverged, so it is not sent to the other groups"
+        )
 
     @torch.no_grad()
     def apply(self, fragment: int, payloads: Sequence[Sequence[Encoded]]) -> None:
@@ -224,6 +255,7 @@ class OuterLoop:
         # fragment -> (round, own chunks, what the send answered); the peers' chunks by group
         self._pending: dict[int, tuple[int, list[Encoded], dict[str, Any]]] = {}
         self._got: dict[int, dict[int, list[Encoded]]] = {}
+        self._told: dict[int, set[int]] = {}  # fragment -> refused groups a gather reported
         self._sent_bytes: dict[int, int] = {}
 
     def endpoint(self) -> dict[str, Any]:
@@ -278,9 +310,17 @@ class OuterLoop:
     def gather(self, fragment: int, timeout_s: float | None = None) -> dict[str, Any]:
         """Wait (up to ``timeout_s``, by default ``settings.timeout_s``) for the peers'
         payloads of the sent ``fragment``; returns the groups whose payloads this replica
-        holds (its own among them) and why each other one is missing. Asked again, it waits
-        only for the peers still missing and not dropped ([Note: a round over the
-        survivors])."""
+        holds (its own among them), why each other one is missing and, among those, the
+        groups whose frames were refused (``refused``: group -> why; the listener dropped
+        their streams, so they will not come: see :class:`OuterExchange`). Asked again, it
+        waits only for the peers still missing and not dropped ([Note: a round over the
+        survivors]).
+
+        A refused peer is not waited for, so a gather missing only refused peers answers at
+        once; asked again with nothing new to say, it answers after ``timeout_s`` like a
+        gather that waited: the driver asks in slices of that length until
+        ``health.wan_outage_s``, and an answer it already had must not come back at once
+        each time, or its loop would spin for that long."""
         if fragment not in self._pending:
             raise RuntimeError(f"fragment {fragment} has not been sent")
         round_, own, _ = self._pending[fragment]
@@ -290,12 +330,19 @@ class OuterLoop:
         got, missing, sent = self.net.gather(self._tag(fragment, round_), len(own), wait)
         have.update(got)
         self._sent_bytes[fragment] = self._sent_bytes.get(fragment, 0) + sent
+        missing = {g: why for g, why in missing.items() if g not in have}
+        refused = {g: self.net.refused[g] for g in missing if g in self.net.refused}
+        told = self._told.setdefault(fragment, set())
+        if refused and set(refused) <= told:  # said already: answer at the slice's pace
+            time.sleep(max(0.0, wait - (time.perf_counter() - t0)))
+        told.update(refused)
         return {
             "fragment": fragment,
             "round": round_,
             "group": self.group,
             "have": sorted({self.group, *have}),
-            "missing": {g: why for g, why in missing.items() if g not in have},
+            "missing": missing,
+            "refused": refused,
             "wait_s": time.perf_counter() - t0,
         }
 
@@ -330,8 +377,11 @@ class OuterLoop:
         payloads = [have[g] for g in sorted(groups)]
         del self._pending[fragment]  # only now: a failed apply can be asked again
         self._got.pop(fragment, None)
+        self._told.pop(fragment, None)
         t0 = time.perf_counter()
         self.state.apply(fragment, payloads)
+        # after the step: the plan's window has moved on, so nothing of the round comes after
+        self.net.forget(self._tag(fragment, round_), len(own))
         return {
             "fragment": fragment,
             "round": round_,

@@ -15,10 +15,11 @@ same bytes to every peer, so that every group averages identical payloads
 (:func:`~geopipe.transport.frames.encode_frame`, the codec seal, the run's handshake and TLS
 records, the link emulator's delivery stamp) written for a pre-encoded payload; the receiving
 side is the direct channel's own :class:`~geopipe.transport.direct.DirectReceiver` (its
-handshake, payload bound and checks) filing into an :class:`EncodedInbox`, which keeps the
-verified payload encoded instead of decoding it; it takes only the frames the replica's
-partition layout lets its peers send (:class:`OuterFrames`), refusing the rest before
-anything is allocated.
+handshake, payload bound and checks; :class:`~.outer_frames.OuterReceiver`) filing into an
+:class:`EncodedInbox`, which keeps the verified payload encoded instead of decoding it; it
+takes only the frames the replica's partition layout lets its peers send, refusing the rest
+before anything is allocated, and only payloads whose values the average can take
+(:mod:`.outer_frames`).
 """
 
 from __future__ import annotations
@@ -26,22 +27,23 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from geopipe.outer import ROW_LEN
+from geopipe.runtime.actor.outer_frames import (
+    MAX_ABS,
+    OuterFrames,
+    OuterReceiver,
+    OuterRefusedError,
+    bad_values,
+)
 from geopipe.transport import wire
 from geopipe.transport.codec import CorruptPayloadError, Encoded, Sealed, open_sealed, seal
 from geopipe.transport.dial import DialError, dial
-from geopipe.transport.direct import CONGESTION, DirectReceiver, PeerLostError
-from geopipe.transport.frames import (
-    FrameInfo,
-    FrameRefusedError,
-    encode_frame,
-    key_to_json,
-    sendmsg_all,
-)
+from geopipe.transport.direct import CONGESTION, PeerLostError
+from geopipe.transport.frames import encode_frame, key_to_json, sendmsg_all
 from geopipe.transport.link import DelayedMailbox, LinkEmulator, LinkParams
 from geopipe.transport.security import (
     HandshakeError,
@@ -52,12 +54,16 @@ from geopipe.transport.sockets import shutdown_socket, tune_stream
 
 __all__ = [
     "CHUNK_ELEMS",
+    "MAX_ABS",
     "EncodedInbox",
     "EncodedSender",
     "OuterExchange",
     "OuterFrames",
     "OuterPeer",
+    "OuterReceiver",
+    "OuterRefusedError",
     "OuterSettings",
+    "bad_values",
 ]
 
 CHUNK_ELEMS = ROW_LEN * 4096  # elements per frame: 4 MiB with codec none
@@ -113,89 +119,17 @@ class _Failed:
     error: BaseException
 
 
-class OuterFrames:
-    """The frames an outer listener takes (issue 33's frame plan, for the outer exchange):
-    called with each frame's header on the reader's thread, before its payload is
-    allocated, it raises `FrameRefusedError` for anything else, and the receiver drops
-    that connection (see `EncodedInbox` for what the exchange does then).
-
-    Every group splits its stages and ZeRO-1 partitions alike (the layout digest), so this
-    replica knows every frame its peers may send: key ``("O", stage, partition, fragment,
-    round, group, chunk)`` with ``tag = ("O", stage, partition)``, a fragment of
-    ``fragment_numels``, a chunk of it (``chunk_elems`` each), the group of a connected,
-    not dropped peer (``peers``, kept by `OuterExchange`) and a round that is this
-    replica's own for the fragment (``round_of``) or the next (a peer one apply ahead: it
-    cannot get two ahead, its next round needs this one's payload); shaped as
-    `~geopipe.outer.exchange.encode_delta` rows, float32, the run's codec, and exactly the
-    chunk's `wire.wire_bytes`. :mod:`geopipe.transport.expect`'s `ExpectedFrames` checks
-    one window of steps for a kind and a set of shapes: the outer keys need a window per
-    fragment and a size per chunk, hence this class."""
-
-    def __init__(
-        self,
-        settings: OuterSettings,
-        tag: tuple,
-        fragment_numels: Sequence[int],
-        round_of: Callable[[int], int],
-    ) -> None:
-        self.settings, self.tag, self.round_of = settings, tuple(tag), round_of
-        size = settings.chunk_elems
-        self.chunks = [  # per fragment, per chunk: its element count
-            [min(size, n - s) for s in range(0, n, size)] or [0] for n in fragment_numels
-        ]
-        self.peers: frozenset[int] = frozenset()
-
-    def __call__(self, info: FrameInfo) -> None:
-        reason = self.why_not(info)
-        if reason is not None:
-            raise FrameRefusedError(f"outer frame {info.key!r} not expected: {reason}")
-
-    def why_not(self, info: FrameInfo) -> str | None:
-        """Why ``info`` is not an outer frame this replica expects, or None if it is."""
-        key, n = info.key, len(self.tag)
-        if not (isinstance(key, tuple) and len(key) == n + 4 and key[:n] == self.tag):
-            return f"not a key {self.tag} + (fragment, round, group, chunk)"
-        fragment, round_, group, chunk = key[n:]
-        if any(type(k) is not int for k in key[n:]):
-            return "fragment, round, group and chunk must be integers"
-        if not 0 <= fragment < len(self.chunks):
-            return f"no fragment {fragment} (of {len(self.chunks)})"
-        if not 0 <= chunk < len(self.chunks[fragment]):
-            return f"fragment {fragment} has no chunk {chunk} ({len(self.chunks[fragment])})"
-        if group not in self.peers:
-            return f"group {group} is not a connected peer ({sorted(self.peers)})"
-        now = self.round_of(fragment)
-        if not now <= round_ <= now + 1:
-            return f"round {round_} of fragment {fragment}, expected {now} or {now + 1}"
-        return self._wrong_payload(info, self.chunks[fragment][chunk])
-
-    def _wrong_payload(self, info: FrameInfo, numel: int) -> str | None:
-        s = self.settings
-        shape = (-(-numel // ROW_LEN), ROW_LEN)
-        nbytes = wire.wire_bytes(s.codec, shape[0] * ROW_LEN, ROW_LEN, 4, "backward", s.topk_ratio)
-        if info.codec != s.codec:
-            return f"codec {info.codec}, expected {s.codec}"
-        if info.dtype != "float32" or info.direction != "backward":
-            return f"{info.dtype} {info.direction}, expected float32 backward"
-        if info.shape != shape:
-            return f"shape {list(info.shape)}, expected {list(shape)}"
-        if info.payload_nbytes != nbytes:
-            return f"{info.payload_nbytes} payload bytes, expected {nbytes}"
-        return None
-
-
 class EncodedInbox:
     """Where a :class:`DirectReceiver` files the peers' payloads: verified against their
     seal, kept *encoded* (the average decodes every group's payload itself, in group order),
     and held until their emulated delivery time.
 
-    A stream the receiver failed (a corrupt frame, or one `OuterFrames` refused: that
-    connection is dropped) does not close the inbox: its failure cannot be pinned on a group
-    (a peer's frame may claim any key), the other peers' payloads keep arriving, and the
+    A stream the receiver failed (a corrupt frame, or one the plan refused: that connection
+    is dropped) does not close the inbox: the other peers' payloads keep arriving, and the
     same peer may connect again. A plain :meth:`get` raises the failure at once;
-    :meth:`OuterExchange.gather` waits past it (``strict=False``), so a peer that sent
-    garbage is only missing when the wait (``health.wan_outage_s``) ends, and the driver's
-    group-loss path decides, with the failure named in why it is missing."""
+    :meth:`OuterExchange.gather` waits past it (``strict=False``). A refusal whose frame
+    claims a peer group stops the gather waiting for that group (`OuterExchange`); one that
+    claims none is named in why the silent groups are missing when the wait ends."""
 
     def __init__(self) -> None:
         self._box = DelayedMailbox()
@@ -212,6 +146,11 @@ class EncodedInbox:
 
     def deliver_error(self, key: Hashable, error: BaseException) -> None:
         self._box.put(key, _Failed(error), 0.0)
+
+    def refuse(self, key: Hashable, error: BaseException) -> None:
+        """``error`` in place of whatever ``key`` holds (the receiver's answer to a second
+        frame for a key: which of the two is genuine cannot be told, so neither is used)."""
+        self._box.put(key, _Failed(error), 0.0, replace=True)
 
     def fail(self, error: BaseException) -> None:
         """A stream broke in a way no key can be blamed for (see the class's note)."""
@@ -235,6 +174,10 @@ class EncodedInbox:
         if isinstance(item, _Failed):
             raise item.error
         return item
+
+    def discard(self, key: Hashable) -> None:
+        """Drop what ``key`` holds, if anything is due (:meth:`OuterExchange.forget`)."""
+        self._box.poll(key)
 
     def close(self) -> None:
         self._box.close()
@@ -303,10 +246,16 @@ class OuterExchange:
 
     ``post`` sends this replica's chunks of one (fragment, round) to every peer on
     background threads (one per peer) and returns at once, so a streaming fragment's
-    transfer overlaps the inner steps that follow; ``collect`` joins those sends and waits
+    transfer overlaps the inner steps that follow; ``gather`` joins those sends and waits
     for every peer's chunks. Keys are ``(tag, group, chunk)`` where ``tag`` names the
     stage, partition, fragment and round, so a late or early payload cannot be mistaken
-    for another round's."""
+    for another round's.
+
+    ``refused``: the peer groups whose frames the listener refused (by the group a refused
+    frame claims, or the key an error was filed for), with why. A refused group's stream is
+    gone (the connection dropped, or its payload unusable), so no gather waits for it until
+    :meth:`connect` pairs it again; the driver decides what follows ([Note: a round over
+    the survivors] in :mod:`geopipe.runtime.actor.outer`)."""
 
     def __init__(
         self,
@@ -319,8 +268,17 @@ class OuterExchange:
         self.creds = creds
         self.user_timeout_s = user_timeout_s
         self.inbox = EncodedInbox()
-        self.receiver = DirectReceiver(
+        self.peers: dict[int, OuterPeer] = {}
+        self.refused: dict[int, str] = {}
+        self.frames: OuterFrames | None = None
+        self._senders: dict[int, EncodedSender] = {}
+        self._posts: list[tuple[int, threading.Thread, list[Any]]] = []
+        self._dropped: set[int] = set()  # groups written off: never waited for again
+        # (tag, group) -> the chunks gathers took so far, until the round is applied
+        self._held: dict[tuple, list[Encoded]] = {}
+        self.receiver = OuterReceiver(
             self.inbox,
+            self._refused_frame,
             host=host,
             advertise_host=advertise_host,
             creds=creds,
@@ -328,11 +286,6 @@ class OuterExchange:
             user_timeout_s=user_timeout_s,
         )
         self.address = self.receiver.address
-        self.peers: dict[int, OuterPeer] = {}
-        self._senders: dict[int, EncodedSender] = {}
-        self._posts: list[tuple[int, threading.Thread, list[Any]]] = []
-        self._dropped: set[int] = set()  # groups written off: never waited for again
-        self.frames: OuterFrames | None = None
 
     def expect(self, frames: OuterFrames) -> None:
         """Take only ``frames``' frames from now on (checked before allocation)."""
@@ -344,6 +297,13 @@ class OuterExchange:
         if self.frames is not None:
             self.frames.peers = frozenset(g for g in self.peers if g not in self._dropped)
 
+    def _refused_frame(self, key: Hashable, why: str) -> None:
+        """The receiver refused a frame (on its reader's thread): pinned on the group the
+        frame claims, if it claims a peer (the first refusal is kept: it is the cause)."""
+        group = None if self.frames is None else self.frames.group_of(key)
+        if group is not None:
+            self.refused.setdefault(group, why)
+
     def connect(self, peers: Sequence[OuterPeer]) -> None:
         """(Re)connect to ``peers`` (drops connections to groups no longer listed)."""
         for s in self._senders.values():
@@ -351,6 +311,7 @@ class OuterExchange:
         self._senders, self.peers = {}, {}
         self._dropped -= {p.group for p in peers}  # a group grown back is waited for again
         for p in peers:
+            self.refused.pop(p.group, None)
             self._senders[p.group] = EncodedSender(
                 p.address, self.creds, p.link, user_timeout_s=self.user_timeout_s
             )
@@ -367,7 +328,7 @@ class OuterExchange:
                     box.append(
                         sum(sender.send((*tag, group, c), enc) for c, enc in enumerate(chunks))
                     )
-                except BaseException as exc:  # surfaced by collect(), naming the peer
+                except BaseException as exc:  # surfaced by gather(), naming the peer
                     box.append(exc)
 
             t = threading.Thread(target=run, name=f"outer-send-{g}", daemon=True)
@@ -386,14 +347,49 @@ class OuterExchange:
             self.peers.pop(g, None)
         self._peers_changed()
 
+    def forget(self, tag: tuple, chunks: int) -> None:
+        """Let go of everything held for ``tag``'s ``chunks`` chunks (its round is applied):
+        the chunks gathers took, and those the inbox still holds — a group's the round did
+        not wait for, or a second frame for a key already taken (filed, as its first is
+        gone). Frames for ``tag`` that come later are off the plan's window and refused, so
+        nothing of a round outlives it."""
+        for key in [k for k in self._held if k[0] == tag]:
+            del self._held[key]
+        for g in {*self.peers, *self._dropped, *self.refused}:
+            for c in range(chunks):
+                self.inbox.discard((*tag, g, c))
+
     def gather(
         self, tag: tuple, chunks: int, timeout_s: float
     ) -> tuple[dict[int, list[Encoded]], dict[int, str], int]:
         """Every peer's ``chunks`` payload chunks of ``tag`` that arrive within ``timeout_s``
         (by group), why each other peer's did not (by group: its send failed, it was
-        dropped, or it stayed silent), and the bytes this replica sent for ``tag``. Raises
-        nothing for a missing peer: the driver decides who a round averages over."""
+        dropped, its frames were refused, or it stayed silent), and the bytes this replica
+        sent for ``tag``. A refused peer is not waited for: it is missing at once, its
+        refusal the reason. The chunks taken are kept until :meth:`forget`: the driver asks
+        in slices, and a payload that arrived across two of them, or whole in an earlier
+        one, is returned whole and at once. Raises nothing for a missing peer: the driver
+        decides who a round averages over."""
         deadline = time.monotonic() + timeout_s
+        missing, sent = self._joined(deadline, timeout_s)
+        got: dict[int, list[Encoded]] = {}
+        for g, peer in sorted(dict(self.peers).items()):
+            if g in missing:
+                continue
+            why = self._take(tag, g, chunks, deadline)
+            if why is None:
+                got[g] = list(self._held[(tag, g)])
+            elif why == "silent":
+                missing[g] = f"no payload from group {g} at {peer.address} in {timeout_s:g}s"
+                if self.inbox.failures:  # a stream refused, whose frame claimed no peer
+                    missing[g] += f" (latest stream failure: {self.inbox.failures[-1]})"
+            else:
+                missing[g] = why
+        return got, missing, sent
+
+    def _joined(self, deadline: float, timeout_s: float) -> tuple[dict[int, str], int]:
+        """Join the sends :meth:`post` started (until ``deadline``): why each peer's failed
+        or is still running, and the bytes of those that finished."""
         sent, missing = 0, {}
         posts, self._posts = self._posts, []
         for g, t, box in posts:
@@ -408,37 +404,40 @@ class OuterExchange:
                 missing[g] = f"{where} failed: {box[0]}"
             else:
                 sent += box[0]
-        got: dict[int, list[Encoded]] = {}
-        for g, peer in sorted(dict(self.peers).items()):
-            if g in missing:
-                continue
-            have: list[Encoded] = []
-            while len(have) < chunks and g not in self._dropped:
-                left = deadline - time.monotonic()
-                try:
-                    wait = max(0.0, min(_POLL_S, left))
-                    have.append(self.inbox.get((*tag, g, len(have)), wait, strict=False))
-                except TimeoutError:
-                    if left <= 0:
-                        break
-            if len(have) == chunks:
-                got[g] = have
-            elif g in self._dropped:
-                missing[g] = "dropped"
-            else:
-                missing[g] = f"no payload from group {g} at {peer.address} in {timeout_s:g}s"
-                if self.inbox.failures:  # a peer's frames refused: the likeliest why
-                    missing[g] += f" (latest stream failure: {self.inbox.failures[-1]})"
-        return got, missing, sent
+        return missing, sent
+
+    def _take(self, tag: tuple, g: int, chunks: int, deadline: float) -> str | None:
+        """Take group ``g``'s chunks of ``tag`` into ``_held`` until all ``chunks`` are there
+        (None), ``deadline`` passes ("silent"), or why it is missing otherwise: dropped, or
+        refused (then at once: its stream is gone, waiting would only delay the driver)."""
+        have = self._held.setdefault((tag, g), [])
+        while len(have) < chunks:
+            if g in self._dropped:
+                return "dropped"
+            refused = self.refused.get(g)
+            left = deadline - time.monotonic()
+            try:
+                wait = 0.0 if refused else max(0.0, min(_POLL_S, left))
+                have.append(self.inbox.get((*tag, g, len(have)), wait, strict=False))
+            except TimeoutError:
+                if refused:
+                    return f"refused: {refused}"
+                if left <= 0:
+                    return "silent"
+            except CorruptPayloadError as exc:  # filed for this key: damaged, or a duplicate
+                self.refused.setdefault(g, str(exc))
+                return f"refused: {self.refused[g]}"
+        return None
 
     def collect(
         self, tag: tuple, chunks: int, timeout_s: float
     ) -> tuple[dict[int, list[Encoded]], int]:
         """:meth:`gather` that insists on every peer: raises naming the first peer whose
-        send failed or whose payload did not arrive within ``timeout_s``."""
+        send failed, whose frames were refused (`PeerLostError`) or whose payload did not
+        arrive within ``timeout_s`` (`TimeoutError`)."""
         got, missing, sent = self.gather(tag, chunks, timeout_s)
         for _, why in sorted(missing.items()):
-            if why.startswith("sending") and "failed" in why:
+            if why.startswith("refused") or (why.startswith("sending") and "failed" in why):
                 raise PeerLostError(f"outer exchange: {why}")
             raise TimeoutError(f"outer exchange: {why}")
         return got, sent

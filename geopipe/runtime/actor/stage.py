@@ -294,10 +294,10 @@ class StageWorker:
         self._collect_transport(res, step)
         return res
 
-    def run_iterations(self, start: int, count: int, record: list, sends: dict) -> list:
-        """Steps ``start ..`` ``start + count - 1`` in one call, making the outer sends
-        itself (:mod:`.inner_run`: [Note: many inner steps per driver call])."""
-        return run_span(self, start, count, record, sends)
+    def run_iterations(self, start: int, count: int, record: list, sends: dict, *outer: Any):
+        """Steps ``start ..`` ``start + count - 1`` in one call, with the outer loop's sends,
+        apply and gather (:mod:`.inner_run`: [Note: many inner steps per driver call])."""
+        return run_span(self, start, count, record, sends, *outer)
 
     def _collect_transport(self, res: IterationResult, step: int) -> None:
         """Move this step's transport timings from the inbox into ``res`` (later steps'

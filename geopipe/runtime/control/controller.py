@@ -463,6 +463,7 @@ class Controller:
                 self.outer.after_step(nxt, [a for a, _ in self.placement.actor_sites()])
             self.evals.after_step(nxt, total, self.flat_actors())  # training.eval
         except (WorkerLost, WorkerFailed) as exc:  # an actor died between steps (ΔN)
+            raise_model_error(exc)  # a diverged pseudo-gradient: no recovery
             return Recovering(nxt, exc, self._pings())
         return next_state(self, nxt)
 

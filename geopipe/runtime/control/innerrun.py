@@ -17,12 +17,26 @@ actor for a *span* of steps (:func:`span_of`), up to the next point where it mus
 * :data:`SPAN_S` seconds of predicted steps, so that the progress line moves and a Ctrl-C
   is honoured (after the span, then the checkpoint) within seconds.
 
+The outer loop's apply costs no call of its own: a span ending at an apply ends with each
+actor's gather of that fragment (:data:`GATHER_SLICE_S` at most; a payload still missing
+then is waited for in the driver's slices), and once every replica holds every live group's
+payload the driver hands the apply to the next span, which makes it before its first step
+(:class:`~geopipe.runtime.control.outerloop.Deferred`); before a checkpoint, an evaluation,
+a grow-back or the end the driver makes it itself. And a span that ends only for its length
+(the driver has nothing to do after it) has the next span called at once, queued behind it
+on every actor (:class:`Span`; the actors take them in turn), so the actors do not wait for
+the driver's round trip there; a Ctrl-C then waits for the queued span too. A group lost
+while a span is queued: the survivors run it as well, and the recovery records it
+(:mod:`.outerfail`).
+
 Every step's results come back in order and are recorded one by one exactly as a per-step
 run records them (metrics, TensorBoard, progress, calibration, the guards), so what a run
 writes per step is unchanged; ``completed_at`` in the metrics is when the driver received the
 span. A codec fallback ordered at one step of a span takes effect from the next span (its
 actors ran on): the span's later samples were taken under the old codec, so they are not
-judged against the new one. The hang timeout scales with the span's length; heartbeats
+judged against the new one (a run with a lossy codec inside a group queues no span:
+:func:`~geopipe.optimizer.outer_cost.queues_spans`). The hang timeout scales with the
+span's length; heartbeats
 go on as in any step (the actors answer pings on another thread); a group lost mid-span
 goes to :func:`~geopipe.runtime.control.outerfail.recover_groups`, which records the
 survivors' whole span, so no step is lost by them; a model error ends the run.
@@ -37,19 +51,31 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+from geopipe.optimizer.outer_cost import queues_spans
 from geopipe.optimizer.policies import GrowBack
 from geopipe.outer.fragments import StreamingSchedule
-from geopipe.runtime.control.health import (
-    hang_timeout_s,
-)
+from geopipe.runtime.control.health import hang_timeout_s, raise_model_error
 from geopipe.runtime.control.states import Checkpointing, Growing, Recovering, Running, State
 from geopipe.runtime.control.workers import WorkerFailed, WorkerLost, call_all
 
-__all__ = ["MAX_SPAN", "SPAN_S", "next_state", "record_span", "run_span", "span_of"]
+__all__ = [
+    "GATHER_SLICE_S",
+    "MAX_SPAN",
+    "SPAN_S",
+    "Span",
+    "next_state",
+    "record_span",
+    "run_span",
+    "span_of",
+]
 
 SPAN_S = 5.0  # predicted seconds of steps per call at most: the progress line's lag
+# Seconds a span's closing gather waits at most for the peers' payloads (at most
+# ``health.heartbeat_s``): a transfer still running then goes on in the driver's slices.
+GATHER_SLICE_S = 10.0
 MAX_SPAN = 1000  # steps per call at most (a prediction of ~0 s: a run of tiny steps)
 
 
@@ -81,52 +107,119 @@ def span_of(
     return max(1, end - start)
 
 
+@dataclass
+class Span:
+    """A span's call on every actor: steps ``start .. start + count - 1``, the call's
+    ``refs`` (one per actor of ``flat``), and the seconds its closing gather may wait."""
+
+    start: int
+    count: int
+    flat: list
+    refs: list
+    gather_s: float
+
+    @property
+    def end(self) -> int:
+        return self.start + self.count
+
+
+def _start(ctl: Any, step: int, recorded: Callable[[int], bool], apply: Any = None) -> Span:
+    """Call a span from ``step`` on every actor (its length: :func:`span_of`), with
+    ``apply`` (the apply decided at the last span's end) and the gather of the apply at this
+    one's end."""
+    total, outer, cal = ctl.spec.training.steps, ctl.outer, ctl.calibrator
+    every = ctl.spec.training.checkpoint.every_steps
+    due = lambda d: ctl.evals.due(d, total)  # noqa: E731
+    count = span_of(
+        step, total, cal.predicted_s, outer.schedule, every, due, recorded, outer.max_span
+    )
+    steps, nxt = range(step, step + count), step + count
+    record = [s for s in steps if recorded(s)]
+    sends = {s + 1: f for s in steps if (f := outer.schedule.sends_at(s + 1)) is not None}
+    ends_at = outer.schedule.applies_at(nxt)
+    slice_s = min(ctl.spec.health.heartbeat_s, GATHER_SLICE_S) if ends_at is not None else 0.0
+    gather = (ends_at, slice_s) if ends_at is not None else None
+    flat = ctl.flat_actors()
+    refs = call_all(ctl.workers, flat, "run_iterations", step, count, record, sends, apply, gather)
+    return Span(step, count, flat, refs, slice_s)
+
+
+def _queues_after(ctl: Any, span: Span, recorded: Callable[[int], bool]) -> bool:
+    """Whether the driver need not act after ``span`` (it ended only for its length), so the
+    next span can be called at once, queued behind it on every actor ([Note: the driver's
+    control calls] in :mod:`geopipe.optimizer.outer_cost`)."""
+    total, outer = ctl.spec.training.steps, ctl.outer
+    every = ctl.spec.training.checkpoint.every_steps
+    nxt = span.end
+    return queues_spans([ctl.plan]) and not (
+        nxt >= total
+        or ctl.stop.requested
+        or recorded(nxt - 1)
+        or outer.schedule.applies_at(nxt) is not None
+        or (every and nxt % every == 0)
+        or ctl.evals.due(nxt, total)
+    )
+
+
 def run_span(ctl: Any, step: int) -> State:
-    """RUNNING, for an outer-loop run: a span of steps from ``step`` on every actor, each
-    step recorded, then the outer loop's apply, an evaluation, and what comes next (as
-    ``Controller._run`` after one step). ``ctl`` is the
-    :class:`~geopipe.runtime.control.controller.Controller`."""
+    """RUNNING, for an outer-loop run: a span of steps from ``step`` on every actor (the
+    one queued after the last span, if any), each step recorded, then the outer loop's
+    apply, an evaluation, and what comes next (as ``Controller._run`` after one step).
+    ``ctl`` is the :class:`~geopipe.runtime.control.controller.Controller`."""
     total, outer, cal = ctl.spec.training.steps, ctl.outer, ctl.calibrator
     trace = bool(ctl.opts.trace)
 
     def recorded(s: int) -> bool:
         return cal.wants(s) or (trace and s == total - 1)
 
-    every = ctl.spec.training.checkpoint.every_steps
-    due = lambda d: ctl.evals.due(d, total)  # noqa: E731
-    count = span_of(
-        step, total, cal.predicted_s, outer.schedule, every, due, recorded, outer.max_span
-    )
-    steps = range(step, step + count)
-    record = [s for s in steps if recorded(s)]
-    sends = {s + 1: f for s in steps if (f := outer.schedule.sends_at(s + 1)) is not None}
-    flat = ctl.flat_actors()
-    outer.span = (step, count)  # what a recovery finds in flight
-    refs = call_all(ctl.workers, flat, "run_iterations", step, count, record, sends)
-    for s in steps:  # --chaos-kill-every: 40 % into step s, as when each step was a call
+    span = outer.queued
+    if span is None or span.start != step:
+        span = _start(ctl, step, recorded, outer.span_apply())
+    outer.queued = _start(ctl, span.end, recorded) if _queues_after(ctl, span, recorded) else None
+    outer.span = (step, span.count)  # what a recovery finds in flight
+    for s in range(step, span.end):  # --chaos-kill-every: 40 % into step s, as per-step calls
         ctl.chaos.maybe_strike(s, ctl._rows(), cal.predicted_s * (s - step + 0.4) / 0.4)
-    hang_s = hang_timeout_s(cal.predicted_s * count, cal.calibrated, ctl.spec.health)
-    answers = ctl._await(step, flat, refs, hang_s)
+    hang_s = hang_timeout_s(cal.predicted_s * span.count, cal.calibrated, ctl.spec.health)
+    answers = ctl._await(step, span.flat, span.refs, hang_s + span.gather_s)
     if isinstance(answers, Recovering):
         return answers
-    outer.span, nxt = None, step + count
+    outer.span, nxt = None, span.end
     try:
-        record_span(ctl, step, answers)
-        outer.after_step(nxt, [a for a, _ in ctl.placement.actor_sites()])  # the apply
+        record_span(ctl, step, answers, span.flat)
+        actors = [a for a, _ in ctl.placement.actor_sites()]
+        gathered = [a[-1].outer_gathered for a in answers] if span.gather_s else None
+        # an evaluation reads the weights after the apply: the driver makes that one itself
+        defer = nxt < total and not ctl.evals.due(nxt, total)
+        outer.after_step(nxt, actors, _in_order(gathered, span.flat, actors), defer)
         ctl.evals.after_step(nxt, total, ctl.flat_actors())  # training.eval
+        state = next_state(ctl, nxt)
+        if outer.queued is not None:  # called already: it runs first (a Ctrl-C waits for it)
+            state = Running(nxt)
+        elif not isinstance(state, Running):  # a checkpoint, a grow-back, the end: applied
+            outer.flush(actors)
     except (WorkerLost, WorkerFailed) as exc:  # an actor died between spans
+        raise_model_error(exc)  # a diverged pseudo-gradient (an apply made here): no recovery
         return Recovering(nxt, exc, ctl._pings())
-    return next_state(ctl, nxt)
+    return state
 
 
-def record_span(ctl: Any, start: int, answers: list[list]) -> int:
-    """Record each step of a span (``answers[i]``: actor ``i``'s results, in step order) as a
-    finished step, and note the outer sends the actors made; returns the steps done. An
-    actor lost while a step is recorded (a call the guards make) does not keep the later
-    steps from being recorded: the first such error is raised once all are."""
+def _in_order(answers: list | None, flat: list, actors: list) -> list | None:
+    """``answers`` (one per actor of ``flat``) in the order of ``actors``."""
+    if answers is None:
+        return None
+    by_actor = {id(a): x for a, x in zip(flat, answers, strict=True)}
+    return [by_actor[id(a)] for a in actors]
+
+
+def record_span(ctl: Any, start: int, answers: list[list], actors: list) -> int:
+    """Record each step of a span (``answers[i]``: actor ``actors[i]``'s results, in step
+    order) as a finished step, and note the outer apply and sends the actors made; returns
+    the steps done. An actor lost while a step is recorded (a call the guards make) does not
+    keep the later steps from being recorded: the first such error is raised once all are."""
     received = time.perf_counter()
     codecs = ctl.plan.codecs
     count = min(len(a) for a in answers)
+    ctl.outer.note_applied(answers, actors)
     failed: BaseException | None = None
     for i in range(count):
         results = [a[i] for a in answers]

@@ -17,11 +17,12 @@ test bed). After every inner step :class:`OuterCalibrator` measures
 * the driver's seconds per control call: over those stretches, the wall time the driver saw
   (from recording the stretch's last step to recording the previous one's) less the
   slowest group's steps, less the price of the apply that opened the stretch (exposed
-  transfer, codec, outer step: modelled, from the measured links and step), over the calls
-  the stretch took (its spans, and the apply's gather and apply). Stretches opened by a
+  transfer, codec, outer step: modelled, from the measured links and step), less the round
+  trips the steps waited through (what the link model gives for the round trip to the
+  farthest group, once per stretch: its later spans were queued), over the calls the
+  stretch took (its spans; the apply and its gather ride on them). Stretches opened by a
   checkpoint or an evaluation are left out (the forecast does not price them, as the
-  pipeline's does not). What the link model gives for the round trip to the farthest group
-  is the call's RTT, the rest its overhead.
+  pipeline's does not).
 
 and prices the round with them, the spans counted as the runtime makes them (the same
 :func:`~geopipe.optimizer.outer_cost.steps_per_call`): ``predicted_s = round_s / H``. Links
@@ -44,6 +45,7 @@ from geopipe.optimizer.outer_cost import (
     RoundCost,
     planned_control,
     price_round,
+    queues_spans,
     span_cap,
 )
 from geopipe.optimizer.outerplan import OuterRun
@@ -91,8 +93,9 @@ class OuterCalibrator:
         self._seen: dict[int, _Seen] = {}  # the steps of the stretch under way
         self._warm: deque[dict[int, float]] = deque(maxlen=STEPS)  # each group's step
         self._mark: int | None = None  # the last step of the latest stretch
-        # per stretch: (seconds beyond compute and the apply, calls, compute seconds, steps)
-        self._units: deque[tuple[float, float, float, int]] = deque(maxlen=STEPS)
+        # per stretch: (seconds beyond compute and the apply, calls, compute seconds, steps,
+        # the calls whose round trip the steps waited through)
+        self._units: deque[tuple[float, float, float, int, int]] = deque(maxlen=STEPS)
 
     # -- the runtime's calls ---------------------------------------------------------------
     def _cap(self, predicted_s: float) -> int:
@@ -111,12 +114,15 @@ class OuterCalibrator:
             return "other"
         return "apply" if self.schedule.applies_at(done) is not None else None
 
-    def _calls(self, first: int, last: int, cap: int) -> int:
-        """The calls that ran steps ``first..last``: a recorded step alone, the rest in spans
-        of at most ``cap``."""
+    def _calls(self, first: int, last: int, cap: int) -> tuple[int, int]:
+        """The calls that ran steps ``first..last`` (a recorded step alone, the rest in spans
+        of at most ``cap``), and those whose round trip the steps waited through: each one
+        alone and the first span (the others were queued behind it), or every call when
+        each runs one step."""
         alone = sum(1 for s in range(first, last + 1) if s - self._base < RECORDED)
         rest = last - first + 1 - alone
-        return alone + -(-rest // cap)
+        calls = alone + -(-rest // cap)
+        return calls, calls if cap == 1 else alone + min(1, rest)
 
     # -- measuring and pricing ---------------------------------------------------------------
     def observe(
@@ -179,9 +185,9 @@ class OuterCalibrator:
             evals[slow] = replace(evals[slow], iteration_time_s=step)
         return groups, evals
 
-    def _latest(self) -> list[tuple[float, float, float, int]]:
+    def _latest(self) -> list[tuple[float, float, float, int, int]]:
         """The latest measured stretches that hold :data:`STEPS` steps (at least one)."""
-        out: list[tuple[float, float, float, int]] = []
+        out: list[tuple[float, float, float, int, int]] = []
         for u in reversed(self._units):
             if sum(x[3] for x in out) >= STEPS:
                 break
@@ -198,23 +204,28 @@ class OuterCalibrator:
             return
         wall = self._seen[last].at - self._seen[mark].at
         compute = max(sum(w.group_s.get(g, 0.0) for w in steps) for g in steps[-1].group_s)
-        calls = self._calls(first, last, cap)
+        calls, waits = self._calls(first, last, cap)
+        if not queues_spans([e.plan for e in evals]):
+            waits = calls
         outer = 0.0
         if opened == "apply":  # its exposed transfer, codec and outer step, as priced
             c = price_round(self.spec, groups, evals, self.run.setting, Control(0.0, 0.0))
             outer = (c.exposed_s + c.codec_s + c.outer_step_s) / self.run.setting.fragments
             calls += OUTER_CALLS_PER_FRAGMENT
-        self._units.append((wall - compute - outer, calls, compute, last - mark))
+            waits += OUTER_CALLS_PER_FRAGMENT
+        self._units.append((wall - compute - outer, calls, compute, last - mark, waits))
         for s in [s for s in self._seen if s < mark]:
             del self._seen[s]
 
     def _control(self, groups: list, evals: list[Evaluation], cap: int) -> Control:
         """The runtime's calls: measured seconds each once a stretch is (else the planner's)."""
         step = max(e.iteration_time_s for e in evals)
-        planned = planned_control(self.spec, groups, self.run.setting, step, cap=cap)
+        queued = queues_spans([e.plan for e in evals])
+        planned = planned_control(self.spec, groups, self.run.setting, step, cap=cap, queued=queued)
         units = self._latest()
         if not units:
             return planned
         seconds, calls = sum(u[0] for u in units), sum(u[1] for u in units)
-        overhead = max(0.0, seconds / calls - planned.rtt_s)
+        waits = sum(u[4] for u in units)
+        overhead = max(0.0, (seconds - waits * planned.rtt_s) / calls)
         return replace(planned, overhead_s=overhead)

@@ -116,7 +116,31 @@ def _lost_groups(ctl: Any, state: Recovering, actors: list[Any]) -> tuple[set[in
             answers[id(a)] = w.get([ref], timeout=timeout)[0]
         except Exception:  # died, raised or hung since: its group goes too
             lost.add(group[id(a)])
+    _drain_queued(ctl, lost, answers)
     return lost, answers
+
+
+def _drain_queued(ctl: Any, lost: set[int], answers: dict) -> None:
+    """The span queued behind the failed one ([Note: the driver's control calls] in
+    :mod:`geopipe.optimizer.outer_cost`) runs on the survivors too: its steps follow theirs
+    in ``answers`` (a survivor that fails it loses its group), and nothing stays queued."""
+    outer, q = ctl.outer, ctl.outer.queued
+    outer.queued = None
+    if q is None:
+        return
+    cal = ctl.calibrator
+    wait_s = hang_timeout_s(cal.predicted_s * q.count, cal.calibrated, ctl.spec.health)
+    for a, ref in zip(q.flat, q.refs, strict=True):
+        g = outer.group_of.get(id(a))
+        if g is None or g in lost:
+            continue
+        try:
+            got = ctl.workers.get([ref], timeout=wait_s + q.gather_s)[0]
+        except Exception:  # died, raised or hung since: its group goes too
+            lost.add(g)
+            continue
+        before = answers.get(id(a))
+        answers[id(a)] = (before if isinstance(before, list) else []) + list(got)
 
 
 def recover_groups(ctl: Any, state: Recovering) -> State:
@@ -161,7 +185,7 @@ def recover_groups(ctl: Any, state: Recovering) -> State:
     if mid_step:  # the survivors finished the step, or a span of them: they count
         mine = [answers[id(a)] for a in survivors]
         if isinstance(mine[0], list):
-            done = record_span(ctl, state.step, mine)
+            done = record_span(ctl, state.step, mine, survivors)
         else:
             ctl._record(state.step, mine)
             done = state.step + 1

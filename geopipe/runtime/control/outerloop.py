@@ -33,6 +33,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -44,7 +45,7 @@ from geopipe.runtime.control.placement import emulated_link
 from geopipe.runtime.control.workers import CallTimeout, WorkerLost, Workers, ask, call_all
 from geopipe.transport.link import LinkParams
 
-__all__ = ["GroupsLost", "OuterRounds", "kept_groups", "peers_of"]
+__all__ = ["Deferred", "GroupsLost", "OuterRounds", "kept_groups", "peers_of"]
 
 _SAY_EVERY_S = 10.0  # how often the console repeats that a round waits on a silent link
 
@@ -66,6 +67,24 @@ def peers_of(
             ]
         )
     return out
+
+
+@dataclass(frozen=True)
+class Deferred:
+    """An apply the driver decided after ``done`` inner steps (fragment ``fragment`` over
+    ``groups``, decided at ``decided`` on the driver's clock after a gather of ``wait_s``)
+    and left to the replicas to make at the start of their next span."""
+
+    done: int
+    fragment: int
+    groups: list[int]
+    decided: float
+    wait_s: float
+
+
+def _field(result: Any, name: str) -> Any:
+    """``name`` of a step's result (an IterationResult) or of a dict standing for one."""
+    return result.get(name) if isinstance(result, dict) else getattr(result, name, None)
 
 
 class GroupsLost(WorkerLost):
@@ -130,6 +149,10 @@ class OuterRounds:
         # step with the sends made by the driver (the path before spans; tests compare them).
         self.max_span: int | None = None
         self.span: tuple[int, int] | None = None  # (first step, steps) of the call in flight
+        # An apply decided but not made: the next span's call makes it (:mod:`.innerrun`).
+        self.deferred: Deferred | None = None
+        # The span called behind the one in flight (:mod:`.innerrun`: an innerrun.Span)
+        self.queued: Any = None
 
     def begin(self, actors: list[Any], sites: list[str]) -> None:
         """theta_global from every replica's masters now (all groups hold the same weights:
@@ -145,9 +168,15 @@ class OuterRounds:
         w = self.workers
         w.get([w.call(a, "outer_connect", p) for a, p in zip(actors, peers, strict=True)])
 
-    def after_step(self, done: int, actors: list[Any]) -> None:
-        """``done`` inner steps have run: start the send and do the apply they call for.
-        Raises :class:`GroupsLost` ([Note: losing a replica group])."""
+    def after_step(
+        self, done: int, actors: list[Any], gathered: list[dict] | None = None, defer: bool = False
+    ) -> None:
+        """``done`` inner steps have run: start the send and do the apply they call for
+        (first an apply still deferred: a recovery's survivors make it now). ``gathered``:
+        each actor's gather at the end of its span (the first slice of the wait); ``defer``:
+        the apply, once every group holds every payload, is left to the next span's call
+        (:attr:`deferred`). Raises :class:`GroupsLost` ([Note: losing a replica group])."""
+        self.flush(actors)
         if done <= self.done_through:
             return  # asked again after a failure that came later
         f = self.schedule.sends_at(done)
@@ -157,13 +186,49 @@ class OuterRounds:
         f = self.schedule.applies_at(done)
         if f is not None:
             t0 = time.perf_counter()
-            groups, wait_s = self._gather(f, actors)
-            applies = call_all(self.workers, actors, "outer_apply", f, groups)
-            applied = self._each(actors, applies, "outer_apply")
-            sent_at, sent = self._sent.pop(f, (t0, []))
-            took = (time.perf_counter() - t0, t0 - sent_at, wait_s)
-            self._record(done, f, actors, took, sent, applied)
+            groups, wait_s = self._gather(f, actors, gathered)
+            if defer:
+                self.deferred = Deferred(done, f, groups, t0, wait_s)
+                self.done_through = done
+                return
+            try:
+                self._apply(done, f, groups, actors, t0, wait_s)
+            except GroupsLost:
+                self.done_through = done  # the survivors applied: not again over them
+                raise
         self.done_through = done
+
+    def span_apply(self) -> tuple[int, list[int]] | None:
+        """The apply the next span makes before its first step: (fragment, groups)."""
+        d = self.deferred
+        return (d.fragment, [g for g in d.groups if g in self.live]) if d else None
+
+    def flush(self, actors: list[Any]) -> None:
+        """Make the deferred apply now (a checkpoint, an evaluation or a recovery comes
+        before the next span), over the groups still live."""
+        d = self.deferred
+        if d is None:
+            return
+        self.deferred = None  # made here (by the survivors, if a group is lost meanwhile)
+        groups = [g for g in d.groups if g in self.live]
+        self._apply(d.done, d.fragment, groups, actors, d.decided, d.wait_s)
+
+    def note_applied(self, answers: list[list], actors: list[Any]) -> None:
+        """The deferred apply, made by ``actors`` (``answers[i][0]``: actor ``i``'s first
+        result of its span, whose ``outer_applied`` is its apply's answer), recorded as
+        :meth:`after_step` records an apply it makes."""
+        d = self.deferred
+        if d is None:
+            return
+        applied = [_field(a[0], "outer_applied") for a in answers]
+        if any(a is None for a in applied):
+            return  # the span made no apply (it started before the apply was decided)
+        self.deferred = None
+        sent_at, sent = self._sent.pop(d.fragment, (d.decided, []))
+        wait_s = d.wait_s + max(a.get("wait_s", 0.0) for a in applied)
+        apply_s = time.perf_counter() - d.decided
+        took = (apply_s, d.decided - sent_at, wait_s)
+        self._record(d.done, d.fragment, actors, took, sent, applied)
 
     def note_sends(self, done: int, results: list, received: float) -> None:
         """The sends the actors made themselves after ``done`` inner steps (``results``: each
@@ -199,19 +264,42 @@ class OuterRounds:
     def _each(self, actors: list[Any], refs: list, method: str) -> list:
         """Every answer to ``refs`` (``method`` on each actor) awaited (a frozen actor: for
         ``health.hang_floor_uncalibrated_s``); the groups of actors that died or froze
-        leave as :class:`GroupsLost` (the others' errors raise as they are)."""
+        leave as :class:`GroupsLost`, which carries the other groups' actors and answers as
+        ``answers`` (the others' errors raise as they are)."""
         w = self.workers
         wait_s = self.spec.health.hang_floor_uncalibrated_s
-        out, dead, why = [], set(), ""
+        got, dead, why = [], set(), ""
         for a, ref in zip(actors, refs, strict=True):
             try:
-                out.append(w.get([ref], timeout=wait_s)[0])
+                got.append((a, w.get([ref], timeout=wait_s)[0]))
             except (WorkerLost, CallTimeout) as exc:
                 dead.add(self.group_of[id(a)])
                 why = str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else "lost"
         if dead:
-            raise GroupsLost(dead, f"{method}: an actor died or froze ({why})")
-        return out
+            lost = GroupsLost(dead, f"{method}: an actor died or froze ({why})")
+            lost.answers = [(a, x) for a, x in got if self.group_of[id(a)] not in dead]
+            raise lost
+        return [x for _, x in got]
+
+    def _apply(
+        self, done: int, f: int, groups: list[int], actors: list[Any], t0: float, wait_s: float
+    ) -> None:
+        """The apply of fragment ``f`` over ``groups`` on ``actors``, recorded (``t0``: when
+        its gather began; ``wait_s``: the gather's wait). An actor lost meanwhile: the other
+        groups applied, which is recorded before :class:`GroupsLost` leaves."""
+        sent_at, sent = self._sent.pop(f, (t0, []))
+        try:
+            applied = self._each(
+                actors, call_all(self.workers, actors, "outer_apply", f, groups), "outer_apply"
+            )
+        except GroupsLost as lost:
+            if lost.answers:
+                took = (time.perf_counter() - t0, t0 - sent_at, wait_s)
+                done_by = [a for a, _ in lost.answers]
+                self._record(done, f, done_by, took, sent, [x for _, x in lost.answers])
+            raise
+        took = (time.perf_counter() - t0, t0 - sent_at, wait_s)
+        self._record(done, f, actors, took, sent, applied)
 
     def _heard(self, f: int, actors: list[Any], pending: dict[int, Any], slice_s: float) -> dict:
         """One slice of the gather: every actor not still answering the last slice is asked
@@ -238,6 +326,7 @@ class OuterRounds:
                 continue
             del pending[i]
             have[g] &= set(ans["have"])
+            self._refused([ans])
         if dead:
             raise GroupsLost(dead, "outer_gather: an actor died")
         for g in mute:
@@ -246,14 +335,38 @@ class OuterRounds:
                 have[other].discard(g)
         return have
 
-    def _gather(self, f: int, actors: list[Any]) -> tuple[list[int], float]:
+    def _refused(self, answers: list[dict]) -> None:
+        """Raise :class:`GroupsLost` for the live groups whose frames a replica refused
+        (``refused`` in its gather's answer: a payload of NaN or inf, a frame off the plan):
+        at once, not after ``health.wan_outage_s`` of waiting for a payload never taken."""
+        refused: dict[int, str] = {}
+        for ans in answers:
+            for g, why in (ans.get("refused") or {}).items():
+                if int(g) in self.live:
+                    refused.setdefault(int(g), str(why))
+        if refused:
+            g, why = sorted(refused.items())[0]
+            raise GroupsLost(refused, f"its outer frames were refused (group {g}: {why[:200]})")
+
+    def _gather(
+        self, f: int, actors: list[Any], first: list[dict] | None = None
+    ) -> tuple[list[int], float]:
         """Wait for every replica to hold every live group's payload of fragment ``f``, in
         slices of ``health.heartbeat_s`` (the console names a silent link every 10 s); the
-        groups the apply averages over, and the wait. Raises :class:`GroupsLost` (an actor
-        died; silent groups past ``health.wan_outage_s``)."""
+        groups the apply averages over, and the wait. ``first``: each actor's answer to a
+        gather already made (at the end of its span); the slices go on if it is short.
+        Raises :class:`GroupsLost` (an actor died; silent groups past
+        ``health.wan_outage_s``)."""
         h = self.spec.health
         t0 = said = time.monotonic()
         pending: dict[int, Any] = {}  # actor index -> its gather call still in flight
+        if first is not None:
+            have: dict[int, set[int]] = {g: set(self.live) for g in self.live}
+            for a, ans in zip(actors, first, strict=True):
+                have[self.group_of[id(a)]] &= set(ans["have"])
+            self._refused(first)
+            if all(have[g] >= self.live for g in self.live):
+                return sorted(self.live), max(a.get("wait_s", 0.0) for a in first)
         while True:
             left = h.wan_outage_s - (time.monotonic() - t0)
             have = self._heard(f, actors, pending, max(0.05, min(h.heartbeat_s, left)))

@@ -1,0 +1,197 @@
+"""What an outer listener takes from its peers (issue 33's frame plan, for the outer exchange
+of :mod:`geopipe.runtime.actor.outer_wire`): the frames its partition layout lets them send,
+checked on their header before anything is allocated (:class:`OuterFrames`), and payloads
+whose values the average can take, checked once decoded before they are filed
+(:class:`OuterReceiver`). Whatever else arrives is refused like any frame the data plane's
+plan refuses (:mod:`geopipe.transport.receiver`): logged naming the peer, the connection
+dropped; the refusal is also handed to the exchange with the group the frame claims, so a
+round stops waiting for that group at once.
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+from collections.abc import Callable, Hashable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from geopipe.outer import ROW_LEN, decode_delta
+from geopipe.transport import wire
+from geopipe.transport.codec import CorruptPayloadError, Encoded, Sealed, open_sealed
+from geopipe.transport.frames import FrameInfo, FrameRefusedError
+from geopipe.transport.receiver import DirectReceiver
+
+if TYPE_CHECKING:
+    from geopipe.runtime.actor.outer_wire import OuterSettings
+
+__all__ = ["MAX_ABS", "OuterFrames", "OuterReceiver", "OuterRefusedError", "bad_values"]
+
+# [Note: what an outer payload may hold]
+# Every group averages every payload it holds, so one payload holding NaN or inf, from a peer
+# with a bug, a hostile one, or one whose model diverged, would make theta_global NaN in
+# every group at once. So each payload's values are checked where they are known, decoded:
+# a peer's on the reader's thread, after its seal and before it is filed (the apply never
+# sees it; `OuterReceiver`), this replica's own before it is sent (`OuterState.delta`).
+# Decoded, not encoded: an int8 or int4h scale that is finite may still decode to inf, and
+# a payload whose arrays do not decode at all is refused the same way. Finite is not
+# enough either: two payloads of 3e38 average to inf, so a value must stay within MAX_ABS
+# = 2^100, which no pseudo-gradient of a model that trains comes near, and under which the
+# sum of up to 2^27 groups' payloads cannot overflow fp32 (2^128). The price is one more
+# decode per chunk, on the reader's thread, while the inner steps run.
+MAX_ABS = 2.0**100
+
+
+def bad_values(x: torch.Tensor) -> str | None:
+    """Why the decoded pseudo-gradient ``x`` may not be averaged, or None if it may
+    ([Note: what an outer payload may hold]): NaN, inf, or beyond :data:`MAX_ABS`."""
+    if x.numel() == 0:
+        return None
+    peak = float(x.abs().max())  # NaN if any value is NaN
+    if not math.isfinite(peak):
+        return "holds NaN or inf"
+    if peak > MAX_ABS:
+        return f"holds a value of magnitude {peak:.3g}, over the bound 2^100 (MAX_ABS)"
+    return None
+
+
+class OuterRefusedError(FrameRefusedError):
+    """An outer frame refused by the plan (its header, or its values); ``key``: the key it
+    claims, so the exchange can tell which group's payload will not come (`OuterExchange`)."""
+
+    def __init__(self, key: Hashable, message: str) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+class OuterFrames:
+    """The frames an outer listener takes (issue 33's frame plan, for the outer exchange):
+    called with each frame's header on the reader's thread, before its payload is
+    allocated, it raises `OuterRefusedError` for anything else, and the receiver drops
+    that connection (see `OuterExchange` for what the exchange does then). Once a frame's
+    payload is in, :meth:`why_not_values` checks what it decodes to (`OuterReceiver`).
+
+    Every group splits its stages and ZeRO-1 partitions alike (the layout digest), so this
+    replica knows every frame its peers may send: key ``("O", stage, partition, fragment,
+    round, group, chunk)`` with ``tag = ("O", stage, partition)``, a fragment of
+    ``fragment_numels``, a chunk of it (``chunk_elems`` each), the group of a connected,
+    not dropped peer (``peers``, kept by `OuterExchange`) and a round that is this
+    replica's own for the fragment (``round_of``) or the next (a peer one apply ahead: it
+    cannot get two ahead, its next round needs this one's payload); shaped as
+    `~geopipe.outer.exchange.encode_delta` rows, float32, the run's codec, and exactly the
+    chunk's `wire.wire_bytes`. :mod:`geopipe.transport.expect`'s `ExpectedFrames` checks
+    one window of steps for a kind and a set of shapes: the outer keys need a window per
+    fragment and a size per chunk, hence this class."""
+
+    def __init__(
+        self,
+        settings: OuterSettings,
+        tag: tuple,
+        fragment_numels: Sequence[int],
+        round_of: Callable[[int], int],
+    ) -> None:
+        self.settings, self.tag, self.round_of = settings, tuple(tag), round_of
+        size = settings.chunk_elems
+        self.chunks = [  # per fragment, per chunk: its element count
+            [min(size, n - s) for s in range(0, n, size)] or [0] for n in fragment_numels
+        ]
+        self.peers: frozenset[int] = frozenset()
+
+    def __call__(self, info: FrameInfo) -> None:
+        reason = self.why_not(info)
+        if reason is not None:
+            raise OuterRefusedError(info.key, f"outer frame {info.key!r} not expected: {reason}")
+
+    def group_of(self, key: Hashable) -> int | None:
+        """The connected peer group ``key`` claims to come from, or None when it claims none
+        (not this plan's form, or a group that is not a peer). Only a claim: every peer holds
+        the run's one secret, so no frame proves which group sent it."""
+        n = len(self.tag)
+        if not (isinstance(key, tuple) and len(key) == n + 4 and key[:n] == self.tag):
+            return None
+        group = key[n + 2]
+        return group if type(group) is int and group in self.peers else None
+
+    def why_not_values(self, key: tuple, enc: Encoded) -> str | None:
+        """Why the payload ``enc`` of ``key`` (a key this plan admitted) may not be averaged,
+        or None ([Note: what an outer payload may hold])."""
+        n = len(self.tag)
+        numel = self.chunks[key[n]][key[n + 3]]
+        try:
+            with np.errstate(over="ignore", invalid="ignore"):  # what is checked, next
+                x = decode_delta(enc, numel)
+        except Exception as exc:  # arrays that add up to the size but not to the codec's
+            return f"does not decode: {type(exc).__name__}: {exc}"
+        return bad_values(x)
+
+    def why_not(self, info: FrameInfo) -> str | None:
+        """Why ``info`` is not an outer frame this replica expects, or None if it is."""
+        key, n = info.key, len(self.tag)
+        if not (isinstance(key, tuple) and len(key) == n + 4 and key[:n] == self.tag):
+            return f"not a key {self.tag} + (fragment, round, group, chunk)"
+        fragment, round_, group, chunk = key[n:]
+        if any(type(k) is not int for k in key[n:]):
+            return "fragment, round, group and chunk must be integers"
+        if not 0 <= fragment < len(self.chunks):
+            return f"no fragment {fragment} (of {len(self.chunks)})"
+        if not 0 <= chunk < len(self.chunks[fragment]):
+            return f"fragment {fragment} has no chunk {chunk} ({len(self.chunks[fragment])})"
+        if group not in self.peers:
+            return f"group {group} is not a connected peer ({sorted(self.peers)})"
+        now = self.round_of(fragment)
+        if not now <= round_ <= now + 1:
+            return f"round {round_} of fragment {fragment}, expected {now} or {now + 1}"
+        return self._wrong_payload(info, self.chunks[fragment][chunk])
+
+    def _wrong_payload(self, info: FrameInfo, numel: int) -> str | None:
+        s = self.settings
+        shape = (-(-numel // ROW_LEN), ROW_LEN)
+        nbytes = wire.wire_bytes(s.codec, shape[0] * ROW_LEN, ROW_LEN, 4, "backward", s.topk_ratio)
+        if info.codec != s.codec:
+            return f"codec {info.codec}, expected {s.codec}"
+        if info.dtype != "float32" or info.direction != "backward":
+            return f"{info.dtype} {info.direction}, expected float32 backward"
+        if info.shape != shape:
+            return f"shape {list(info.shape)}, expected {list(shape)}"
+        if info.payload_nbytes != nbytes:
+            return f"{info.payload_nbytes} payload bytes, expected {nbytes}"
+        return None
+
+
+class OuterReceiver(DirectReceiver):
+    """The direct channel's receiver (handshake, payload bound, header checks against
+    ``expect``) with two additions for an :class:`OuterFrames` plan: each payload's values
+    are checked after its seal and before it is filed (`OuterFrames.why_not_values`), so a
+    payload holding NaN, inf or an overflowing value never reaches the inbox, let alone an
+    apply; and every refusal, of a header or of values, is reported to ``on_refused`` (the
+    key the frame claims, and why, naming the peer's address) before the receiver does what
+    it does with any refused frame: log it (once per 30 s, naming the peer), drop the
+    connection and note the failure in the inbox. Both hook the receiver's per-frame steps
+    (``_read``, ``_file``) rather than copy its reader loop."""
+
+    def __init__(self, inbox: Any, on_refused: Callable[[Hashable, str], None], **kw: Any) -> None:
+        self.on_refused = on_refused  # before the listener starts: a frame may come at once
+        super().__init__(inbox, **kw)
+
+    def _read(self, conn: socket.socket, peer: tuple) -> None:
+        try:
+            super()._read(conn, peer)
+        except FrameRefusedError as exc:
+            self.on_refused(getattr(exc, "key", None), f"frame from peer {peer}: {exc}")
+            raise
+
+    def _file(
+        self, key: Hashable, sealed: Sealed, deliver_at: float, sent_at: float, peer: tuple
+    ) -> None:
+        plan = self.expect
+        if isinstance(plan, OuterFrames) and isinstance(key, tuple):
+            try:
+                enc: Encoded | None = open_sealed(sealed)
+            except CorruptPayloadError:
+                enc = None  # damaged in transit: the inbox files that for its key, below
+            why = None if enc is None else plan.why_not_values(key, enc)
+            if why is not None:
+                raise OuterRefusedError(key, f"outer payload {key!r} {why}")
+        super()._file(key, sealed, deliver_at, sent_at, peer)
