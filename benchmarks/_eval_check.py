@@ -13,11 +13,16 @@ evaluation's loss (target <= 1e-5). ``benchmarks/trainer.py`` may call
 from __future__ import annotations
 
 import json
+import sys
 import tempfile
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
+
+# tests/_hfdoc.py: the document tests/integration/test_eval_runtime.py launches, built once
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from _hfdoc import LLAMA, two_site_hf_doc
 
 from geopipe.cli import main as cli
 from geopipe.config import parse_cluster
@@ -26,42 +31,19 @@ from geopipe.model.gpt import lm_loss
 from geopipe.runtime.actor.evaluate import EVAL_SEED_SALT, eval_samples, split_corpus
 from geopipe.runtime.control.controller import Controller, LaunchOptions
 
-SMALL = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    tie_word_embeddings=True,
-)
-SITE = {
-    "nodes": 1,
-    "devices_per_node": 1,
-    "device_memory_gb": 2,
-    "device_tflops": 0.05,
-    "device_efficiency": 0.5,
-    "device_mem_bw_gb_per_s": 10,
+# tests/_hfdoc.py's Llama, twice as wide and deep, its embedding tied
+SMALL = {
+    **LLAMA,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 4,
+    "tie_word_embeddings": True,
 }
 
 
 def _doc(model_dir: Path, batches: int) -> dict:
-    # fmt: off
-    return {
-        "name": "bench-eval",
-        "ray": {"address": "local", "emulate_links": True},
-        "sites": [{"name": "east", **SITE}, {"name": "west", **SITE}],
-        "links": [{"from": "east", "to": "west", "bandwidth_gbps": 1.0, "latency_ms": 5,
-                   "codec": "none"}],
-        "model": {"hf": str(model_dir)},
-        "training": {"global_batch_size": 8, "steps": 3, "lr": 0.01, "warmup_steps": 1,
-                     "data": "stdlib", "data_max_bytes": 200_000,
-                     "eval": {"every_steps": 1, "batches": batches, "holdout": 0.1}},
-        "plan": {"schedule": "1f1b", "pipelines": 1, "micro_batch_size": 2, "seq_len": 64,
-                 "codecs": ["none"], "calibrate": False, "delta_n": 0},
-    }
-    # fmt: on
+    eval_ = {"every_steps": 1, "batches": batches, "holdout": 0.1}
+    return two_site_hf_doc("bench-eval", model_dir, seq_len=64, eval=eval_)
 
 
 def eval_vs_transformers(tmp: Path, batches: int = 2) -> dict[str, float]:

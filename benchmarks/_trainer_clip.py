@@ -17,25 +17,18 @@ one); run alone: ``.venv/bin/python benchmarks/_trainer_clip.py`` (about 3 minut
 from __future__ import annotations
 
 import json
+import sys
 import tempfile
 from pathlib import Path
 
 import torch
 from _common import run, spec_of, two_site_doc
 
-from geopipe.model.data import TokenStream, global_indices, open_corpus
-from geopipe.model.gpt import lm_loss
+# tests/_hfdoc.py: the Llama, document and reference of tests/integration/
+# test_trainer_runtime.py's clipping test, built once
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from _hfdoc import LLAMA, clipped_reference, two_site_hf_doc
 
-LLAMA = {
-    "vocab_size": 256,
-    "hidden_size": 32,
-    "intermediate_size": 48,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 64,
-    "tie_word_embeddings": True,
-}
 # geopipe's name -> (transformers' name, its scheduler_specific_kwargs) for lr 0.01
 SCHEDULES = {
     "cosine": ("cosine_with_min_lr", {"min_lr": 0.001}),
@@ -53,43 +46,19 @@ def _doc(name: str, steps: int) -> dict:
     return doc
 
 
-def _clipped_reference(spec, model_dir: Path, b: int, s: int) -> list[float]:
-    from transformers import AutoModelForCausalLM, get_scheduler
-
-    t = spec.training
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.config._attn_implementation = "sdpa"
-    opt = torch.optim.Adam(model.parameters(), lr=t.lr, betas=t.betas, eps=t.eps)
-    sched = get_scheduler("cosine", opt, t.warmup_steps, t.steps)
-    stream = TokenStream(open_corpus(t.data, max_bytes=t.data_max_bytes), t.seed)
-    micro, losses = t.global_batch_size // b, []
-    for step in range(t.steps):
-        opt.zero_grad()
-        total = 0.0
-        for mb in range(micro):
-            x, y = stream.batch(global_indices(step, t.global_batch_size, 0, 1, mb, b), s)
-            loss = lm_loss(model(input_ids=x).logits, y)
-            (loss / micro).backward()
-            total += loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
-        opt.step()
-        sched.step()
-        losses.append(total / micro)
-    return losses
-
-
 def global_clip_parity(tmp: Path, steps: int = 10) -> dict[str, float]:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(0)
     model_dir = tmp / "clip-llama"
-    AutoModelForCausalLM.from_config(LlamaConfig(**LLAMA)).save_pretrained(model_dir)
-    doc = _doc("bench-global-clip", steps)
-    doc["model"] = {"hf": str(model_dir)}
-    doc["training"]["grad_clip"] = 0.05
-    spec = spec_of(doc)
-    ctl, res, _ = run(spec, steps, tmp / "clip-run")
-    ref = _clipped_reference(spec, model_dir, ctl.plan.micro_batch_size, ctl.plan.seq_len)
+    config = LlamaConfig(**LLAMA, tie_word_embeddings=True)
+    AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
+    no_ckpt = {"every_steps": 0, "keep": 1}
+    doc = two_site_hf_doc(
+        "bench-global-clip", model_dir, steps=steps, grad_clip=0.05, checkpoint=no_ckpt
+    )
+    _, res, _ = run(spec_of(doc), steps, tmp / "clip-run")
+    ref, _ = clipped_reference(doc, model_dir)
     return {
         "global_clip_parity_max_abs_loss_diff": max(
             abs(m.loss - r) for m, r in zip(res.steps, ref, strict=True)

@@ -61,8 +61,9 @@ def ray_cluster():
 # next one to whichever worker runs low first: longest first, the short ones at the end
 # fill in, and both workers finish within a short module of each other. COST: each
 # module's seconds in one run of the whole tier in one process on the 2-core machine, other
-# work running too (noisy: only the order matters; test_outer_spans' and test_ckpt_faults'
-# are guesses from their launches). A module not listed comes last, in collection order.
+# work running too (noisy: only the order matters; test_outer_spans', test_ckpt_faults',
+# test_outer_shares' and the trimmed trainer and recompute modules' are guesses from their
+# launches). A module not listed comes last, in collection order.
 # (Not --dist loadgroup: with pytest 9.2, xdist 3.8 no longer sees the xdist_group marks.)
 COST = {
     "test_cli_launch": 118,  # own_ray: first on one worker
@@ -72,10 +73,10 @@ COST = {
     "test_checkpoint_runtime": 112,
     "test_hf_runtime": 101,
     "test_outer_checkpoint": 78,
-    "test_trainer_runtime": 72,
+    "test_trainer_runtime": 45,
     "test_outer_spans": 60,
     "test_testbed": 57,
-    "test_recompute_runtime": 52,
+    "test_recompute_runtime": 30,
     "test_run_identity_modes": 48,
     "test_outer_failures_runtime": 41,
     "test_ckpt_faults": 40,
@@ -86,6 +87,7 @@ COST = {
     "test_engine": 24,
     "test_outer_actor": 22,
     "test_outer_runtime": 10,
+    "test_outer_shares": 20,
     "test_engine_mixed": 8,
 }
 

@@ -269,9 +269,13 @@ def group_sample_indices(
     groups: int,
     micro_batch: int,
     micro_batch_size: int,
+    start: int | None = None,
 ) -> list[int]:
     """Sample indices of micro-batch ``micro_batch`` of replica group ``group``'s slice at
     ``step``, when ``groups`` replica groups (the outer loop's) share each global batch.
+    ``start``: where the group's slice begins, in micro-batches of the global batch, when the
+    groups' shares differ (the planner's balanced shares: [Note: batch shares] in
+    :mod:`geopipe.optimizer.strategy`); None: equal shares, as below.
 
     Group ``g`` of ``M`` takes samples ``[g*B/M, (g+1)*B/M)`` of global batch ``B``, and its
     own pipelines divide that slice as one group's pipelines divide a whole global batch
@@ -282,6 +286,13 @@ def group_sample_indices(
     ``groups == 1`` this is :func:`sample_indices`."""
     if groups < 1 or not 0 <= group < groups:
         raise ValueError(f"replica group {group} out of range [0, {groups})")
+    if start is not None:
+        if start < 0 or micro_batch < 0 or start + micro_batch >= global_batch // micro_batch_size:
+            raise ValueError(
+                f"micro_batch {micro_batch} of a slice from {start} is outside the global "
+                f"batch of {global_batch // micro_batch_size} micro-batches"
+            )
+        return sample_indices(step, global_batch, start + micro_batch, micro_batch_size)
     if global_batch % (groups * micro_batch_size):
         raise ValueError(
             f"global_batch {global_batch} does not split into {groups} replica groups of "

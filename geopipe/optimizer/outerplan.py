@@ -13,7 +13,8 @@ prices every candidate):
 * groups of one layout — the same stages, layer split, pipelines per group, micro-batch
   size, sequence length and schedule — so that every replica's ZeRO-1 partition has a peer
   of the same shape in every other group (the exchange goes partition by partition,
-  :mod:`geopipe.runtime.actor.outer`); hence equal batch shares;
+  :mod:`geopipe.runtime.actor.outer`); their batch shares (micro-batches per step) may
+  differ, the outer average then weighted by share;
 * no tied embedding split over two stages (its two copies sit at different offsets of two
   partitions, and a lossy codec would let them drift apart).
 """
@@ -27,7 +28,7 @@ from geopipe.optimizer.errors import PlanningError
 from geopipe.optimizer.evaluate import Evaluation
 from geopipe.plan import PipelineLayout, Plan
 
-__all__ = ["OuterRun", "outer_run"]
+__all__ = ["OuterRun", "outer_run", "split_tie", "unlaunchable"]
 
 
 @dataclass(frozen=True)
@@ -73,20 +74,11 @@ def outer_run(spec: ClusterSpec, chosen: object) -> OuterRun:
     if any(p is None for p in plans) or chosen.setting is None or chosen.round is None:
         raise PlanningError(f"{chosen.label}: not a feasible outer candidate")
     first = plans[0]
-    for g, p in enumerate(plans[1:], start=1):
-        if _layout(p) != _layout(first):
-            raise PlanningError(
-                f"{chosen.label}: group {g}'s plan ({p.describe()}, layers {list(p.partition)}, "
-                f"micro-batch {p.micro_batch_size} x {p.num_microbatches}) differs from group "
-                f"0's ({first.describe()}, layers {list(first.partition)}, micro-batch "
-                f"{first.micro_batch_size} x {first.num_microbatches}): launch runs groups of "
-                "one layout only (each ZeRO-1 partition needs a peer of its shape)"
-            )
-    if spec.model.tie_embeddings and first.num_stages > 1:
-        raise PlanningError(
-            f"{chosen.label}: model.tie_embeddings with the embedding and the head on two "
-            "stages: the outer loop does not yet keep a split tied embedding's copies equal"
-        )
+    why = unlaunchable(plans)
+    if why:
+        raise PlanningError(f"{chosen.label}: {why}")
+    if why := split_tie(spec, plans):
+        raise PlanningError(f"{chosen.label}: {why}")
     mix, groups = [], []
     for g, p in enumerate(plans):
         for _ in range(p.pipelines):
@@ -122,13 +114,33 @@ def outer_run(spec: ClusterSpec, chosen: object) -> OuterRun:
     return OuterRun(plan, s, s.lr, s.momentum, cost.round_s, groups, evals, cost.control_s)
 
 
+def unlaunchable(plans: list[Plan]) -> str:
+    """Why launch cannot run replica groups of ``plans`` (one per group), or "": every
+    group's stages, layers and ZeRO-1 partitions must be alike (each partition exchanges
+    with its peer of the same shape in every other group); their batch shares (micro-batches
+    per step) may differ ([Note: batch shares] in :mod:`geopipe.optimizer.strategy`)."""
+    first = plans[0]
+    for g, p in enumerate(plans[1:], start=1):
+        if _layout(p) != _layout(first):
+            return (
+                f"group {g}'s plan ({p.describe()}, layers {list(p.partition)}, micro-batch "
+                f"{p.micro_batch_size}) differs from group 0's ({first.describe()}, layers "
+                f"{list(first.partition)}, micro-batch {first.micro_batch_size}): launch runs "
+                "groups of one layout only (each ZeRO-1 partition needs a peer of its shape)"
+            )
+    return ""
+
+
+def split_tie(spec: ClusterSpec, plans: list[Plan]) -> str:
+    """Why launch cannot run ``plans`` for ``spec``'s model, or "": a tied embedding whose
+    two copies sit on two stages (module docstring)."""
+    if spec.model.tie_embeddings and plans and plans[0].num_stages > 1:
+        return (
+            "model.tie_embeddings with the embedding and the head on two stages: the outer "
+            "loop does not yet keep a split tied embedding's copies equal"
+        )
+    return ""
+
+
 def _layout(p: Plan) -> tuple:
-    return (
-        p.pipelines,
-        p.num_stages,
-        p.partition,
-        p.micro_batch_size,
-        p.seq_len,
-        p.num_microbatches,
-        p.schedule,
-    )
+    return (p.pipelines, p.num_stages, p.partition, p.micro_batch_size, p.seq_len, p.schedule)

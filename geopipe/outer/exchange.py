@@ -63,15 +63,30 @@ def decode_delta(enc: Encoded, numel: int) -> Tensor:
     return decode(enc).reshape(-1)[:numel]
 
 
-def average_encoded(payloads: Sequence[Encoded], numel: int) -> Tensor:
-    """The mean of the groups' decoded pseudo-gradients, summed in the order given.
+def average_encoded(
+    payloads: Sequence[Encoded], numel: int, weights: Sequence[float] | None = None
+) -> Tensor:
+    """The mean of the groups' decoded pseudo-gradients, summed in the order given;
+    ``weights`` (one per payload: the groups' batch shares, when they differ) make it the
+    weighted mean, so that a group training on more of each global batch counts for more
+    (with ``H = 1``, outer lr 1 and momentum 0 the outer loop stays synchronous training).
 
-    Every group must pass the same payloads in the same order (by group id); the result is
-    then bit-identical in every group. The sum runs in fp32, one payload at a time, and is
-    divided by ``M`` once at the end (so with codec ``none`` and ``M = 1`` it is exact)."""
+    Every group must pass the same payloads and weights in the same order (by group id); the
+    result is then bit-identical in every group. The sum runs in fp32, one payload at a time,
+    and is divided once at the end (so with codec ``none`` and ``M = 1`` it is exact); equal
+    weights take the unweighted path, bit for bit."""
     if not payloads:
         raise ValueError("average_encoded needs at least one group's payload")
-    acc = decode_delta(payloads[0], numel).clone()
-    for enc in payloads[1:]:
-        acc.add_(decode_delta(enc, numel))
-    return acc.div_(len(payloads))
+    if weights is not None and len(weights) != len(payloads):
+        raise ValueError(f"{len(weights)} weights for {len(payloads)} payloads")
+    if weights is None or len(set(weights)) == 1:
+        acc = decode_delta(payloads[0], numel).clone()
+        for enc in payloads[1:]:
+            acc.add_(decode_delta(enc, numel))
+        return acc.div_(len(payloads))
+    if min(weights) <= 0:
+        raise ValueError(f"weights must be > 0, got {list(weights)}")
+    acc = decode_delta(payloads[0], numel).mul(float(weights[0]))
+    for enc, w in zip(payloads[1:], weights[1:], strict=True):
+        acc.add_(decode_delta(enc, numel), alpha=float(w))
+    return acc.div_(float(sum(weights)))

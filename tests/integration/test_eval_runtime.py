@@ -21,7 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from transformers import AutoModelForCausalLM, LlamaConfig
+from _hfdoc import two_site_hf_doc
+from test_hf_runtime import save_model
+from transformers import AutoModelForCausalLM
 
 from geopipe.config import parse_cluster
 from geopipe.model.data import TokenStream, open_corpus, sample_indices
@@ -32,17 +34,6 @@ from geopipe.runtime.control.controller import Controller, LaunchOptions
 pytestmark = pytest.mark.ray
 ROOT = Path(__file__).resolve().parents[2]
 
-SMALL = dict(
-    vocab_size=256,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    tie_word_embeddings=True,
-)
-
 
 @pytest.fixture(scope="module", autouse=True)
 def _ray(ray_cluster):
@@ -52,30 +43,10 @@ def _ray(ray_cluster):
 def eval_doc(model_dir: Path) -> dict:
     """Two sites of one device each, one pipeline of two stages, codec none; evaluation
     after every step on 20 % of the training data held out; W&B offline."""
-    site = {
-        "nodes": 1,
-        "devices_per_node": 1,
-        "device_memory_gb": 2,
-        "device_tflops": 0.05,
-        "device_efficiency": 0.5,
-        "device_mem_bw_gb_per_s": 10,
-    }
-    # fmt: off
-    return {
-        "name": "eval-llama",
-        "ray": {"address": "local", "emulate_links": True},
-        "sites": [{"name": "east", **site}, {"name": "west", **site}],
-        "links": [{"from": "east", "to": "west", "bandwidth_gbps": 1.0, "latency_ms": 5,
-                   "codec": "none"}],
-        "model": {"hf": str(model_dir)},
-        "training": {"global_batch_size": 8, "steps": 2, "lr": 0.01, "warmup_steps": 1,
-                     "data": "stdlib", "data_max_bytes": 100_000,
-                     "eval": {"every_steps": 1, "batches": 1, "holdout": 0.2}},
-        "plan": {"schedule": "1f1b", "pipelines": 1, "micro_batch_size": 2, "seq_len": 32,
-                 "codecs": ["none"], "calibrate": False, "delta_n": 0},
-        "logging": {"wandb": {"project": "geopipe-test", "mode": "offline", "tags": ["ci"]}},
-    }
-    # fmt: on
+    eval_ = {"every_steps": 1, "batches": 1, "holdout": 0.2}
+    doc = two_site_hf_doc("eval-llama", model_dir, steps=2, data_max_bytes=100_000, eval=eval_)
+    doc["logging"] = {"wandb": {"project": "geopipe-test", "mode": "offline", "tags": ["ci"]}}
+    return doc
 
 
 def wandb_history(run_dir: Path) -> list[dict]:
@@ -98,9 +69,7 @@ def test_eval_through_the_pipeline_matches_transformers_and_wandb_logs(tmp_path:
     pytest.importorskip("wandb")
     from geopipe.cli import main
 
-    torch.manual_seed(0)
-    model_dir = tmp_path / "model"
-    AutoModelForCausalLM.from_config(LlamaConfig(**SMALL)).save_pretrained(model_dir)
+    model_dir = save_model(tmp_path, "llama-gqa-tied")
     doc = eval_doc(model_dir)
     spec = parse_cluster(doc, "test")
     ctl = Controller(spec, LaunchOptions(run_dir=str(tmp_path / "run"), progress=False))

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _hfdoc import LLAMA, two_site_hf_doc
 from _tokdata import stdlib_sources, train_small_tokenizer
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
@@ -27,15 +28,6 @@ from geopipe.runtime.control.controller import Controller, LaunchOptions
 
 pytestmark = pytest.mark.ray
 
-SMALL = dict(
-    vocab_size=256,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-)
 FAMILIES = {
     "llama-gqa-tied": (LlamaConfig, {"tie_word_embeddings": True}),
     "llama-gqa-untied": (LlamaConfig, {"tie_word_embeddings": False}),
@@ -52,7 +44,7 @@ def _ray(ray_cluster):
 def save_model(tmp: Path, name: str, **override) -> Path:
     cls, extra = FAMILIES[name]
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cls(**{**SMALL, **extra, **override}))
+    model = AutoModelForCausalLM.from_config(cls(**{**LLAMA, **extra, **override}))
     out = tmp / f"model-{name}"
     model.save_pretrained(out)
     return out
@@ -60,28 +52,7 @@ def save_model(tmp: Path, name: str, **override) -> Path:
 
 def hf_doc(model_dir: Path, name: str, steps: int = 3, precision: str = "fp32") -> dict:
     """Two sites of one device each, one pipeline of two stages, codec none."""
-    site = {
-        "nodes": 1,
-        "devices_per_node": 1,
-        "device_memory_gb": 2,
-        "device_tflops": 0.05,
-        "device_efficiency": 0.5,
-        "device_mem_bw_gb_per_s": 10,
-    }
-    # fmt: off
-    return {
-        "name": f"hf-{name}-{precision}",
-        "ray": {"address": "local", "emulate_links": True},
-        "sites": [{"name": "east", **site}, {"name": "west", **site}],
-        "links": [{"from": "east", "to": "west", "bandwidth_gbps": 1.0, "latency_ms": 5,
-                   "codec": "none"}],
-        "model": {"hf": str(model_dir)},
-        "training": {"global_batch_size": 8, "steps": steps, "lr": 0.01, "warmup_steps": 1,
-                     "precision": precision, "data": "stdlib", "data_max_bytes": 200_000},
-        "plan": {"schedule": "1f1b", "pipelines": 1, "micro_batch_size": 2, "seq_len": 32,
-                 "codecs": ["none"], "calibrate": False, "delta_n": 0},
-    }
-    # fmt: on
+    return two_site_hf_doc(f"hf-{name}-{precision}", model_dir, steps=steps, precision=precision)
 
 
 def launch(doc: dict, tmp: Path, resume: str | bool = False, state: dict | None = None):
@@ -142,19 +113,30 @@ def token_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp / "ds"
 
 
+# The family whose fp32 run trains on the prepared token dataset (BPE, vocabulary 512)
+# instead of the stdlib's bytes: that run is also the token-dataset test's.
+ON_TOKENS = "llama-gqa-tied"
+
+
 @pytest.fixture(scope="module")
-def fp32_runs(tmp_path_factory: pytest.TempPathFactory):
+def fp32_runs(tmp_path_factory: pytest.TempPathFactory, token_dataset: Path):
     """``fp32_runs(name)``: (model directory, document, controller, steps) of the 3-step
-    fp32 run of family ``name``, launched once for every test of the module that trains it
-    (the family's parity test and the bf16 comparison; a launch costs seconds of actor
-    start-up). Callers must not modify what they get."""
+    fp32 run of family ``name`` (:data:`ON_TOKENS` on the token dataset), launched once for
+    every test of the module that trains it (the family's parity test, the bf16 comparison,
+    the token-dataset test; a launch costs seconds of actor start-up). Callers must not
+    modify what they get."""
     done: dict[str, tuple] = {}
 
     def get(name: str) -> tuple:
         if name not in done:
             tmp = tmp_path_factory.mktemp(name)
-            model_dir = save_model(tmp, name)
-            doc = hf_doc(model_dir, name)
+            if name == ON_TOKENS:
+                model_dir = save_model(tmp, name, vocab_size=512)
+                doc = hf_doc(model_dir, name)
+                doc["training"]["data"] = str(token_dataset)
+            else:
+                model_dir = save_model(tmp, name)
+                doc = hf_doc(model_dir, name)
             done[name] = (model_dir, doc, *launch(doc, tmp / "run"))
         return done[name]
 
@@ -172,25 +154,23 @@ def test_hf_family_across_two_sites_matches_transformers(fp32_runs, name: str) -
 
 
 def test_token_dataset_trains_like_transformers_and_exports(
-    tmp_path: Path, token_dataset: Path
+    tmp_path: Path, token_dataset: Path, fp32_runs
 ) -> None:
-    """A tied Llama over a prepared token dataset (BPE ids up to 511, several shards): the
-    same losses as `transformers` reading the same dataset; then `geopipe export` of the
-    run loads in `transformers` as the model trained in-process (logits to 1e-4), with the
-    dataset's tokenizer."""
+    """A tied Llama over a prepared token dataset (BPE ids up to 511, several shards; the
+    family test's :data:`ON_TOKENS` run): the same losses as `transformers` reading the
+    same dataset; then `geopipe export` of the run loads in `transformers` as the model
+    trained in-process (logits to 1e-4), with the dataset's tokenizer."""
     from transformers import AutoTokenizer
 
     from geopipe.cli import main
 
-    model_dir = save_model(tmp_path, "llama-gqa-tied", vocab_size=512)
-    doc = hf_doc(model_dir, "tokens")
-    doc["training"]["data"] = str(token_dataset)
-    _, steps = launch(doc, tmp_path / "run")
+    model_dir, doc, ctl, steps = fp32_runs(ON_TOKENS)
+    assert doc["training"]["data"] == str(token_dataset)
     trained: list = []
     ref_losses, _ = reference(doc, model_dir, trained)
     assert [m.loss for m in steps] == pytest.approx(ref_losses, abs=1e-5)
     assert steps[0].loss > 5.0  # ln(512) ≈ 6.2: BPE ids, not bytes
-    assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
+    assert main(["export", str(ctl.run_dir), "--out", str(tmp_path / "hf")]) == 0
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     untrained = AutoModelForCausalLM.from_pretrained(model_dir)
     x = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(1))

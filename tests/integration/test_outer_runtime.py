@@ -86,12 +86,20 @@ def _table(tmp: Path, h: int) -> Path:
 
 
 def test_an_outer_loop_run_keeps_its_groups_identical_after_every_round(tmp_path, monkeypatch):
+    """East's devices 3x west's: the planner balances the batch shares (6 and 2 of the 8
+    sequences of a step, [Note: batch shares] in geopipe.optimizer.strategy), and launch
+    runs them, the average weighted by share (its numerics: tests/integration/
+    test_outer_shares.py)."""
     monkeypatch.setenv("GEOPIPE_LOSS_PENALTY", str(_table(tmp_path, 2)))
-    spec = parse_cluster(_doc(), "outer")
+    doc = _doc()
+    doc["sites"][0]["device_tflops"] = 3 * doc["sites"][1]["device_tflops"]
+    spec = parse_cluster(doc, "outer")
     ctl = Controller(spec, LaunchOptions(run_dir=str(tmp_path / "run"), progress=False))
     try:
         ctl.launch()
         assert ctl.plan.num_groups == 2 and ctl.outer is not None
+        assert [ctl.plan.microbatches_of(r) for r in range(2)] == [3, 1]  # 6 and 2 sequences
+        assert ctl.outer.settings.weights == (6.0, 2.0)
         sites = {ctl.plan.site_of(0, r) for r in range(ctl.plan.pipelines)}
         assert sites == {"east", "west"}
         losses = [m.loss for m in ctl.train().steps]

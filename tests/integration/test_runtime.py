@@ -15,6 +15,7 @@ import math
 import os
 from functools import partial
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import ray
@@ -62,32 +63,64 @@ def tiny_doc(devices: int, pipelines: int, codec: str = "none", steps: int = 3) 
     return doc
 
 
-def run_pipeline(doc: dict, tmp: Path) -> tuple[Controller, list[float], dict]:
+class Run(NamedTuple):
+    """One finished run: its controller, per-step losses and metrics, the final gathered
+    state, its run directory and what :func:`run_pipeline` saw of its actors."""
+
+    ctl: Controller
+    losses: list[float]
+    state: dict
+    dir: Path
+    steps: list
+    seen: dict
+
+
+def run_pipeline(doc: dict, tmp: Path) -> Run:
+    """Launch, train and close ``doc`` in ``tmp``, its metrics written to ``metrics_out``
+    (``tmp/out.jsonl``). Right after the launch it records what the state-API test checks
+    of the actors (their names in Ray's state API, their environment, the objects frozen
+    out of the collector's scans); after close, the names Ray still holds."""
+    from _state import alive_actor_names, taken_names
+
     spec = parse_cluster(doc, "test")
-    ctl = Controller(spec, LaunchOptions(run_dir=str(tmp), progress=False))
+    out = tmp / "out.jsonl"
+    ctl = Controller(spec, LaunchOptions(run_dir=str(tmp), metrics_out=str(out), progress=False))
+    seen: dict = {}
     try:
         ctl.launch()
+        seen["alive"] = alive_actor_names()
+
+        # Every stage actor runs with the environment geopipe sets for it (one malloc
+        # arena: [Note: one malloc arena per actor] in geopipe.runtime.control.placement).
+        def env(_actor) -> dict:
+            return {k: os.environ.get(k) for k in ACTOR_ENV}
+
+        actors = [a for row in ctl.actors for a in row]
+        seen["envs"] = ray.get([a.__ray_call__.remote(env) for a in actors])
+        frozen = [a.__ray_call__.remote(lambda _a: gc.get_freeze_count()) for a in actors]
+        seen["frozen"] = ray.get(frozen)
         res = ctl.train()
         state = ctl.gather_state()
-        return ctl, [m.loss for m in res.steps], state
     finally:
         ctl.close()
+    seen["taken_after"] = taken_names(set(ctl.names))
+    seen["alive_after"] = alive_actor_names()
+    return Run(ctl, [m.loss for m in res.steps], state, tmp, res.steps, seen)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory):
-    """``runs(doc)``: (controller, losses, final state, run directory) of one finished run
-    of ``doc``, launched once for every test of the module that trains the same document
-    (a launch costs seconds of actor start-up). Callers must not modify what they get."""
+    """``runs(doc)``: the :class:`Run` of ``doc``, launched once for every test of the
+    module that trains the same document (a launch costs seconds of actor start-up).
+    Callers must not modify what they get."""
     import json
 
-    done: dict[str, tuple[Controller, list[float], dict, Path]] = {}
+    done: dict[str, Run] = {}
 
-    def get(doc: dict) -> tuple[Controller, list[float], dict, Path]:
+    def get(doc: dict) -> Run:
         key = json.dumps(doc, sort_keys=True)
         if key not in done:
-            run_dir = tmp_path_factory.mktemp(doc["name"])
-            done[key] = (*run_pipeline(doc, run_dir), run_dir)
+            done[key] = run_pipeline(doc, tmp_path_factory.mktemp(doc["name"]))
         return done[key]
 
     return get
@@ -131,7 +164,7 @@ def test_pipelined_training_matches_single_process(runs, devices, pipelines):
     tolerances 1e-5 / 2e-5.
     """
     doc = tiny_doc(devices, pipelines)
-    ctl, losses, state, _ = runs(doc)
+    ctl, losses, state, *_ = runs(doc)
     assert ctl.plan.num_stages == 2 and ctl.plan.stage_sites == ("east", "west")
     ref_losses, ref_params = reference(doc)
     assert losses == pytest.approx(ref_losses, abs=1e-5)
@@ -144,9 +177,9 @@ def test_pipelined_training_matches_single_process(runs, devices, pipelines):
 def test_int8_codec_stays_close_and_sends_fewer_bytes(tmp_path, runs):
     """int8 on the WAN: bounded loss difference vs codec none (measured ≤ 3e-3 over 3 steps;
     bound 2e-2) and ~3.9x fewer WAN bytes (1 byte + one fp32 scale per 32-wide row)."""
-    _, ref_losses, _, none_dir = runs(tiny_doc(1, 1, "none"))
+    _, ref_losses, _, none_dir, *_ = runs(tiny_doc(1, 1, "none"))
     none_bytes = _wan_bytes(none_dir)
-    _, losses, _, int8_dir = runs(tiny_doc(1, 1, "int8"))
+    _, losses, _, int8_dir, *_ = runs(tiny_doc(1, 1, "int8"))
     int8_bytes = _wan_bytes(int8_dir)
     assert losses != ref_losses  # the codec really is in the path
     assert max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)) < 2e-2
@@ -156,7 +189,7 @@ def test_int8_codec_stays_close_and_sends_fewer_bytes(tmp_path, runs):
     doc["name"] = "t11mixed"
     doc["links"][0]["codec"] = {"forward": "int8", "backward": "none"}
     doc["plan"]["codecs"] = [{"forward": "int8", "backward": "none"}]
-    ctl, mixed, _ = run_pipeline(doc, tmp_path / "mixed")
+    ctl, mixed, *_ = run_pipeline(doc, tmp_path / "mixed")
     assert ctl.plan.codecs == ("int8/none",)
     assert _wan_bytes(tmp_path / "mixed") == (none_bytes + int8_bytes) / 2
     assert mixed != losses and mixed != ref_losses
@@ -164,56 +197,40 @@ def test_int8_codec_stays_close_and_sends_fewer_bytes(tmp_path, runs):
 
 
 def _wan_bytes(run_dir: Path) -> int:
+    """The WAN bytes of every step of a :func:`run_pipeline` run in ``run_dir``."""
     import json
 
-    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(x) for x in (run_dir / "out.jsonl").read_text().splitlines()]
     return sum(x["wan_bytes"] for x in lines if "step" in x and "event" not in x)
 
 
-def test_actors_named_in_state_api_and_metrics_written(tmp_path):
+def test_actors_named_in_state_api_and_metrics_written(runs):
+    """The zero1-x2 parity run (2 stages x 2 replicas, 3 steps), as :func:`run_pipeline`
+    saw it: its actors named in Ray's state API, their environment, the metrics file it
+    wrote to ``metrics_out`` (not the run directory's default), the plan event, status.json,
+    and its actor names freed once ``close()`` returned."""
     import json
-
-    from _state import alive_actor_names, taken_names
 
     from geopipe.optimizer.measurements import Measurements
     from geopipe.optimizer.runplan import plan_run
 
-    doc = tiny_doc(2, 2, steps=2)
+    doc = tiny_doc(2, 2)
     spec = parse_cluster(doc, "test")
-    out = tmp_path / "m.jsonl"
-    ctl = Controller(
-        spec, LaunchOptions(run_dir=str(tmp_path), metrics_out=str(out), progress=False)
-    )
-    try:
-        ctl.launch()
-        alive = alive_actor_names()
-        expected = {
-            f"geopipe/{spec.name}/{s}/stage{k}/r{r}"
-            for k, s in enumerate(("east", "west"))
-            for r in range(2)
-        }
-        assert expected <= alive
-
-        # Every stage actor runs with the environment geopipe sets for it (one malloc
-        # arena: [Note: one malloc arena per actor] in geopipe.runtime.control.placement).
-        def env(_actor) -> dict:
-            return {k: os.environ.get(k) for k in ACTOR_ENV}
-
-        envs = ray.get([a.__ray_call__.remote(env) for row in ctl.actors for a in row])
-        assert envs == [ACTOR_ENV] * 4
-        # ... and with what exists once it is built frozen out of the collector's scans
-        # ([Note: garbage collection off the step] in geopipe.runtime.actor.stage).
-        frozen = ray.get(
-            [
-                a.__ray_call__.remote(lambda _a: gc.get_freeze_count())
-                for row in ctl.actors
-                for a in row
-            ]
-        )
-        assert min(frozen) > 10_000, frozen
-        ctl.train()
-    finally:
-        ctl.close()
+    run = runs(doc)
+    tmp_path, out, seen = run.dir, run.dir / "out.jsonl", run.seen
+    expected = {
+        f"geopipe/{spec.name}/{s}/stage{k}/r{r}"
+        for k, s in enumerate(("east", "west"))
+        for r in range(2)
+    }
+    assert expected <= seen["alive"]
+    # Every stage actor runs with the environment geopipe sets for it (one malloc arena:
+    # [Note: one malloc arena per actor] in geopipe.runtime.control.placement) ...
+    assert seen["envs"] == [ACTOR_ENV] * 4
+    # ... and with what exists once it is built frozen out of the collector's scans
+    # ([Note: garbage collection off the step] in geopipe.runtime.actor.stage).
+    assert min(seen["frozen"]) > 10_000, seen["frozen"]
+    assert not (tmp_path / "metrics.jsonl").exists()  # metrics_out replaces the default
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     # The plan the launch ran is the one planning function's for what it measured first
     # (geopipe plan and --dry-run call the same function), under the YAML's config hash.
@@ -222,7 +239,7 @@ def test_actors_named_in_state_api_and_metrics_written(tmp_path):
     assert event["plan"] == json.loads(json.dumps(replayed.plan.to_dict()))
     assert event["config_hash"] == spec.digest
     steps = [x for x in lines if "event" not in x]
-    assert [x["step"] for x in steps] == [0, 1]
+    assert [x["step"] for x in steps] == [0, 1, 2]
     for x in steps:
         assert {"loss", "iteration_time_s", "tokens", "bubble_ratio", "wan_bytes"} <= set(x)
         assert 0 <= x["bubble_ratio"] < 1 and x["wan_bytes"] > 0 and math.isfinite(x["loss"])
@@ -240,9 +257,10 @@ def test_actors_named_in_state_api_and_metrics_written(tmp_path):
         busy = sum(p["forward"] + p["backward"] + p["optimizer"] for p in x["breakdown"])
         assert x["bubble_ratio"] == pytest.approx(1 - busy / (2 * x["iteration_time_s"]), abs=1e-3)
     status = json.loads((tmp_path / "status.json").read_text())
-    assert status["step"] == 2 and len(status["stages"]) == 2
+    assert status["step"] == 3 and len(status["stages"]) == 2
     # close() returns once the actors are gone and Ray has freed their names.
-    assert not taken_names(expected) and not expected & alive_actor_names()
+    assert expected <= set(run.ctl.names)
+    assert not seen["taken_after"] and not expected & seen["alive_after"]
 
 
 def test_a_run_name_taken_on_the_cluster_is_a_clear_error(tmp_path):
@@ -272,42 +290,55 @@ def test_a_run_name_taken_on_the_cluster_is_a_clear_error(tmp_path):
     assert not taken_names({"geopipe/taken/east/stage0/r0"})
 
 
-def demo_doc(schedule: str, delta_n: int = 0, steps: int = 3) -> dict:
-    """The demo's GPT (clusters/local-2dc.yaml: 4 layers, n_embd 128) on one device per
-    site, 8 micro-batches of 1 × 64 tokens per step, fp32, a fixed plan."""
-    doc = copy.deepcopy(yaml.safe_load((ROOT / "clusters" / "local-2dc.yaml").read_text()))
-    doc["name"] = f"split-{schedule}"
-    for s in doc["sites"]:
-        s["devices_per_node"] = 1
-    doc["links"][0].update(latency_ms=5.0, bandwidth_gbps=1.0, codec="none")
-    doc["training"].update(global_batch_size=8, steps=steps, warmup_steps=1, data_max_bytes=200_000)
-    doc["training"]["checkpoint"] = {"every_steps": 1000, "keep": 1}
-    doc["plan"].update(
-        schedule=schedule,
-        pipelines=1,
-        micro_batch_size=1,
-        seq_len=64,
-        codecs=["none"],
-        calibrate=False,
-        delta_n=delta_n,
-    )
+def split_doc(schedule: str, delta_n: int = 0, recompute: str = "none") -> dict:
+    """``tiny_doc(1, 1)`` (4 micro-batches of 2 x 32 tokens a step, fp32) under a fixed
+    ``schedule`` and ΔN, with ``training.recompute``."""
+    doc = tiny_doc(1, 1)
+    doc["name"] = f"split-{schedule}-{recompute}"
+    doc["training"]["recompute"] = recompute
+    doc["plan"].update(schedule=schedule, delta_n=delta_n)
     return doc
 
 
-def test_split_backward_schedules_match_1f1b_losses(tmp_path):
+def _held(run: Run) -> list[int]:
+    """Per stage, the most bytes its activation meter saw held in any step."""
+    return [max(col) for col in zip(*(m.peak_activation_bytes for m in run.steps), strict=True)]
+
+
+def test_split_backward_schedules_match_the_full_backward_losses(runs):
     """zb-h1 and lookahead-zb (ΔN 2, W deferred on the last stage) run I and W as separate
-    actions; DeepSpeed's ZeRO-1 step sees the same gradients, so the per-step losses equal
-    1F1B's (fp32) within 1e-6."""
-    runs = {}
-    for name, dn in (("1f1b", 0), ("zb-h1", 0), ("lookahead-zb", 2)):
-        ctl, losses, _ = run_pipeline(demo_doc(name, dn), tmp_path / name)
-        assert ctl.plan.schedule == name and ctl.plan.num_microbatches == 8
-        runs[name] = losses
-    assert ctl.plan.delta_n == (2,) and ctl.plan.inflight_caps  # the last launch
-    base = runs["1f1b"]
-    assert len(base) == 3 and base[0] > base[-1]  # it trains
-    for name in ("zb-h1", "lookahead-zb"):
-        assert runs[name] == pytest.approx(base, abs=1e-6), name
+    actions; DeepSpeed's ZeRO-1 step sees the gradients a full backward gives, so the
+    per-step losses (fp32) equal within 1e-6 those of the same document under a full
+    backward: the module's ``tiny_doc(1, 1)`` run (the parity test's, itself checked
+    against the single-process reference), whose plan is 1F1B's family (lookahead, ΔN 2).
+    Measured: a 1F1B run of that document, this run and both split runs give bitwise the
+    same losses (so no 1F1B run of its own is launched)."""
+    base = runs(tiny_doc(1, 1))
+    assert base.ctl.plan.schedule in ("1f1b", "lookahead")  # no split backward
+    assert len(base.losses) == 3 and base.losses[0] > base.losses[-1]  # it trains
+    for name, dn in (("zb-h1", 0), ("lookahead-zb", 2)):
+        ctl, losses, *_ = runs(split_doc(name, dn))
+        assert ctl.plan.schedule == name and ctl.plan.num_microbatches == 4
+        assert losses == pytest.approx(base.losses, abs=1e-6), name
+    assert ctl.plan.delta_n == (2,) and ctl.plan.inflight_caps  # lookahead-zb's
+
+
+def test_recompute_under_split_backward_gives_the_losses_of_no_recompute(runs):
+    """``training.recompute: full`` under ZB-H1's split backward (I then W; the zb-h1 run of
+    the test above): the losses equal the run without it bitwise (the same kernels on the
+    same inputs). The first stage runs no I and its activation meter sees less held; the
+    last stage's peak is what it keeps for W after I (each Linear's input and output
+    gradient), the same with or without recompute ([Note: recompute in the memory model] in
+    geopipe.optimizer.memory). 1F1B's case, over ZeRO-1 replicas in bf16, is
+    tests/integration/test_recompute_runtime.py's."""
+    base, again = runs(split_doc("zb-h1")), runs(split_doc("zb-h1", recompute="full"))
+    assert again.ctl.plan.num_stages == 2 and again.ctl.plan.schedule == "zb-h1"
+    assert len(base.losses) == 3 and base.losses[0] > base.losses[-1]  # it trains
+    assert again.losses == pytest.approx(base.losses, abs=1e-6, rel=0)
+    assert again.losses == base.losses
+    base_held, again_held = _held(base), _held(again)
+    assert again_held[0] < base_held[0], (again_held, base_held)
+    assert again_held[1] == base_held[1], (again_held, base_held)
 
 
 def test_a_codec_erring_beyond_the_bound_falls_back_to_the_next_finer(tmp_path, runs):
@@ -357,7 +388,7 @@ def test_a_codec_erring_beyond_the_bound_falls_back_to_the_next_finer(tmp_path, 
     assert all(e["step"] == 0 and e["error"] > 0.05 and e["link"] == "east→west" for e in events)
     assert ctl.plan.codecs == ("int8",)
     steps = [x for x in lines if "step" in x and "event" not in x]
-    _, int8_losses, _, int8_dir = runs(tiny_doc(1, 1, "int8", steps=3))
+    _, int8_losses, _, int8_dir, *_ = runs(tiny_doc(1, 1, "int8", steps=3))
     assert steps[0]["wan_bytes"] < steps[1]["wan_bytes"] == steps[2]["wan_bytes"]
     assert steps[2]["wan_bytes"] == _wan_bytes(int8_dir) / 3
     assert all(max(v for v in s["codec_error"].values()) < 0.05 for s in steps[1:])

@@ -2,8 +2,10 @@
 
 * global gradient clipping over a 2-site pipelined Hugging Face Llama (its tied embedding
   split over the two sites) equals `transformers` in one process with ``clip_grad_norm_``;
-* stopping at 5 and resuming to 15 with a YAML of 10 steps equals 15 in one go, and every
-  step's LR is transformers' scheduler's, held at the minimum LR past the horizon;
+* (stopping short of the YAML's steps and resuming past them equals the run in one go,
+  every step's LR transformers' scheduler's over the YAML's horizon and held at the minimum
+  LR past it: tests/integration/test_checkpoint_runtime.py's resume tests check it, on
+  runs they launch anyway);
 * a diverging run stops with exit 3 naming the step, leaving only finite checkpoints;
 * a model that raises in its forward ends the run with its message, no recovery.
 """
@@ -17,15 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from _hfdoc import clipped_reference
 from _tokdata import stdlib_sources, train_small_tokenizer
 from test_hf_runtime import hf_doc, save_model
 from test_runtime import tiny_doc
-from transformers import AutoModelForCausalLM, get_scheduler
 
 from geopipe.checkpoint.store import list_checkpoints, load_checkpoint
 from geopipe.config import parse_cluster
-from geopipe.model.data import TokenStream, global_indices, open_corpus
-from geopipe.model.gpt import lm_loss
 from geopipe.model.prepare import prepare_data
 from geopipe.runtime.control.controller import Controller, LaunchOptions
 from geopipe.runtime.control.health import ModelFailed
@@ -50,34 +50,6 @@ def launch(doc: dict, run_dir: Path, steps: int | None = None, resume: bool | st
         ctl.close()
 
 
-def clipped_reference(doc: dict, model_dir: Path) -> tuple[list[float], list[float]]:
-    """`transformers` in one process, ``clip_grad_norm_`` every step: the mean loss and the
-    (pre-clip) global norm of each step; Adam and the LR schedule as the YAML says."""
-    spec = parse_cluster(doc, "ref")
-    t, pl = spec.training, spec.plan
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.config._attn_implementation = "sdpa"
-    opt = torch.optim.Adam(model.parameters(), lr=t.lr, betas=t.betas, eps=t.eps)
-    sched = get_scheduler("cosine", opt, t.warmup_steps, t.steps)
-    stream = TokenStream(open_corpus(t.data, max_bytes=t.data_max_bytes), t.seed)
-    b, s = pl.micro_batch_size, pl.seq_len
-    micro = t.global_batch_size // b
-    losses, norms = [], []
-    for step in range(t.steps):
-        opt.zero_grad()
-        total = 0.0
-        for mb in range(micro):
-            x, y = stream.batch(global_indices(step, t.global_batch_size, 0, 1, mb, b), s)
-            loss = lm_loss(model(input_ids=x).logits, y)
-            (loss / micro).backward()
-            total += loss.item()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)))
-        opt.step()
-        sched.step()
-        losses.append(total / micro)
-    return losses, norms
-
-
 def test_global_clip_across_two_sites_matches_clip_grad_norm(tmp_path: Path) -> None:
     """A tied Llama over two emulated sites, clipping active on every step (the norm is
     always far above 0.05): the losses of `transformers` + ``clip_grad_norm_`` within
@@ -91,41 +63,6 @@ def test_global_clip_across_two_sites_matches_clip_grad_norm(tmp_path: Path) -> 
     assert min(ref_norms) > 0.05 * 5  # the clip bites on every step
     assert max(abs(m.loss - r) for m, r in zip(steps, ref_losses, strict=True)) <= 1e-5
     assert [m.grad_norm for m in steps] == pytest.approx(ref_norms, rel=1e-4)
-
-
-def _sched_doc() -> dict:
-    doc = tiny_doc(1, 1, steps=10)
-    doc["name"] = "lr-resume"
-    doc["training"].update(
-        lr=0.01, warmup_steps=2, lr_schedule="cosine", min_lr=0.002, betas=[0.85, 0.97]
-    )
-    doc["training"]["checkpoint"] = {"every_steps": 5, "keep": 3}
-    return doc
-
-
-def test_stop_at_5_resume_to_15_equals_15_in_one_go(tmp_path: Path) -> None:
-    """YAML steps 10: --steps 5 then --steps 15 --resume gives the losses of --steps 15
-    (<= 1e-6), past the YAML's steps included, and every step's LR is transformers'
-    cosine_with_min_lr over the YAML's horizon, at the minimum LR from step 10 on."""
-    doc = _sched_doc()
-    _, straight = launch(doc, tmp_path / "straight", steps=15)
-    _, first = launch(doc, tmp_path / "split", steps=5)
-    ctl, rest = launch(doc, tmp_path / "split", steps=15, resume=True)
-    assert ctl.start_step == 5 and len(first) == 5 and len(rest) == 10
-    got = [m.loss for m in first + rest]
-    assert max(abs(a - m.loss) for a, m in zip(got, straight, strict=True)) <= 1e-6
-    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.01)
-    sched = get_scheduler(
-        "cosine_with_min_lr", opt, 2, 10, scheduler_specific_kwargs={"min_lr": 0.002}
-    )
-    want = []
-    for _ in range(10):
-        want.append(opt.param_groups[0]["lr"])
-        opt.step()
-        sched.step()
-    want += [0.002] * 5  # held at the minimum past the horizon
-    assert max(abs(m.lr - w) for m, w in zip(straight, want, strict=True)) <= 1e-9
-    assert max(abs(m.lr - w) for m, w in zip(first + rest, want, strict=True)) <= 1e-9
 
 
 def test_diverging_run_exits_3_and_leaves_finite_checkpoints(tmp_path: Path, capsys) -> None:

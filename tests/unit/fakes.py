@@ -679,7 +679,9 @@ class FakeStage:
         if first is None:
             first = spec.replica * m
         batches = [
-            group_sample_indices(step, spec.global_batch, spec.group, spec.groups, first + mb, b)
+            group_sample_indices(
+                step, spec.global_batch, spec.group, spec.groups, first + mb, b, spec.group_start
+            )
             for mb in range(m)
         ]
         seen = self.world.samples.setdefault(step, {}).setdefault(self.k, [])

@@ -80,7 +80,12 @@ def test_stage_actor_reads_its_groups_slice() -> None:
     for g in range(2):
         for r in range(2):
             spec = SimpleNamespace(
-                global_batch=16, group=g, groups=2, replica=r, first_microbatch=None
+                global_batch=16,
+                group=g,
+                groups=2,
+                replica=r,
+                first_microbatch=None,
+                group_start=None,
             )
             stream = SimpleNamespace(batch=lambda idx, n: list(idx))
             worker = SimpleNamespace(plan=plan, spec=spec, stream=stream)

@@ -13,7 +13,11 @@ import yaml
 
 from geopipe.cli import main
 from geopipe.config import ConfigError, load_cluster, outer_settings
+from geopipe.optimizer.outerplan import unlaunchable
 from geopipe.optimizer.penalty import ENV_VAR
+from geopipe.optimizer.planner import plan_cluster
+from geopipe.optimizer.strategy import group_spec
+from geopipe.plan import Plan
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCAL = ROOT / "clusters" / "local-2dc.yaml"  # checkpoints every 20 steps
@@ -168,3 +172,24 @@ def test_worldwide_chooses_a_busy_plan_with_a_table_of_m_2_4_8(
     chosen = st["chosen"]
     assert chosen["kind"] != "pipeline" and chosen["device_utilization"] >= 0.80
     assert chosen["loss_penalty"] > 0 and "assumed loss penalty" in st["why"]
+
+
+def test_worldwide_64_plans_what_launch_runs(capsys) -> None:
+    """Issue 30/31: planned apart, ap-south-1 (40 GB devices) takes another layout than the
+    other regions at a small share; the chosen outer loop runs every group in one layout
+    (launch's own check passes on the group plans --json prints) and the dry run accepts it,
+    with the batch shares still unequal."""
+    ww = ROOT / "clusters" / "worldwide-64.yaml"
+    assert main(["plan", str(ww), "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)["strategy"]
+    chosen = st["chosen"]
+    assert chosen["kind"] == "outer" and chosen["launchable"] and not chosen["launch_refused"]
+    plans = [Plan.from_dict(g["plan"]) for g in chosen["group_plans"]]
+    assert len(plans) == 8 and unlaunchable(plans) == ""
+    assert len(set(chosen["batch_shares"])) > 1 and sum(chosen["batch_shares"]) == 512
+    assert all("launchable" in c for c in st["candidates"])
+    alone = plan_cluster(group_spec(load_cluster(ww), ("ap-south-1",), 28)).best.plan
+    assert unlaunchable([plans[0], alone]) != ""  # what planning each group apart gives
+    assert main(["launch", str(ww), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert f"launch runs 8 replica groups of {plans[0].describe()} (outer loop)" in out

@@ -14,6 +14,7 @@ import pytest
 from geopipe.config import ClusterSpec, ConfigError, OuterSetting, parse_cluster
 from geopipe.model.sizes import param_totals, stage_param_count
 from geopipe.optimizer.evaluate import plan_peak_memory
+from geopipe.optimizer.grouplayout import plan_like
 from geopipe.optimizer.memory import outer_state_bytes_per_param, stage_memory
 from geopipe.optimizer.outer_cost import (
     CALL_OVERHEAD_S,
@@ -23,6 +24,7 @@ from geopipe.optimizer.outer_cost import (
     price_round,
     ring_hops,
 )
+from geopipe.optimizer.outerplan import outer_run, unlaunchable
 from geopipe.optimizer.penalty import PenaltyModel, parse_table
 from geopipe.optimizer.planner import plan_cluster
 from geopipe.optimizer.strategy import (
@@ -252,6 +254,85 @@ def test_outer_with_no_group_that_fits_is_a_config_error() -> None:
     assert not plan_cluster(as_pipeline(group_spec(spec, ("a",), 4))).best.feasible
     with pytest.raises(ConfigError, match=r"plan\.strategy: outer: no grouping .* fits"):
         _strategy(spec, _table([(2, 10, 0.01)]))
+
+
+def _unlike(devices_a: int, **plan: Any) -> ClusterSpec:
+    """Site ``a`` (2 GB devices) and site ``b`` (2 devices of 12 MB: the model fits only
+    split over both). Planned apart, ``a`` runs its devices as pipelines of one stage and
+    ``b`` as one pipeline of two."""
+    a, b = _site("a"), _site("b")
+    a["devices_per_node"], b["devices_per_node"] = devices_a, 2
+    b["device_memory_gb"] = 0.012
+    link = {"from": "a", "to": "b", "bandwidth_gbps": 0.01, "latency_ms": 10}
+    return parse_cluster(_doc([a, b], [link], outer={"h": [10]}, **plan))
+
+
+def test_groups_planned_in_different_layouts_run_in_one_common_layout() -> None:
+    """[Note: one layout]: each group planned on its own comes out in another layout (launch
+    would refuse them); the strategy table re-plans ``a`` in ``b``'s — the only one ``b``
+    fits — and chooses that: launchable, and ``a``'s plan is exactly the planner's own plan
+    of ``a`` with its pipelines fixed to 1 (same speeds, so the same balanced split)."""
+    spec = _unlike(2, strategy="auto")
+    own = [plan_cluster(group_spec(spec, (s,), 4)).best.plan for s in "ab"]
+    assert [(p.pipelines, p.num_stages) for p in own] == [(2, 1), (1, 2)]
+    assert "launch runs groups of one layout only" in unlaunchable(own)
+    report = _strategy(spec, _table([(2, 10, 0.01)]))
+    c = report.chosen
+    assert c.kind == "outer" and not c.unlaunchable and not c.reason
+    plans = [e.plan for e in c.evaluations]
+    assert unlaunchable(plans) == ""
+    assert [(p.pipelines, p.num_stages, p.partition) for p in plans] == [
+        (1, 2, own[1].partition)
+    ] * 2
+    fixed = spec.model_copy(update={"plan": spec.plan.model_copy(update={"pipelines": 1})})
+    ref = plan_cluster(group_spec(fixed, ("a",), c.shares[0])).best
+    assert c.evaluations[0].iteration_time_s == pytest.approx(ref.iteration_time_s)
+    alone = plan_cluster(group_spec(spec, ("a",), c.shares[0])).best
+    assert alone.plan.pipelines == 2 and alone.iteration_time_s < ref.iteration_time_s
+    assert outer_run(spec, c).plan.num_groups == 2  # what launch builds from it
+    doc = report.to_json()
+    assert doc["chosen"]["launchable"] is True and doc["chosen"]["launch_refused"] == ""
+
+
+def test_groups_that_fit_no_common_layout_are_listed_and_never_chosen() -> None:
+    """``a`` has one device (one stage), ``b`` needs two: no layout fits both. The outer
+    candidate is faster than the pipeline but stays in the table with the reason; ``auto``
+    keeps the pipeline and ``outer`` is a ConfigError naming plan.strategy."""
+    spec = _unlike(1, strategy="auto")
+    report = _strategy(spec, _table([(2, 10, 0.01)]))
+    assert report.chosen.kind == "pipeline"
+    outer = report.candidates[1:]
+    assert outer and all(c.feasible and c.tokens_per_s > 0 for c in outer)
+    assert max(c.tokens_per_s for c in outer) > report.candidates[0].tokens_per_s
+    for c in outer:
+        assert "no one layout fits every group" in c.unlaunchable
+        assert "have 2 stages, not 1" in c.unlaunchable
+        assert c.reason.startswith("launch cannot run it")
+    rows = report.to_json()["candidates"]
+    assert rows[0]["launchable"] and not any(r["launchable"] for r in rows[1:])
+    assert "launch cannot run it" in report.why
+    with pytest.raises(ConfigError, match=r"t\.yaml: plan\.strategy: outer: launch can run no"):
+        _strategy(_unlike(1, strategy="outer"), _table([(2, 10, 0.01)]))
+
+
+def test_a_forced_layout_imposes_its_layer_split_on_a_group_of_unequal_sites() -> None:
+    """A group of two sites of unequal speed, given the split balanced for equal ones: the
+    plan keeps that split (the launchable one), fits, and is slower than the group's own
+    balanced plan at the same settings; a layout of more stages than the sites make is
+    refused with the reason."""
+    spec = group_spec(_two_sites(gbps=1.0), ("a", "b"), 8)  # b has half a's FLOP/s
+    own = plan_cluster(spec).best
+    link = {"from": "a", "to": "b", "bandwidth_gbps": 1.0, "latency_ms": 10}
+    equal = parse_cluster(_doc([_site("a"), _site("b")], [link]))
+    like = plan_cluster(group_spec(equal, ("a", "b"), 8)).best.plan
+    assert own.plan.num_stages == like.num_stages and own.plan.partition != like.partition
+    forced = plan_like(spec, like)
+    assert not isinstance(forced, str) and forced.feasible
+    assert forced.plan.partition == like.partition
+    assert forced.plan.stage_sites == own.plan.stage_sites
+    assert forced.iteration_time_s > own.iteration_time_s
+    deeper = plan_cluster(_unlike(2)).best.plan  # 1 pipeline of 4 stages over a and b
+    assert "have 2 stages, not 4" in plan_like(spec, deeper)
 
 
 def test_worldwide_64_chooses_a_strategy_that_keeps_its_devices_computing(capsys) -> None:

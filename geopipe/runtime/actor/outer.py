@@ -172,7 +172,12 @@ class OuterState:
         )
 
     @torch.no_grad()
-    def apply(self, fragment: int, payloads: Sequence[Sequence[Encoded]]) -> None:
+    def apply(
+        self,
+        fragment: int,
+        payloads: Sequence[Sequence[Encoded]],
+        weights: Sequence[float] | None = None,
+    ) -> None:
         """The outer step of ``fragment`` from every group's chunks (``payloads[g][c]``, in
         the same group order in every group, this replica's own among them); then the
         masters of ``fragment`` are set to theta_global and the working weights re-synced.
@@ -183,7 +188,7 @@ class OuterState:
         the same fragment, between iterations."""
         avg = torch.empty(self.opt.fragment_numel(fragment), dtype=torch.float32, device="cpu")
         for c, (s, e) in enumerate(self.chunks(fragment)):
-            avg[s:e] = average_encoded([p[c] for p in payloads], e - s)
+            avg[s:e] = average_encoded([p[c] for p in payloads], e - s, weights)
         self.opt.step(avg, fragment)
         masters = zero_state.master_partitions(self.engine.engine)
         self.opt.copy_to(masters, fragment)
@@ -375,11 +380,13 @@ class OuterLoop:
                 else f"outer apply over groups {sorted(groups)} leaves out this group"
             )
         payloads = [have[g] for g in sorted(groups)]
+        w = self.settings.weights
+        weights = [w[g] for g in sorted(groups)] if w else None
         del self._pending[fragment]  # only now: a failed apply can be asked again
         self._got.pop(fragment, None)
         self._told.pop(fragment, None)
         t0 = time.perf_counter()
-        self.state.apply(fragment, payloads)
+        self.state.apply(fragment, payloads, weights)
         # after the step: the plan's window has moved on, so nothing of the round comes after
         self.net.forget(self._tag(fragment, round_), len(own))
         return {

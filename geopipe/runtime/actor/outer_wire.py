@@ -84,6 +84,9 @@ class OuterSettings:
     timeout_s: float = 600.0
     chunk_elems: int = CHUNK_ELEMS
     seed: int = 0
+    # Each group's weight in the average (by stable group id: its batch share, when the
+    # shares differ); () = every group alike (geopipe.outer.exchange.average_encoded)
+    weights: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.codec not in wire.CODECS:

@@ -87,10 +87,11 @@ class StageSpec:
     creds: RunCredentials | None = None
     listen_all: bool = False
     wan_outage_s: float = 60.0  # health.wan_outage_s: the WAN streams must outlive it
-    # The outer loop's replica groups: this replica's group and their number; group g of M
-    # trains on samples [g*B/M, (g+1)*B/M) of each global batch (group_sample_indices).
+    # The outer loop's replica groups: this replica's, their number, and where its group's
+    # slice of each global batch starts, in micro-batches (group_sample_indices).
     group: int = 0
     groups: int = 1
+    group_start: int | None = None
 
 
 # [Note: garbage collection off the step]
@@ -259,14 +260,12 @@ class StageWorker:
 
     # -- one iteration -------------------------------------------------------------------------
     def _batch(self, step: int, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
-        plan, spec = self.plan, self.spec
-        first = spec.first_microbatch
+        plan, s = self.plan, self.spec
+        first = s.first_microbatch
         if first is None:
-            first = spec.replica * plan.num_microbatches
-        idx = group_sample_indices(
-            step, spec.global_batch, spec.group, spec.groups, first + mb, plan.micro_batch_size
-        )
-        return self.stream.batch(idx, plan.seq_len)
+            first = s.replica * plan.num_microbatches
+        at = (s.group, s.groups, first + mb, plan.micro_batch_size, s.group_start)
+        return self.stream.batch(group_sample_indices(step, s.global_batch, *at), plan.seq_len)
 
     def run_iteration(self, step: int, record: bool = False) -> IterationResult:
         """Execute this stage's action list for optimizer step ``step``."""

@@ -45,7 +45,7 @@ from geopipe.runtime.control.placement import emulated_link
 from geopipe.runtime.control.workers import CallTimeout, WorkerLost, Workers, ask, call_all
 from geopipe.transport.link import LinkParams
 
-__all__ = ["Deferred", "GroupsLost", "OuterRounds", "kept_groups", "peers_of"]
+__all__ = ["Deferred", "GroupsLost", "OuterRounds", "kept_groups", "peers_of", "shares"]
 
 _SAY_EVERY_S = 10.0  # how often the console repeats that a round waits on a silent link
 
@@ -85,6 +85,16 @@ class Deferred:
 def _field(result: Any, name: str) -> Any:
     """``name`` of a step's result (an IterationResult) or of a dict standing for one."""
     return result.get(name) if isinstance(result, dict) else getattr(result, name, None)
+
+
+def shares(plan: Any) -> tuple[float, ...]:
+    """Each replica group's sequences per inner step (its batch share), by group id: the
+    weights of the outer average ([Note: batch shares] in :mod:`geopipe.optimizer.strategy`);
+    () when every group's is the same (the plain mean)."""
+    per = [0] * plan.num_groups
+    for r in range(plan.pipelines):
+        per[plan.group_of(r)] += plan.microbatches_of(r) * plan.micro_batch_size
+    return tuple(float(x) for x in per) if len(set(per)) > 1 else ()
 
 
 class GroupsLost(WorkerLost):
@@ -135,6 +145,7 @@ class OuterRounds:
             topk_ratio=spec.plan.topk_ratio,
             timeout_s=spec.health.wan_outage_s,
             seed=spec.training.seed,
+            weights=shares(run.plan),
         )
         self.say, self.event = say, event
         self.rounds: list[dict] = []  # what each applied fragment cost (the run's record)

@@ -376,6 +376,7 @@ def _group_of(plan: Plan, r: int, first: int | None) -> dict:
         "group": g,
         "groups": plan.num_groups,
         "first_microbatch": plan.first_microbatch(r) - start,
+        "group_start": start,  # the groups' shares may differ: where group g's slice begins
     }
 
 
