@@ -237,7 +237,8 @@ class OuterRounds:
         self.deferred = None
         sent_at, sent = self._sent.pop(d.fragment, (d.decided, []))
         wait_s = d.wait_s + max(a.get("wait_s", 0.0) for a in applied)
-        apply_s = time.perf_counter() - d.decided
+        # the gather's wait and the actors' own apply (the span that made it ran on after it)
+        apply_s = wait_s + max(a.get("apply_s", 0.0) for a in applied)
         took = (apply_s, d.decided - sent_at, wait_s)
         self._record(d.done, d.fragment, actors, took, sent, applied)
 
