@@ -429,6 +429,7 @@ class Controller:
             return Running(rec.step)
         if isinstance(state, Growing):
             self._status(state.step, state)
+            self.checkpoints.poll(wait=True)  # its gathers run on the groups a grow-back leaves
             self.recovery.grow(state.step, state.decision)
             self._relaid(state.step)
             return Checkpointing(state.step)
