@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import json
 import shutil
+import sys
 import tempfile
 import time
 from functools import partial
@@ -35,6 +36,9 @@ from pathlib import Path
 import torch
 import yaml
 from _common import ROOT, json_line, run, spec_of
+
+sys.path.insert(0, str(ROOT / "tests"))
+from _hfdoc import LLAMA
 from prepare_data import write_jsonl
 from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -45,16 +49,7 @@ from geopipe.model.gpt import lm_loss
 from geopipe.model.prepare import default_processes, prepare_data
 from geopipe.runtime.actor.engine import lr_factor
 
-SMALL = dict(
-    vocab_size=256,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    tie_word_embeddings=True,
-)
+SMALL = {**LLAMA, "tie_word_embeddings": True}  # the tests' Llama (tests/_hfdoc.py), tied
 
 
 def reference(spec, plan, model: torch.nn.Module, steps: int) -> tuple[list[float], float]:

@@ -189,14 +189,22 @@ def _max_diff(a: dict, b: dict) -> float:
 
 
 class _Reference:
-    """One torch model and Adam per group, trained on the group's slice of each step."""
+    """One torch model and Adam per group, trained on the group's slice of each step (equal
+    shares; or group ``g`` on its ``micro[g]`` micro-batches from ``starts[g]``), averaged
+    every round (plainly; or weighted by ``weights``)."""
 
-    def __init__(self, corpus: str) -> None:
+    def __init__(
+        self,
+        corpus: str,
+        micro: tuple[int, ...] | None = None,
+        starts: tuple[int, ...] | None = None,
+        weights: tuple[float, ...] | None = None,
+    ) -> None:
         torch.set_num_threads(1)
         self.stream = TokenStream(Corpus(corpus, max_bytes=1 << 20), seed=1)
-        self.models = [
-            build_stage(DESC, 0, DESC.num_layers, seed=ENGINE.seed) for _ in range(GROUPS)
-        ]
+        self.micro = micro or (GLOBAL_BATCH // GROUPS // MBS,) * GROUPS
+        self.starts, self.weights = starts, weights
+        self.models = [build_stage(DESC, 0, DESC.num_layers, seed=ENGINE.seed) for _ in self.micro]
         self.opts = []
         for m in self.models:
             ps = list(m.parameters())
@@ -207,11 +215,13 @@ class _Reference:
             self.opts.append(torch.optim.Adam(pg, lr=ENGINE.lr, betas=ENGINE.betas, eps=ENGINE.eps))
 
     def step(self, step: int) -> None:
-        n_mb = GLOBAL_BATCH // GROUPS // MBS
+        groups = len(self.micro)
         for g, (model, opt) in enumerate(zip(self.models, self.opts, strict=True)):
             opt.zero_grad()
+            n_mb = self.micro[g]
+            start = None if self.starts is None else self.starts[g]
             for mb in range(n_mb):
-                idx = group_sample_indices(step, GLOBAL_BATCH, g, GROUPS, mb, MBS)
+                idx = group_sample_indices(step, GLOBAL_BATCH, g, groups, mb, MBS, start)
                 x, y = self.stream.batch(idx, SEQ)
                 (lm_loss(model(x), y) / n_mb).backward()
             opt.step()
@@ -219,8 +229,12 @@ class _Reference:
     @torch.no_grad()
     def average(self) -> None:
         named = [dict(m.named_parameters()) for m in self.models]
+        w = self.weights
         for n in named[0]:
-            mean = sum(d[n] for d in named) / GROUPS
+            if w is None:
+                mean = sum(d[n] for d in named) / len(named)
+            else:
+                mean = sum(x * d[n] for x, d in zip(w, named, strict=True)) / sum(w)
             for d in named:
                 d[n].copy_(mean)
 

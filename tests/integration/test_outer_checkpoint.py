@@ -23,7 +23,7 @@ import torch
 from geopipe.checkpoint.store import latest_complete, load_checkpoint
 from geopipe.config import parse_cluster
 from geopipe.runtime.control.controller import Controller, LaunchOptions
-from tests.integration.test_outer_runtime import _doc as outer_run_doc
+from tests.integration.test_outer_runtime import streaming_doc
 
 pytestmark = pytest.mark.ray
 STEPS, H, F, TAU = 8, 4, 2, 1
@@ -37,19 +37,9 @@ def _ray(ray_cluster):
 def _doc(ckpt_dir: str | None = None) -> dict:
     """test_outer_runtime's outer run, with F fragments, an overlap, int8 and DiLoCo's outer
     optimizer."""
-    doc = outer_run_doc(steps=STEPS, h=H)
-    doc["name"] = "outer-ckpt"
-    doc["training"]["checkpoint"] = {"every_steps": H, "keep": 5}
+    doc = streaming_doc("outer-ckpt", STEPS, H, F, TAU)
     if ckpt_dir:
         doc["training"]["checkpoint"]["dir"] = ckpt_dir
-    doc["plan"]["outer"] = {
-        "h": H,
-        "fragments": F,
-        "overlap": TAU,
-        "codec": "int8",
-        "lr": 0.7,
-        "momentum": 0.9,
-    }
     return doc
 
 

@@ -60,6 +60,23 @@ def _doc(steps: int = 4, h: int = 2) -> dict:
     return doc
 
 
+def streaming_doc(name: str, steps: int, h: int, fragments: int, overlap: int) -> dict:
+    """:func:`_doc`'s run as Streaming DiLoCo: ``fragments`` fragments, ``overlap``, codec
+    int8, DiLoCo's outer lr 0.7 and momentum 0.9, a checkpoint every round."""
+    doc = _doc(steps=steps, h=h)
+    doc["name"] = name
+    doc["training"]["checkpoint"] = {"every_steps": h, "keep": 5}
+    doc["plan"]["outer"] = {
+        "h": h,
+        "fragments": fragments,
+        "overlap": overlap,
+        "codec": "int8",
+        "lr": 0.7,
+        "momentum": 0.9,
+    }
+    return doc
+
+
 def _table(tmp: Path, h: int) -> Path:
     rows = [
         {

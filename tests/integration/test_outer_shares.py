@@ -20,9 +20,6 @@ import pytest
 import torch
 
 from geopipe.checkpoint.format import PARAMS_GROUP
-from geopipe.model.data import Corpus, TokenStream, group_sample_indices
-from geopipe.model.family import build_stage
-from geopipe.model.gpt import lm_loss
 from geopipe.runtime.actor.outer_wire import OuterSettings
 from geopipe.runtime.actor.stage import StageSpec, StageWorker
 from geopipe.runtime.control.placement import ACTOR_ENV
@@ -31,20 +28,21 @@ from tests.integration.test_outer_actor import (
     CHUNK,
     DESC,
     ENGINE,
+    GLOBAL_BATCH,
     MBS,
     PLAN,
-    SEQ,
     TOL,
+    H,
     _begin,
     _inner,
     _max_diff,
+    _Reference,
     _round,
 )
 from tests.integration.test_outer_actor import corpus as corpus
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
-GLOBAL_BATCH, H = 16, 2
 SHARES = (12, 4)  # sequences per step of groups 0 and 1
 MICRO = tuple(s // MBS for s in SHARES)  # 6 and 2 micro-batches
 STARTS = (0, MICRO[0])  # where each group's slice begins, in micro-batches
@@ -87,47 +85,6 @@ def uneven(ray_cluster, corpus):
         ray.kill(row[0])
 
 
-class _Reference:
-    """One torch model and Adam per group, trained on ``starts[g]`` + its ``micro[g]``
-    micro-batches of each step, averaged with ``weights`` every round."""
-
-    def __init__(self, corpus: str, micro, starts, weights) -> None:
-        torch.set_num_threads(1)
-        self.stream = TokenStream(Corpus(corpus, max_bytes=1 << 20), seed=1)
-        self.micro, self.starts, self.weights = micro, starts, weights
-        self.models = [build_stage(DESC, 0, DESC.num_layers, seed=ENGINE.seed) for _ in micro]
-        self.opts = []
-        for m in self.models:
-            ps = list(m.parameters())
-            pg = [
-                {"params": [p for p in ps if p.dim() >= 2]},
-                {"params": [p for p in ps if p.dim() < 2]},
-            ]
-            self.opts.append(torch.optim.Adam(pg, lr=ENGINE.lr, betas=ENGINE.betas, eps=ENGINE.eps))
-
-    def step(self, step: int) -> None:
-        for g, (model, opt) in enumerate(zip(self.models, self.opts, strict=True)):
-            opt.zero_grad()
-            n = self.micro[g]
-            for mb in range(n):
-                idx = group_sample_indices(step, GLOBAL_BATCH, g, 2, mb, MBS, self.starts[g])
-                x, y = self.stream.batch(idx, SEQ)
-                (lm_loss(model(x), y) / n).backward()
-            opt.step()
-
-    @torch.no_grad()
-    def average(self) -> None:
-        named = [dict(m.named_parameters()) for m in self.models]
-        total = sum(self.weights)
-        for n in named[0]:
-            mean = sum(w * d[n] for w, d in zip(self.weights, named, strict=True)) / total
-            for d in named:
-                d[n].copy_(mean)
-
-    def params(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach().clone() for n, p in self.models[0].named_parameters()}
-
-
 def _reference(corpus: str, rounds: int, **kw) -> dict[str, torch.Tensor]:
     args = {"micro": MICRO, "starts": STARTS, "weights": SHARES, **kw}
     ref = _Reference(corpus, **args)
@@ -135,7 +92,7 @@ def _reference(corpus: str, rounds: int, **kw) -> dict[str, torch.Tensor]:
         for s in range(r * H, (r + 1) * H):
             ref.step(s)
         ref.average()
-    return ref.params()
+    return ref.params(0)
 
 
 def test_unequal_shares_train_their_own_slices_and_average_weighted(uneven, corpus) -> None:

@@ -29,7 +29,7 @@ from geopipe.config import parse_cluster
 from geopipe.runtime.control.controller import Controller, LaunchOptions
 from geopipe.runtime.control.workers import RayWorkers
 from tests.integration.test_outer_failures_runtime import _kill
-from tests.integration.test_outer_runtime import _doc as outer_run_doc
+from tests.integration.test_outer_runtime import streaming_doc
 
 pytestmark = pytest.mark.ray
 STEPS, H, F, TAU = 12, 6, 2, 1
@@ -55,18 +55,7 @@ class Counting(RayWorkers):
 
 
 def _doc() -> dict:
-    doc = outer_run_doc(steps=STEPS, h=H)
-    doc["name"] = "outer-spans"
-    doc["training"]["checkpoint"] = {"every_steps": H, "keep": 5}
-    doc["plan"]["outer"] = {
-        "h": H,
-        "fragments": F,
-        "overlap": TAU,
-        "codec": "int8",
-        "lr": 0.7,
-        "momentum": 0.9,
-    }
-    return doc
+    return streaming_doc("outer-spans", STEPS, H, F, TAU)
 
 
 @pytest.fixture(scope="module")

@@ -91,9 +91,7 @@ def shares(plan: Any) -> tuple[float, ...]:
     """Each replica group's sequences per inner step (its batch share), by group id: the
     weights of the outer average ([Note: batch shares] in :mod:`geopipe.optimizer.strategy`);
     () when every group's is the same (the plain mean)."""
-    per = [0] * plan.num_groups
-    for r in range(plan.pipelines):
-        per[plan.group_of(r)] += plan.microbatches_of(r) * plan.micro_batch_size
+    per = [plan.group_microbatches(g) * plan.micro_batch_size for g in range(plan.num_groups)]
     return tuple(float(x) for x in per) if len(set(per)) > 1 else ()
 
 
