@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -38,20 +37,13 @@ from _outer_runs import GLOBAL_BATCH, SEQ, TRAIN_BYTES
 LR, BETAS, EPS = 3e-3, (0.9, 0.95), 1e-8
 
 
-def _lr_factor(step: int, warmup: int, total: int) -> float:
-    """The runtime's schedule (outer_penalty.py's copy): linear warm-up, half cosine."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
 def _job(a: argparse.Namespace):
     """Model, inner optimizer, LR schedule and a batch function for replica ``a.replica``."""
     import torch
 
     from geopipe.model.data import Corpus, TokenStream, global_indices
     from geopipe.model.gpt import GPTConfig, GPTStage, lm_loss, num_layers
+    from geopipe.runtime.actor.lr import LRFactor  # the runtime's own schedule
 
     torch.set_num_threads(1)
     cfg = GPTConfig(n_layer=4, n_embd=128, n_head=4, vocab_size=256, block_size=128)
@@ -63,7 +55,7 @@ def _job(a: argparse.Namespace):
     ]
     inner = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS)
     warm = max(1, a.steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(inner, lambda s: _lr_factor(s, warm, a.steps))
+    sched = torch.optim.lr_scheduler.LambdaLR(inner, LRFactor("cosine", warm, a.steps))
     stream = TokenStream(Corpus("stdlib", max_bytes=TRAIN_BYTES), 0)
     per = GLOBAL_BATCH // a.peers
 

@@ -8,7 +8,9 @@ first 90 % is trained on through the runtime's token stream (every sample a pure
 ``(seed, index)``, step ``s`` taking samples ``s * B .. (s + 1) * B - 1``), the last 10 % (other
 modules of the stdlib) is held out. The inner optimizer is the runtime's: Adam(W) with the
 demo's lr 3e-3, betas (0.9, 0.95), eps 1e-8, weight decay 0 (the demo's; the runtime then uses
-plain Adam, the same numbers), no clipping, linear warmup then a half cosine to the last step.
+plain Adam, the same numbers), no clipping, and the runtime's LR schedule itself
+(:class:`geopipe.runtime.actor.lr.LRFactor`: transformers' cosine, warmup from 0, then a
+half cosine to the last step).
 
 * **sync**: one model on the whole global batch of ``B`` sequences per step (what synchronous
   data parallelism computes), seeds 0 and 1: their relative difference is the noise;
@@ -37,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from geopipe.model.data import Corpus, TokenStream, global_indices
 from geopipe.model.gpt import GPTConfig, GPTStage, lm_loss, num_layers
 from geopipe.outer import OuterOptimizer, StreamingSchedule, average_encoded, encode_delta
+from geopipe.runtime.actor.lr import LRFactor  # the runtime's schedule (no DeepSpeed import)
 from geopipe.transport.codec import make_codec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,15 +108,6 @@ def settings(quick: bool, hs: list[int] | None = None, **outer: float) -> list[S
     ]
 
 
-def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
-    """``geopipe.runtime.actor.engine.lr_factor`` (cosine), copied: that module imports
-    DeepSpeed. Linear warmup from step 0, then a half cosine that reaches 0 at the end."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    return 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
 @dataclass
 class Data:
     train: Corpus
@@ -148,7 +141,7 @@ class Replica:
         ]
         self.opt = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS)
         self.sched = torch.optim.lr_scheduler.LambdaLR(
-            self.opt, lambda s: lr_factor(s, data.warmup, data.steps)
+            self.opt, LRFactor("cosine", data.warmup, data.steps)
         )
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:

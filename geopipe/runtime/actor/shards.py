@@ -143,8 +143,15 @@ class ShardWriter:
         self._staged.pop(step, None)
 
     def forget(self) -> None:
-        """After leaving the process group: a pending gather can no longer finish."""
+        """After leaving the process group: a pending gather can no longer finish, and the
+        writer thread waiting on it never returns (gloo keeps a collective open while its
+        peers live). Abandon that thread and start a fresh one, so the next layout's saves
+        do not queue behind it for ever (seen as a hang: a save cut short by a failure left
+        the mix's first checkpoint waiting on it). The same as the state keeper's
+        ``after_leave``."""
         self._pending = None
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-writer")
 
 
 def _name(key: str) -> str:
