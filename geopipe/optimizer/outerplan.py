@@ -68,7 +68,7 @@ class OuterRun:
 
 def outer_run(spec: ClusterSpec, chosen: object) -> OuterRun:
     """The run of the strategy table's ``chosen`` outer candidate
-    (:class:`~geopipe.optimizer.strategy.Candidate`); :class:`PlanningError` says why the
+    (:class:`~geopipe.optimizer.strategy.StrategyOption`); :class:`PlanningError` says why the
     runtime cannot run it yet."""
     plans = [e.plan for e in chosen.evaluations]
     if any(p is None for p in plans) or chosen.setting is None or chosen.round is None:

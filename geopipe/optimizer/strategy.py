@@ -2,7 +2,7 @@
 replica groups (the DiLoCo family), or a hybrid of the two — chosen by predicted time per
 token × (1 + predicted loss penalty).
 
-Candidates (``plan.strategy: outer`` or ``auto``):
+Options (``plan.strategy: outer`` or ``auto``):
 
 * **pipeline**: today's plan, one pipeline across every site (``M = 1``, exact and
   synchronous: no loss penalty). Its report is the search's own (:func:`plan_cluster`).
@@ -75,7 +75,7 @@ from geopipe.plan import Plan
 __all__ = [
     "BALANCE_PASSES",
     "MAX_ARRANGEMENTS",
-    "Candidate",
+    "StrategyOption",
     "StrategyReport",
     "as_pipeline",
     "balanced_shares",
@@ -133,8 +133,10 @@ def site_groupings(order: Sequence[str], global_batch: int) -> list[Grouping]:
 
 
 @dataclass
-class Candidate:
-    """One row of the strategy table."""
+class StrategyOption:
+    """One row of the strategy table (``--json``'s ``strategy.candidates``): a strategy with
+    its grouping and outer setting, priced. Not a *candidate*: that word is the layout
+    search's point (:class:`geopipe.optimizer.evaluate.Candidate`, docs/glossary.md)."""
 
     kind: str  # "pipeline" | "outer" | "hybrid"
     groups: Grouping
@@ -221,9 +223,9 @@ class StrategyReport:
     """Every candidate (the pipeline first), the chosen one and why, and the penalty model."""
 
     setting: str  # plan.strategy
-    chosen: Candidate
+    chosen: StrategyOption
     why: str
-    candidates: list[Candidate]
+    candidates: list[StrategyOption]
     penalty: PenaltyModel
 
     def to_json(self) -> dict:
@@ -353,7 +355,7 @@ def _price(
     evals: list[Evaluation],
     penalty: PenaltyModel,
     stuck: str = "",
-) -> list[Candidate]:
+) -> list[StrategyOption]:
     """Every setting of the ``plan.outer`` grid for these groups' plans, priced; ``stuck``:
     why launch cannot run them (the reason they cannot be chosen, before the penalty's)."""
     kind = "outer" if all(len(g) == 1 for g in grouping) else "hybrid"
@@ -375,7 +377,7 @@ def _price(
         if stuck:
             reason = f"launch cannot run it: {stuck}"
         out.append(
-            Candidate(
+            StrategyOption(
                 kind,
                 grouping,
                 setting,
@@ -393,17 +395,17 @@ def _price(
     return out
 
 
-def _rank(c: Candidate) -> tuple:
+def _rank(c: StrategyOption) -> tuple:
     """Within one ``(H, F, codec)`` row: choosable first, then the best score (the fastest
     where none is choosable), then the smaller overlap."""
     choosable = c.feasible and not c.reason
     return (not choosable, c.score if choosable else -c.tokens_per_s, c.setting.overlap)
 
 
-def _pipeline_candidate(report: PlanReport) -> Candidate:
+def _pipeline_option(report: PlanReport) -> StrategyOption:
     best = report.best
     bound = report.codecs[-1].bound if report.codecs else "compute"
-    return Candidate(
+    return StrategyOption(
         "pipeline",
         (tuple(dict.fromkeys(best.plan.stage_sites)),) if best.plan else ((),),
         None,
@@ -416,13 +418,15 @@ def _pipeline_candidate(report: PlanReport) -> Candidate:
     )
 
 
-def _candidates(spec: ClusterSpec, pipeline: PlanReport, penalty: PenaltyModel) -> list[Candidate]:
+def _options(
+    spec: ClusterSpec, pipeline: PlanReport, penalty: PenaltyModel
+) -> list[StrategyOption]:
     """The pipeline, then per grouping the best of its share policies for each setting."""
-    out = [_pipeline_candidate(pipeline)]
+    out = [_pipeline_option(pipeline)]
     groups = _Groups(spec)
     for grouping in site_groupings(site_order(spec), spec.training.global_batch_size):
         kind = "outer" if all(len(g) == 1 for g in grouping) else "hybrid"
-        best: dict[tuple, Candidate] = {}
+        best: dict[tuple, StrategyOption] = {}
         whys = []
         for evals, why, stuck in _group_plans(spec, grouping, groups):
             whys.append(why)
@@ -432,18 +436,18 @@ def _candidates(spec: ClusterSpec, pipeline: PlanReport, penalty: PenaltyModel) 
                     best[key] = c
         if not best:
             none = Penalty(None, "not priced: a group does not fit")
-            out.append(Candidate(kind, grouping, feasible=False, reason=whys[0], penalty=none))
+            out.append(StrategyOption(kind, grouping, feasible=False, reason=whys[0], penalty=none))
         out += best.values()
     return out
 
 
-def _order(c: Candidate) -> tuple:
+def _order(c: StrategyOption) -> tuple:
     """Best first: the score, then fewer groups, a shorter round, fewer fragments."""
     s = c.setting
     return (c.score, c.replicas, s.h if s else 0, s.fragments if s else 0, s.codec if s else "")
 
 
-def _describe(c: Candidate) -> str:
+def _describe(c: StrategyOption) -> str:
     s = c.setting
     if s is None:
         return c.label
@@ -454,8 +458,11 @@ def _describe(c: Candidate) -> str:
 
 
 def _choose_auto(
-    spec: ClusterSpec, pipe: Candidate, best: Candidate | None, outer: list[Candidate]
-) -> tuple[Candidate, str]:
+    spec: ClusterSpec,
+    pipe: StrategyOption,
+    best: StrategyOption | None,
+    outer: list[StrategyOption],
+) -> tuple[StrategyOption, str]:
     if best is None:
         runnable = [c for c in outer if c.feasible]
         if not runnable:
@@ -483,7 +490,7 @@ def _choose_auto(
     return best, _won(best, versus, pipe)
 
 
-def _won(c: Candidate, versus: str, pipe: Candidate) -> str:
+def _won(c: StrategyOption, versus: str, pipe: StrategyOption) -> str:
     return (
         f"{_describe(c)}: {versus} of {c.penalty.value:.2%} ({c.penalty.basis}); device "
         f"utilization {c.device_utilization:.0%} (pipeline across sites: "
@@ -492,8 +499,12 @@ def _won(c: Candidate, versus: str, pipe: Candidate) -> str:
 
 
 def _choose_outer(
-    spec: ClusterSpec, source: str, pipe: Candidate, best: Candidate | None, outer: list[Candidate]
-) -> tuple[Candidate, str]:
+    spec: ClusterSpec,
+    source: str,
+    pipe: StrategyOption,
+    best: StrategyOption | None,
+    outer: list[StrategyOption],
+) -> tuple[StrategyOption, str]:
     if best is not None:
         ratio = best.effective_tokens_per_s / pipe.effective_tokens_per_s if pipe.feasible else 0
         versus = f"strategy outer; {ratio:.2f}× the pipeline's tokens/s after its loss penalty"
@@ -535,7 +546,7 @@ def plan_strategy(
     """Every strategy candidate for ``spec`` (``plan.strategy`` outer or auto), priced, and
     the one chosen. ``pipeline`` is the search's report for :func:`as_pipeline` of
     ``spec``; ``source`` names the file in a :class:`ConfigError`."""
-    cands = _candidates(spec, pipeline, penalty)
+    cands = _options(spec, pipeline, penalty)
     pipe, outer = cands[0], cands[1:]
     ok = sorted((c for c in outer if c.feasible and not c.reason), key=_order)
     best = ok[0] if ok else None
