@@ -5,11 +5,15 @@ whose values the average can take, checked once decoded before they are filed
 (:class:`OuterReceiver`). Whatever else arrives is refused like any frame the data plane's
 plan refuses (:mod:`geopipe.transport.receiver`): logged naming the peer, the connection
 dropped; the refusal is also handed to the exchange with the group the frame claims, so a
-round stops waiting for that group at once.
+round stops waiting for that group at once. When the run's groups sign their payloads
+(:mod:`.outer_sign`), the receiver also takes a payload filed under group ``g`` only if
+group ``g``'s signature verifies, and pins a failed signature on the group that did sign,
+if any, never on the group a frame merely claims.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import socket
 from collections.abc import Callable, Hashable, Sequence
@@ -19,6 +23,7 @@ import numpy as np
 import torch
 
 from geopipe.outer import ROW_LEN, decode_delta
+from geopipe.runtime.actor.outer_sign import GroupVerifier, is_signature
 from geopipe.transport import wire
 from geopipe.transport.codec import CorruptPayloadError, Encoded, Sealed, open_sealed
 from geopipe.transport.frames import FrameInfo, FrameRefusedError
@@ -58,8 +63,10 @@ def bad_values(x: torch.Tensor) -> str | None:
 
 
 class OuterRefusedError(FrameRefusedError):
-    """An outer frame refused by the plan (its header, or its values); ``key``: the key it
-    claims, so the exchange can tell which group's payload will not come (`OuterExchange`)."""
+    """An outer frame refused by the plan (its header, its signature, or its values);
+    ``key``: the key the refusal is pinned on, so the exchange can tell which group's payload
+    will not come (`OuterExchange`): the key the frame claims, or for a signature that does
+    not verify, that key under the group whose signature it carries (None: no group's)."""
 
     def __init__(self, key: Hashable, message: str) -> None:
         super().__init__(message)
@@ -107,7 +114,8 @@ class OuterFrames:
     def group_of(self, key: Hashable) -> int | None:
         """The connected peer group ``key`` claims to come from, or None when it claims none
         (not this plan's form, or a group that is not a peer). Only a claim: every peer holds
-        the run's one secret, so no frame proves which group sent it."""
+        the run's one secret; the claim is proved by the group's signature, checked on the
+        payload (`OuterReceiver`, :mod:`.outer_sign`)."""
         n = len(self.tag)
         if not (isinstance(key, tuple) and len(key) == n + 4 and key[:n] == self.tag):
             return None
@@ -162,17 +170,20 @@ class OuterFrames:
 
 class OuterReceiver(DirectReceiver):
     """The direct channel's receiver (handshake, payload bound, header checks against
-    ``expect``) with two additions for an :class:`OuterFrames` plan: each payload's values
+    ``expect``) with these additions for an :class:`OuterFrames` plan: with ``verifier``
+    set (the run's groups sign: :mod:`.outer_sign`), a frame's key must end in a signature,
+    and its payload is filed only if the group it claims signed it; each payload's values
     are checked after its seal and before it is filed (`OuterFrames.why_not_values`), so a
     payload holding NaN, inf or an overflowing value never reaches the inbox, let alone an
-    apply; and every refusal, of a header or of values, is reported to ``on_refused`` (the
-    key the frame claims, and why, naming the peer's address) before the receiver does what
-    it does with any refused frame: log it (once per 30 s, naming the peer), drop the
-    connection and note the failure in the inbox. Both hook the receiver's per-frame steps
-    (``_read``, ``_file``) rather than copy its reader loop."""
+    apply; and every refusal, of a header, a signature or values, is reported to
+    ``on_refused`` (the key it is pinned on, and why, naming the peer's address) before the
+    receiver does what it does with any refused frame: log it (once per 30 s, naming the
+    peer), drop the connection and note the failure in the inbox. They hook the receiver's
+    per-frame steps (``_admit``, ``_read``, ``_file``) rather than copy its reader loop."""
 
     def __init__(self, inbox: Any, on_refused: Callable[[Hashable, str], None], **kw: Any) -> None:
         self.on_refused = on_refused  # before the listener starts: a frame may come at once
+        self.verifier: GroupVerifier | None = None  # set before any peer connects
         super().__init__(inbox, **kw)
 
     def _read(self, conn: socket.socket, peer: tuple) -> None:
@@ -182,11 +193,26 @@ class OuterReceiver(DirectReceiver):
             self.on_refused(getattr(exc, "key", None), f"frame from peer {peer}: {exc}")
             raise
 
+    def _signed(self) -> bool:
+        return self.verifier is not None and isinstance(self.expect, OuterFrames)
+
+    def _admit(self, info: FrameInfo) -> None:
+        """The plan's header check, on the key less its signature when groups sign: a frame
+        without one is refused, pinned on no group (nothing proves who sent it)."""
+        if self._signed():
+            key = info.key
+            if not (isinstance(key, tuple) and key and is_signature(key[-1])):
+                raise OuterRefusedError(None, f"outer frame {key!r} is not signed")
+            info = dataclasses.replace(info, key=key[:-1])
+        super()._admit(info)
+
     def _file(
         self, key: Hashable, sealed: Sealed, deliver_at: float, sent_at: float, peer: tuple
     ) -> None:
         plan = self.expect
         if isinstance(plan, OuterFrames) and isinstance(key, tuple):
+            if self._signed():
+                key = self._check_signature(plan, key, sealed)
             try:
                 enc: Encoded | None = open_sealed(sealed)
             except CorruptPayloadError:
@@ -195,3 +221,24 @@ class OuterReceiver(DirectReceiver):
             if why is not None:
                 raise OuterRefusedError(key, f"outer payload {key!r} {why}")
         super()._file(key, sealed, deliver_at, sent_at, peer)
+
+    def _check_signature(self, plan: OuterFrames, key: tuple, sealed: Sealed) -> tuple:
+        """``key`` less its signature, if the group it claims signed this payload under it;
+        else raises `OuterRefusedError` pinned on the group that did sign it, if any (a
+        forgery by that group's insider), or on none (see :mod:`.outer_sign`)."""
+        assert self.verifier is not None
+        key, sig = key[:-1], key[-1]
+        n = len(plan.tag)
+        claimed = key[n + 2]
+        signer = self.verifier.signer(claimed, key, sig, sealed.enc)
+        if signer == claimed:
+            return key
+        if signer is None:
+            raise OuterRefusedError(
+                None, f"outer payload {key!r}: no group's signature verifies (claims {claimed})"
+            )
+        raise OuterRefusedError(
+            (*key[: n + 2], signer, *key[n + 3 :]),
+            f"outer payload {key!r} filed as group {claimed} is signed by group {signer} "
+            f"(a forgery by group {signer})",
+        )

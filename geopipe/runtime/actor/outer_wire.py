@@ -19,7 +19,9 @@ handshake, payload bound and checks; :class:`~.outer_frames.OuterReceiver`) fili
 :class:`EncodedInbox`, which keeps the verified payload encoded instead of decoding it; it
 takes only the frames the replica's partition layout lets its peers send, refusing the rest
 before anything is allocated, and only payloads whose values the average can take
-(:mod:`.outer_frames`).
+(:mod:`.outer_frames`). Each group signs its chunks and a listener files a chunk under group
+``g`` only if group ``g``'s key signed it (:meth:`OuterExchange.identify`,
+:mod:`.outer_sign`): the run's one secret proves only "a peer of this run".
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from geopipe.runtime.actor.outer_frames import (
     OuterRefusedError,
     bad_values,
 )
+from geopipe.runtime.actor.outer_sign import ChunkSigner, GroupKey
 from geopipe.transport import wire
 from geopipe.transport.codec import CorruptPayloadError, Encoded, Sealed, open_sealed, seal
 from geopipe.transport.dial import DialError, dial
@@ -57,6 +60,7 @@ __all__ = [
     "MAX_ABS",
     "EncodedInbox",
     "EncodedSender",
+    "GroupKey",
     "OuterExchange",
     "OuterFrames",
     "OuterPeer",
@@ -258,7 +262,10 @@ class OuterExchange:
     frame claims, or the key an error was filed for), with why. A refused group's stream is
     gone (the connection dropped, or its payload unusable), so no gather waits for it until
     :meth:`connect` pairs it again; the driver decides what follows ([Note: a round over
-    the survivors] in :mod:`geopipe.runtime.actor.outer`)."""
+    the survivors] in :mod:`geopipe.runtime.actor.outer`).
+
+    Signed (:meth:`identify`): each chunk's key carries this replica's group's signature as
+    its last item, and the listener takes only chunks their claimed group signed."""
 
     def __init__(
         self,
@@ -289,6 +296,14 @@ class OuterExchange:
             user_timeout_s=user_timeout_s,
         )
         self.address = self.receiver.address
+        self.key: GroupKey | None = None  # this group's signing key (identify)
+
+    def identify(self, key: GroupKey | None) -> None:
+        """Sign what :meth:`post` sends with ``key`` (this replica's group's), and take only
+        payloads the group they claim signed, by ``key``'s public keys (:mod:`.outer_sign`).
+        Called before :meth:`connect`; None: unsigned (a run of one group, or a test)."""
+        self.key = key
+        self.receiver.verifier = None if key is None else key.verifier()
 
     def expect(self, frames: OuterFrames) -> None:
         """Take only ``frames``' frames from now on (checked before allocation)."""
@@ -322,15 +337,22 @@ class OuterExchange:
         self._peers_changed()
 
     def post(self, tag: tuple, group: int, chunks: Sequence[Encoded]) -> None:
-        """Send ``chunks`` (this replica's payload, from group ``group``) to every peer."""
+        """Send ``chunks`` (this replica's payload, from group ``group``) to every peer,
+        each chunk signed once (on the first send thread to reach it) when :meth:`identify`
+        gave a key."""
+        if self.key is not None and self.key.group != group:
+            raise ValueError(f"posting as group {group} with group {self.key.group}'s key")
+        signed = None if self.key is None else ChunkSigner(self.key, tag, chunks)
+
+        def key_of(c: int) -> tuple:
+            return (*tag, group, c) if signed is None else signed.key(c)
+
         for g, sender in sorted(self._senders.items()):
             box: list[Any] = []
 
             def run(sender: EncodedSender = sender, box: list[Any] = box) -> None:
                 try:
-                    box.append(
-                        sum(sender.send((*tag, group, c), enc) for c, enc in enumerate(chunks))
-                    )
+                    box.append(sum(sender.send(key_of(c), enc) for c, enc in enumerate(chunks)))
                 except BaseException as exc:  # surfaced by gather(), naming the peer
                     box.append(exc)
 

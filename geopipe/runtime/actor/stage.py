@@ -36,7 +36,7 @@ from geopipe.runtime.actor.executor import FOREGROUND, Fault, IterationResult, e
 from geopipe.runtime.actor.handoff import Restore, restore_boundary
 from geopipe.runtime.actor.inner_run import run_span
 from geopipe.runtime.actor.links import StageLinks, WanPeer
-from geopipe.runtime.actor.outer_wire import OuterPeer, OuterSettings
+from geopipe.runtime.actor.outer_wire import GroupKey, OuterPeer, OuterSettings
 from geopipe.runtime.actor.shards import ShardWriter, load_stage
 from geopipe.runtime.actor.snapshots import BoundaryKeeper
 from geopipe.runtime.node import node_ip
@@ -92,6 +92,7 @@ class StageSpec:
     group: int = 0
     groups: int = 1
     group_start: int | None = None
+    outer_key: GroupKey | None = None  # its group's signing key, every group's public one
 
 
 # [Note: garbage collection off the step]
@@ -453,7 +454,6 @@ class StageWorker:
         from geopipe.runtime.actor.outer import OuterLoop
 
         self._end_outer()
-        tag = f"{self.layers}/{self.spec.hold}"
         self._outer = OuterLoop(
             self.engine,
             self.k,
@@ -463,8 +463,9 @@ class StageWorker:
             listen_all=self.spec.listen_all,
             creds=self.spec.creds,
             user_timeout_s=self.links.user_timeout_s,
-            tag=tag,
+            tag=f"{self.layers}/{self.spec.hold}",
         )
+        self._outer.net.identify(self.spec.outer_key)  # signs its payloads: .outer_sign
         return self._outer.endpoint()
 
     def outer_connect(self, peers: list[OuterPeer]) -> None:

@@ -16,6 +16,7 @@ from geopipe.plan import ActorKey, Plan
 from geopipe.runtime.actor.engine_config import EngineConfig
 from geopipe.runtime.actor.links import WanPeer
 from geopipe.runtime.actor.lr import factor_table
+from geopipe.runtime.actor.outer_sign import GroupKeyring
 from geopipe.runtime.actor.sitegroups import grad_scale, site_worlds
 from geopipe.runtime.actor.stage import StageSpec, StageWorker
 from geopipe.runtime.control.cluster import LaunchError, kill_actors, site_resource
@@ -61,6 +62,7 @@ class Placement:
         self.spec = spec
         self.workers = workers  # makes, calls and kills the actors
         self.creds = creds  # the data plane's credentials, for every stage actor
+        self.keyring = GroupKeyring()  # the replica groups' signing keys, fresh per run
         self.lr_horizon = lr_horizon  # the LR schedule's horizon (see Controller)
         self.gpus = gpus  # per stage actor (ray.gpus_per_actor)
         self.plan: Plan | None = None
@@ -241,6 +243,7 @@ class Placement:
             creds=self.creds,
             listen_all=spec.security.listen == "all",
             wan_outage_s=spec.health.wan_outage_s,
+            outer_key=self.keyring.key_of(full, r),
             **_group_of(full, r, first),
         )
 
