@@ -4,10 +4,14 @@ Two emulated sites, one stage each. The west stage process is stopped (SIGSTOP) 
 step and continued 6 s later: from the driver that is what a WAN outage or partition looks
 like — every actor of the site silent, the east side alive. The step waits (status.json:
 ``waiting``, naming the link), the run continues where it was with the losses of an
-undisturbed run (to 1e-6) and no step lost; the console and metrics say when the link went
-silent and when it healed. (Past ``health.wan_outage_s`` the site-loss path re-forms the
-job without west instead: tests/unit/test_controller_states.py, against the fake worker
-group.)
+undisturbed run and no step lost; the console and metrics say when the link went silent
+and when it healed. (Past ``health.wan_outage_s`` the site-loss path re-forms the job
+without west instead: tests/unit/test_controller_states.py, against the fake worker group.)
+
+The undisturbed run is the single-process reference (test_runtime's): an undisturbed launch
+of the same document gave the outage run's losses bitwise, but costs a launch's actor
+start-up; the reference was measured within 8e-7 of both over the 40 steps, bound 1e-5 (the
+parity test's).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from pathlib import Path
 import pytest
 import ray
 from test_recovery_runtime import events, events_ready, last_loss_per_step, run
-from test_runtime import tiny_doc
+from test_runtime import reference, tiny_doc
 
 from geopipe.checkpoint.store import list_checkpoints
 from geopipe.config import HealthSpec
@@ -79,14 +83,13 @@ def test_a_short_outage_is_waited_out_with_the_same_losses(tmp_path: Path) -> No
     doc = tiny_doc(1, 1, steps=STEPS)
     doc["name"] = "outage"
     health = HealthSpec(heartbeat_s=0.5, unresponsive_s=2.0, wan_outage_s=30.0)
-    run(doc, tmp_path / "calm", steps=STEPS, health=health)
-    calm = last_loss_per_step(tmp_path / "calm")
+    calm = reference(doc)[0]  # the undisturbed run, in one process
     seen: list = []
     _, state = run(
         doc, tmp_path / "out", steps=STEPS, health=health, kill=freezer(tmp_path / "out", 6.0, seen)
     )
     assert state["step"] == STEPS
-    assert last_loss_per_step(tmp_path / "out") == pytest.approx(calm, abs=1e-6)
+    assert last_loss_per_step(tmp_path / "out") == pytest.approx(calm, abs=1e-5)
     assert events(tmp_path / "out", "failure") == [] == events(tmp_path / "out", "recovered")
     silent, healed = (
         events(tmp_path / "out", "link_silent"),
