@@ -63,14 +63,35 @@ def _train(doc: dict, run_dir: Path) -> tuple[dict, list[float], dict]:
     params: dict = {}
     for s in states:
         params.update(s["params"])
+    if doc["plan"].get("strategy") == "outer":  # theta_global, as `geopipe export` writes it
+        params = _theta_global(run_dir) or params
     info = {"rounds": [e for e in events if e["event"] == "outer_round"]}
     if end_error is not None:
         info["end_error"] = brief_error(end_error)
     return params, [x["loss"] for x in lines], info
 
 
+def _theta_global(run_dir: Path) -> dict | None:
+    """theta_global by parameter name from the run's newest checkpoint (the final save, after
+    the last round), read as ``geopipe export`` reads it; None if the run saved none. With
+    F = 1 it equals every group's final weights (the rounds' digests say so); with F > 1 a
+    group's weights hold each fragment's drift since its last apply, theta_global does not,
+    and theta_global is what a user exports."""
+    from geopipe.checkpoint.store import latest_complete, load_checkpoint
+
+    found = latest_complete(run_dir / "checkpoints")
+    if found is None:
+        return None
+    ckpt = load_checkpoint(found.path)
+    params: dict = {}
+    for shard in ckpt.stages:
+        params.update(shard.tensors("params/"))
+    return params
+
+
 def loss_gaps(steps: int, settings: list[dict], tmp: Path, say) -> dict:
-    """Sync seeds 0 and 1, then every outer ``settings`` entry (plan.outer's keys, F = 1)."""
+    """Sync seeds 0 and 1, then every outer ``settings`` entry (plan.outer's keys, and the
+    ``names`` the row keeps); H must divide ``steps`` (the run ends on a round)."""
     out: dict = {"steps": steps, "sync": {}, "outer": []}
     for seed in (0, 1):
         doc = job_doc(f"sync-s{seed}", steps, sites=("east",), seed=seed)
@@ -82,14 +103,16 @@ def loss_gaps(steps: int, settings: list[dict], tmp: Path, say) -> dict:
     s0, s1 = out["sync"][0], out["sync"][1]
     out["sync_noise"] = abs(s1 - s0) / s0
     for o in settings:
-        if steps % o["h"] or o.get("fragments", 1) != 1:
-            raise ValueError(f"loss settings need F = 1 and H dividing --steps: {o}")
-        doc = outer_doc(f"outer-h{o['h']}", steps, o, **FAST_LINK)
+        if steps % o["h"]:
+            raise ValueError(f"loss settings need H dividing --steps: {o}")
+        keys = {k: v for k, v in o.items() if k != "names"}
+        doc = outer_doc(f"outer-h{o['h']}", steps, keys, **FAST_LINK)
         doc["plan"].update(micro_batch_size=MICRO_BATCH, calibrate=False)
         t0 = time.monotonic()
         row = dict(o)
         try:
-            params, _losses, info = _train(doc, tmp / f"outer-h{o['h']}-{o['codec']}")
+            tag = "-".join(o.get("names") or [f"h{o['h']}-{o['codec']}"])
+            params, _losses, info = _train(doc, tmp / f"outer-{tag}")
             rounds = info["rounds"]
             if "end_error" in info:
                 row["end_error"] = info["end_error"]

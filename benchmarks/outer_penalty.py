@@ -82,12 +82,15 @@ class Setting:
 
 def planner_grid(outer_lr: float, outer_momentum: float) -> list[Setting]:
     """The rows the planner prices (``--grid planner``): M = 2, 4, 8 at H = 10, 50, 100, codecs
-    none and int8, and streaming (F = 5, tau = 4) at H = 50 and 100 with int8."""
+    none and int8, streaming (F = 5, tau = 4) at H = 50 and 100 with int8, and M = 2 at H = 2
+    and 5 (the rounds a user who bounds the penalty tightly, ``plan.max_loss_penalty``, can
+    still choose)."""
     o = {"outer_lr": outer_lr, "outer_momentum": outer_momentum}
     rows = [Setting(m, h, "int8", 5, 4, **o) for m in (8, 4, 2) for h in (50, 100)]
     rows += [
         Setting(m, h, c, **o) for m in (8, 4, 2) for c in ("int8", "none") for h in (100, 50, 10)
     ]
+    rows += [Setting(2, h, c, **o) for c in ("int8", "none") for h in (5, 2)]
     return rows
 
 
