@@ -322,7 +322,7 @@ class OuterRounds:
             if i not in pending:
                 pending[i] = w.call(a, "outer_gather", f, slice_s)
         deadline = time.monotonic() + slice_s + h.unresponsive_s
-        have: dict[int, set[int]] = {g: set(self.live) for g in self.live}
+        answered: list[tuple[Any, dict]] = []
         dead, mute = set(), set()
         for i, ref in list(pending.items()):
             g = self.group_of[id(actors[i])]
@@ -335,14 +335,23 @@ class OuterRounds:
                 mute.add(g)
                 continue
             del pending[i]
-            have[g] &= set(ans["have"])
+            answered.append((actors[i], ans))
             self._refused([ans])
         if dead:
             raise GroupsLost(dead, "outer_gather: an actor died")
+        have = self._holding(answered)
         for g in mute:
             have[g] = {g}
             for other in have:
                 have[other].discard(g)
+        return have
+
+    def _holding(self, answered: list[tuple[Any, dict]]) -> dict[int, set[int]]:
+        """Per live group, the groups whose payloads every replica of it that answered holds
+        (``answered``: (actor, its gather's answer))."""
+        have: dict[int, set[int]] = {g: set(self.live) for g in self.live}
+        for a, ans in answered:
+            have[self.group_of[id(a)]] &= set(ans["have"])
         return have
 
     def _refused(self, answers: list[dict]) -> None:
@@ -371,9 +380,7 @@ class OuterRounds:
         t0 = said = time.monotonic()
         pending: dict[int, Any] = {}  # actor index -> its gather call still in flight
         if first is not None:
-            have: dict[int, set[int]] = {g: set(self.live) for g in self.live}
-            for a, ans in zip(actors, first, strict=True):
-                have[self.group_of[id(a)]] &= set(ans["have"])
+            have = self._holding(list(zip(actors, first, strict=True)))
             self._refused(first)
             if all(have[g] >= self.live for g in self.live):
                 return sorted(self.live), max(a.get("wait_s", 0.0) for a in first)
