@@ -16,6 +16,9 @@ The replicas of a stage inside one site form its ZeRO-1 group. Each site has its
 
 from __future__ import annotations
 
+from geopipe.runtime.actor import coldstart  # first: see its note
+
+# isort: split
 import gc
 import os
 import time
@@ -43,6 +46,8 @@ from geopipe.runtime.node import node_ip
 from geopipe.transport.bulk import ChunkServer
 from geopipe.transport.codec import measure_speeds
 from geopipe.transport.security import RunCredentials
+
+coldstart.imports_done()
 
 __all__ = ["SNAPSHOTS_KEPT", "StageSpec", "StageWorker", "WanPeer"]
 
@@ -104,15 +109,6 @@ class StageSpec:
 # the actor, so after setup they are collected once and frozen (gc.freeze: moved to a
 # generation the collector never scans); collections then only walk what training made
 # since. Megatron-LM's --manual-gc answers the same straggler by disabling the collector.
-
-
-def _settle_heap() -> None:
-    """Collect, then freeze what survives (see [Note: garbage collection off the step]).
-
-    Unfreezing first lets a re-setup after a failure collect the previous engine."""
-    gc.unfreeze()
-    gc.collect()
-    gc.freeze()
 
 
 def max_payload(plan: Plan, model: ModelDesc) -> int:
@@ -242,7 +238,7 @@ class StageWorker:
                     s.recv_timeout_s,
                 )
             )
-        _settle_heap()
+        coldstart.settle_heap()  # [Note: garbage collection off the step]
         return time.perf_counter() - t0
 
     def listen(self) -> tuple[str, int]:
