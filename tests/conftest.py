@@ -35,18 +35,19 @@ def ray_cluster():
     import ray
     from _state import DASHBOARD
 
-    from geopipe.runtime.control.cluster import RAY_SYSTEM_CONFIG
+    from geopipe.runtime.control.cluster import RAY_SYSTEM_CONFIG, worker_env
 
-    ctx = ray.init(
-        address="local",
-        namespace="geopipe",
-        resources={"site:east": 3, "site:west": 3},  # up to 3 devices per site
-        include_dashboard=True,
-        dashboard_host="127.0.0.1",
-        dashboard_port=_free_port(),
-        logging_level="WARNING",
-        _system_config=RAY_SYSTEM_CONFIG,  # as geopipe's own embedded Ray
-    )
+    with worker_env():  # as geopipe's own embedded Ray: actors need no runtime_env
+        ctx = ray.init(
+            address="local",
+            namespace="geopipe",
+            resources={"site:east": 3, "site:west": 3},  # up to 3 devices per site
+            include_dashboard=True,
+            dashboard_host="127.0.0.1",
+            dashboard_port=_free_port(),
+            logging_level="WARNING",
+            _system_config=RAY_SYSTEM_CONFIG,  # as geopipe's own embedded Ray
+        )
     DASHBOARD["url"] = f"http://{ctx.dashboard_url}"
     yield
     DASHBOARD.clear()

@@ -19,7 +19,7 @@ from geopipe.runtime.actor.lr import factor_table
 from geopipe.runtime.actor.outer_sign import GroupKeyring
 from geopipe.runtime.actor.sitegroups import grad_scale, site_worlds
 from geopipe.runtime.actor.stage import StageSpec, StageWorker
-from geopipe.runtime.control.cluster import LaunchError, kill_actors, site_resource
+from geopipe.runtime.control.cluster import ACTOR_ENV, LaunchError, kill_actors, site_resource
 from geopipe.runtime.control.models import model_desc
 from geopipe.runtime.control.workers import NameTaken, SpawnOptions, Workers, ask
 from geopipe.transport.link import LinkParams
@@ -45,7 +45,7 @@ __all__ = ["Placement"]
 # actors starting on the same cores. TORCHDYNAMO_DISABLE=1 turns torch.compile into a no-op
 # decorator, so inductor is never imported: an actor's setup CPU 2.7 s -> 1.6 s, and the
 # wiring of a 4-actor launch on 2 cores 11 s -> 9 s (a launch of the suite's 2x2 cluster).
-ACTOR_ENV = {"OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "1", "TORCHDYNAMO_DISABLE": "1"}
+# (ACTOR_ENV lives in .cluster, which sets it for an embedded Ray's workers at start.)
 
 
 # Calls a stage actor serves at once: a step, and beside it pings, recovery's questions and

@@ -41,6 +41,7 @@ pass through unchanged, as they did.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -215,6 +216,27 @@ class Workers(Protocol):
     def wait_released(self, names: list[str], namespace: str) -> list[str]: ...
 
     # -- actors --------------------------------------------------------------------------------
+    def _workers_have(self, opts: SpawnOptions) -> bool:
+        """Whether the workers an actor of ``opts`` would start as already hold ``opts.env``
+        ([Note: an actor's environment without a runtime_env] in .cluster): asked once per
+        site (and pinned node) by a task of no CPU; False if the question fails."""
+        import ray
+
+        where = (tuple(sorted(opts.resources or {})), opts.node)
+        cache = self.__dict__.setdefault("_env_seen", {})
+        if where not in cache:
+            kw: dict[str, Any] = {"resources": {k: 0.001 for k in where[0]}}
+            if opts.node is not None:
+                from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+                kw["scheduling_strategy"] = NodeAffinitySchedulingStrategy(opts.node, soft=False)
+            try:
+                ref = _env_probe().options(**kw).remote(sorted(opts.env))
+                cache[where] = ray.get(ref, timeout=60)
+            except Exception:
+                cache[where] = {}
+        return all(cache[where].get(k) == v for k, v in opts.env.items())
+
     def spawn(self, cls: type, args: tuple, opts: SpawnOptions) -> Actor: ...
     def call(self, actor: Actor, method: str, *args: Any, **kwargs: Any) -> Pending: ...
     def wait(
@@ -258,6 +280,23 @@ def _translated(exc: BaseException) -> BaseException:
     return exc
 
 
+_PROBE: Any = None
+
+
+def _env_probe() -> Any:
+    """A Ray task of no CPU answering its worker's values of some environment variables
+    (registered once per process)."""
+    global _PROBE
+    if _PROBE is None:
+        import ray
+
+        def env_of(keys: list[str]) -> dict[str, str | None]:
+            return {k: os.environ.get(k) for k in keys}
+
+        _PROBE = ray.remote(num_cpus=0)(env_of)
+    return _PROBE
+
+
 class RayWorkers:
     """:class:`Workers` on a Ray cluster. Ray is imported on first use, never at import:
     ``cluster.auth_env`` must set Ray's authentication mode before that."""
@@ -294,6 +333,27 @@ class RayWorkers:
 
         return wait_released(names, namespace)
 
+    def _workers_have(self, opts: SpawnOptions) -> bool:
+        """Whether the workers an actor of ``opts`` would start as already hold ``opts.env``
+        ([Note: an actor's environment without a runtime_env] in .cluster): asked once per
+        site (and pinned node) by a task of no CPU; False if the question fails."""
+        import ray
+
+        where = (tuple(sorted(opts.resources or {})), opts.node)
+        cache = self.__dict__.setdefault("_env_seen", {})
+        if where not in cache:
+            kw: dict[str, Any] = {"resources": {k: 0.001 for k in where[0]}}
+            if opts.node is not None:
+                from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+                kw["scheduling_strategy"] = NodeAffinitySchedulingStrategy(opts.node, soft=False)
+            try:
+                ref = _env_probe().options(**kw).remote(sorted(opts.env))
+                cache[where] = ray.get(ref, timeout=60)
+            except Exception:
+                cache[where] = {}
+        return all(cache[where].get(k) == v for k, v in opts.env.items())
+
     def spawn(self, cls: type, args: tuple, opts: SpawnOptions) -> Actor:
         import ray
 
@@ -306,7 +366,8 @@ class RayWorkers:
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
             kw["scheduling_strategy"] = NodeAffinitySchedulingStrategy(opts.node, soft=False)
-        kw["runtime_env"] = {"env_vars": dict(opts.env)}
+        if opts.env and not self._workers_have(opts):
+            kw["runtime_env"] = {"env_vars": dict(opts.env)}
         try:
             return _remote_class(cls, opts.max_concurrency).options(**kw).remote(*args)
         except ray.exceptions.ActorAlreadyExistsError as exc:
