@@ -58,8 +58,12 @@ STREAMING = {"fragments": 5, "overlap": [1, 2, 3, 4], "codec": "int8"}
 # issue's 1.5 % (plan.max_loss_penalty), over every round length, streaming and outer
 # optimizer the shipped table prices.
 LOSS_BOUND = 0.015
-BOUNDED_OUTER = {**PLANNER_OUTER, "h": [2, 5, 10, 25, 50, 100], "fragments": [1, 5]}
-BOUNDED_OUTER["overlap"] = [0, 1, 2, 3, 4]
+BOUNDED_OUTER = {
+    **PLANNER_OUTER,
+    "h": [2, 5, 10, 25, 50, 100],
+    "fragments": [1, 5],
+    "overlap": [0, 1, 2, 3, 4],
+}
 
 
 def say(msg: str) -> None:

@@ -76,23 +76,29 @@ def key_from_json(obj: Any) -> Hashable:
     return tuple(key_from_json(o) for o in obj) if isinstance(obj, list) else obj
 
 
+def header_fields(key: Hashable, enc: Encoded, arrays: Any = None) -> dict[str, Any]:
+    """A frame's header as JSON-ready fields: its key and what the payload's arrays are
+    (``arrays``: as sent, default ``enc.arrays``; also what an outer chunk's signature
+    covers: geopipe.runtime.actor.outer_sign)."""
+    return {
+        "key": key_to_json(key),
+        "codec": enc.codec,
+        "shape": list(enc.shape),
+        "dtype": enc.dtype,
+        "dir": enc.direction,
+        "arrays": [
+            [a.dtype.str, list(a.shape)] for a in (enc.arrays if arrays is None else arrays)
+        ],
+    }
+
+
 def encode_frame(
     key: Hashable, sealed: Sealed, seq: int, deliver_at: float, sent_at: float = 0.0
 ) -> list[memoryview]:
     """Header and payload buffers of one frame, for one scatter-gather ``sendmsg``."""
     enc = sealed.enc
     arrays = [np.ascontiguousarray(a) for a in enc.arrays]
-    header = json.dumps(
-        {
-            "key": key_to_json(key),
-            "codec": enc.codec,
-            "shape": list(enc.shape),
-            "dtype": enc.dtype,
-            "dir": enc.direction,
-            "arrays": [[a.dtype.str, list(a.shape)] for a in arrays],
-        },
-        separators=(",", ":"),
-    ).encode()
+    header = json.dumps(header_fields(key, enc, arrays), separators=(",", ":")).encode()
     if len(header) > 0xFFFF:
         raise ValueError(f"frame header of {len(header)} bytes is too long")
     plen = sum(a.nbytes for a in arrays)

@@ -76,18 +76,40 @@ def corpus(tmp_path_factory) -> str:
     return str(path)
 
 
+def start_groups(specs: list[list[StageSpec]]):
+    """One actor per spec, ``out[g][r]`` for ``specs[g][r]``, each group set up as its own site
+    world (its replicas one ZeRO-1 group); ``stop_groups`` ends them."""
+    import ray
+
+    remote = ray.remote(max_concurrency=8)(StageWorker)
+    opts = {"num_cpus": 0, "runtime_env": {"env_vars": dict(ACTOR_ENV)}}
+    out = [[remote.options(**opts).remote(spec) for spec in row] for row in specs]
+    calls = []
+    for row in out:
+        master = ray.get(row[0].endpoint.remote())
+        n = len(row)
+        calls += [
+            a.setup.remote(master, r, n, [list(range(n))], 0, None, None) for r, a in enumerate(row)
+        ]
+    ray.get(calls)
+    return out
+
+
+def stop_groups(out) -> None:
+    import ray
+
+    ray.get([a.shutdown.remote() for row in out for a in row])
+    for a in (a for row in out for a in row):
+        ray.kill(a)
+
+
 @pytest.fixture(scope="module")
 def groups(ray_cluster, corpus):
     """``groups[g][r]``: the actors, set up as one site world per group."""
-    import ray
-
     creds = make_credentials("outer-test", encrypt=True)
-    remote = ray.remote(max_concurrency=8)(StageWorker)
-    out = []
-    for g in range(GROUPS):
-        row = []
-        for r in range(REPLICAS):
-            spec = StageSpec(
+    specs = [
+        [
+            StageSpec(
                 run="outer-test",
                 stage=0,
                 replica=r,
@@ -102,21 +124,13 @@ def groups(ray_cluster, corpus):
                 group=g,
                 groups=GROUPS,
             )
-            opts = {"num_cpus": 0, "runtime_env": {"env_vars": dict(ACTOR_ENV)}}
-            row.append(remote.options(**opts).remote(spec))
-        out.append(row)
-    calls = []
-    for row in out:
-        master = ray.get(row[0].endpoint.remote())
-        calls += [
-            a.setup.remote(master, r, REPLICAS, [list(range(REPLICAS))], 0, None, None)
-            for r, a in enumerate(row)
+            for r in range(REPLICAS)
         ]
-    ray.get(calls)
+        for g in range(GROUPS)
+    ]
+    out = start_groups(specs)
     yield out
-    ray.get([a.shutdown.remote() for row in out for a in row])
-    for a in (a for row in out for a in row):
-        ray.kill(a)
+    stop_groups(out)
 
 
 def _flat(groups):

@@ -21,8 +21,7 @@ import torch
 
 from geopipe.checkpoint.format import PARAMS_GROUP
 from geopipe.runtime.actor.outer_wire import OuterSettings
-from geopipe.runtime.actor.stage import StageSpec, StageWorker
-from geopipe.runtime.control.placement import ACTOR_ENV
+from geopipe.runtime.actor.stage import StageSpec
 from geopipe.transport.security import make_credentials
 from tests.integration.test_outer_actor import (
     CHUNK,
@@ -38,6 +37,8 @@ from tests.integration.test_outer_actor import (
     _max_diff,
     _Reference,
     _round,
+    start_groups,
+    stop_groups,
 )
 from tests.integration.test_outer_actor import corpus as corpus
 
@@ -51,38 +52,32 @@ STARTS = (0, MICRO[0])  # where each group's slice begins, in micro-batches
 @pytest.fixture(scope="module")
 def uneven(ray_cluster, corpus):
     """``uneven[g][0]``: group g's one actor, its own site world."""
-    import ray
-
     creds = make_credentials("outer-shares", encrypt=True)
-    remote = ray.remote(max_concurrency=8)(StageWorker)
-    out = []
-    for g in range(2):
-        spec = StageSpec(
-            run="outer-shares",
-            stage=0,
-            replica=0,
-            plan=replace(PLAN, num_microbatches=MICRO[g]),
-            model=DESC,
-            engine=replace(ENGINE, micro_batches=MICRO[g]),
-            global_batch=GLOBAL_BATCH,
-            seed=1,
-            data=corpus,
-            data_max_bytes=1 << 20,
-            creds=creds,
-            group=g,
-            groups=2,
-            first_microbatch=0,
-            group_start=STARTS[g],
-        )
-        opts = {"num_cpus": 0, "runtime_env": {"env_vars": dict(ACTOR_ENV)}}
-        out.append([remote.options(**opts).remote(spec)])
-    for row in out:
-        master = ray.get(row[0].endpoint.remote())
-        ray.get(row[0].setup.remote(master, 0, 1, [[0]], 0, None, None))
+    specs = [
+        [
+            StageSpec(
+                run="outer-shares",
+                stage=0,
+                replica=0,
+                plan=replace(PLAN, num_microbatches=MICRO[g]),
+                model=DESC,
+                engine=replace(ENGINE, micro_batches=MICRO[g]),
+                global_batch=GLOBAL_BATCH,
+                seed=1,
+                data=corpus,
+                data_max_bytes=1 << 20,
+                creds=creds,
+                group=g,
+                groups=2,
+                first_microbatch=0,
+                group_start=STARTS[g],
+            )
+        ]
+        for g in range(2)
+    ]
+    out = start_groups(specs)
     yield out
-    ray.get([row[0].shutdown.remote() for row in out])
-    for row in out:
-        ray.kill(row[0])
+    stop_groups(out)
 
 
 def _reference(corpus: str, rounds: int, **kw) -> dict[str, torch.Tensor]:

@@ -64,7 +64,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
 )
 
 from geopipe.transport.codec import Encoded
-from geopipe.transport.frames import key_to_json
+from geopipe.transport.frames import header_fields
 
 if TYPE_CHECKING:
     from geopipe.plan import Plan
@@ -131,18 +131,7 @@ def signed_digest(key: Hashable, enc: Encoded) -> bytes:
     """SHA-256 over the domain label, ``key`` (without a signature) and ``enc``'s header
     fields, each length-prefixed, then its payload arrays' bytes in order: what a signature
     covers (see the module's note)."""
-    header = json.dumps(
-        {
-            "key": key_to_json(key),
-            "codec": enc.codec,
-            "shape": list(enc.shape),
-            "dtype": enc.dtype,
-            "dir": enc.direction,
-            "arrays": [[a.dtype.str, list(a.shape)] for a in enc.arrays],
-        },
-        separators=(",", ":"),
-        sort_keys=True,
-    ).encode()
+    header = json.dumps(header_fields(key, enc), separators=(",", ":"), sort_keys=True).encode()
     h = hashlib.sha256(_DOMAIN)
     h.update(len(header).to_bytes(4, "little"))
     h.update(header)

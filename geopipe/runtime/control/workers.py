@@ -216,27 +216,6 @@ class Workers(Protocol):
     def wait_released(self, names: list[str], namespace: str) -> list[str]: ...
 
     # -- actors --------------------------------------------------------------------------------
-    def _workers_have(self, opts: SpawnOptions) -> bool:
-        """Whether the workers an actor of ``opts`` would start as already hold ``opts.env``
-        ([Note: an actor's environment without a runtime_env] in .cluster): asked once per
-        site (and pinned node) by a task of no CPU; False if the question fails."""
-        import ray
-
-        where = (tuple(sorted(opts.resources or {})), opts.node)
-        cache = self.__dict__.setdefault("_env_seen", {})
-        if where not in cache:
-            kw: dict[str, Any] = {"resources": {k: 0.001 for k in where[0]}}
-            if opts.node is not None:
-                from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-                kw["scheduling_strategy"] = NodeAffinitySchedulingStrategy(opts.node, soft=False)
-            try:
-                ref = _env_probe().options(**kw).remote(sorted(opts.env))
-                cache[where] = ray.get(ref, timeout=60)
-            except Exception:
-                cache[where] = {}
-        return all(cache[where].get(k) == v for k, v in opts.env.items())
-
     def spawn(self, cls: type, args: tuple, opts: SpawnOptions) -> Actor: ...
     def call(self, actor: Actor, method: str, *args: Any, **kwargs: Any) -> Pending: ...
     def wait(
@@ -297,11 +276,24 @@ def _env_probe() -> Any:
     return _PROBE
 
 
+def _pinned(node: str | None) -> dict[str, Any]:
+    """Ray options that pin a task or actor to ``node`` (none when ``node`` is None)."""
+    if node is None:
+        return {}
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
+
+
 class RayWorkers:
     """:class:`Workers` on a Ray cluster. Ray is imported on first use, never at import:
     ``cluster.auth_env`` must set Ray's authentication mode before that."""
 
     ray_metrics = True
+
+    def __init__(self) -> None:
+        # per (site resources, pinned node): its workers' values of the actors' variables
+        self._env_seen: dict[tuple, dict[str, str | None]] = {}
 
     def connect(self, spec: ClusterSpec) -> ClusterInfo:
         from geopipe.runtime.control.cluster import connect
@@ -340,19 +332,14 @@ class RayWorkers:
         import ray
 
         where = (tuple(sorted(opts.resources or {})), opts.node)
-        cache = self.__dict__.setdefault("_env_seen", {})
-        if where not in cache:
-            kw: dict[str, Any] = {"resources": {k: 0.001 for k in where[0]}}
-            if opts.node is not None:
-                from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-                kw["scheduling_strategy"] = NodeAffinitySchedulingStrategy(opts.node, soft=False)
+        if where not in self._env_seen:
+            kw = {"resources": {k: 0.001 for k in where[0]}, **_pinned(opts.node)}
             try:
                 ref = _env_probe().options(**kw).remote(sorted(opts.env))
-                cache[where] = ray.get(ref, timeout=60)
+                self._env_seen[where] = ray.get(ref, timeout=60)
             except Exception:
-                cache[where] = {}
-        return all(cache[where].get(k) == v for k, v in opts.env.items())
+                self._env_seen[where] = {}
+        return all(self._env_seen[where].get(k) == v for k, v in opts.env.items())
 
     def spawn(self, cls: type, args: tuple, opts: SpawnOptions) -> Actor:
         import ray
@@ -362,10 +349,7 @@ class RayWorkers:
             kw["resources"] = dict(opts.resources)
         if opts.num_gpus is not None:
             kw["num_gpus"] = opts.num_gpus
-        if opts.node is not None:
-            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-            kw["scheduling_strategy"] = NodeAffinitySchedulingStrategy(opts.node, soft=False)
+        kw.update(_pinned(opts.node))
         if opts.env and not self._workers_have(opts):
             kw["runtime_env"] = {"env_vars": dict(opts.env)}
         try:
