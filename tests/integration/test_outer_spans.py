@@ -45,6 +45,7 @@ class Counting(RayWorkers):
     runs before each call is started (a test's hook)."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.counts: Counter[str] = Counter()
         self.before = lambda actor, method, args: None
 
