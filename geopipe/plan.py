@@ -102,6 +102,10 @@ class Plan:
     # never share a reduction, and meet only in the outer loop every H steps. Pipelines are
     # listed group by group, so group g trains on one contiguous slice of each global batch
     # (first_microbatch), and a gradient's mean is over its own group's micro-batches.
+    # The ids are stable: 0 .. M-1 at launch, and a plan without lost groups
+    # (geopipe.runtime.control.outerfail.without_groups) keeps the survivors' own (its
+    # actors keep them for their data slices and outer keys), so they may start past 0 and
+    # skip some: iterate over group_ids (range(num_groups) is right for launch plans only).
     groups: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
@@ -113,8 +117,8 @@ class Plan:
                 raise ValueError("a mixed plan lists its pipelines deepest first")
         if self.groups:
             g = list(self.groups)
-            if not self.mix or len(g) != self.pipelines or g != sorted(g) or g[0] != 0:
-                raise ValueError("groups: a mixed plan's, one per pipeline, 0.. in order")
+            if not self.mix or len(g) != self.pipelines or g != sorted(g) or g[0] < 0:
+                raise ValueError("groups: a mixed plan's, one per pipeline, ids in order")
             sites = [set(self.mix[r].stage_sites) for r in range(self.pipelines)]
             for r in range(self.pipelines):
                 for q in range(r):
@@ -122,11 +126,17 @@ class Plan:
                         raise ValueError("replica groups must sit on different sites")
 
     @property
+    def group_ids(self) -> tuple[int, ...]:
+        """The stable ids of this plan's replica groups, in order (``(0,)`` for one)."""
+        return tuple(dict.fromkeys(self.groups)) if self.groups else (0,)
+
+    @property
     def num_groups(self) -> int:
         """Replica groups joined by the outer loop (1: synchronous training)."""
-        return self.groups[-1] + 1 if self.groups else 1
+        return len(self.group_ids)
 
     def group_of(self, r: int) -> int:
+        """The stable id of the group of this plan's pipeline ``r`` (its position here)."""
         return self.groups[r] if self.groups else 0
 
     def group_microbatches(self, g: int) -> int:

@@ -20,17 +20,19 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from geopipe.config import ClusterSpec
 from geopipe.optimizer.errors import PlanningError
 from geopipe.optimizer.evaluate import TIE_TOLERANCE, Candidate, Evaluation, Evaluator
 from geopipe.optimizer.exhaustive import exhaustive_search
 from geopipe.optimizer.genetic import genetic_search
+from geopipe.optimizer.memory import inflight_caps
 from geopipe.optimizer.outerplan import unlaunchable
-from geopipe.optimizer.shapes import build_plan
+from geopipe.pipeline.schedule import family
 from geopipe.plan import Plan
 
-__all__ = ["EXHAUSTIVE_UP_TO", "common_layout", "layout_key", "plan_like"]
+__all__ = ["EXHAUSTIVE_UP_TO", "common_layout", "layout_key", "plan_like", "with_partition"]
 
 # With pipelines, micro-batch and sequence length fixed only ΔN and the codecs are left:
 # spaces this small are scored faster in bulk than evolved.
@@ -57,18 +59,18 @@ class _Forced(Evaluator):
         plan = super().make_plan(c)
         if plan is None or plan.partition == self.partition:
             return plan
-        return build_plan(
-            self.spec,
-            plan.stage_sites,
-            pipelines=plan.pipelines,
-            micro_batch_size=plan.micro_batch_size,
-            seq_len=plan.seq_len,
-            num_microbatches=plan.num_microbatches,
-            schedule=plan.schedule,
-            delta_n=plan.delta_n,
-            codecs=plan.codecs,
-            partition=self.partition,
-        )
+        return with_partition(self.spec, plan, self.partition)
+
+
+def with_partition(spec: ClusterSpec, plan: Plan, partition: Sequence[tuple[int, int]]) -> Plan:
+    """``plan`` with its layer split replaced: every other field kept (``replace``, so a
+    field added to :class:`~geopipe.plan.Plan` is never dropped here) except the in-flight
+    caps, which follow from each stage's layers and are recomputed as
+    :func:`~geopipe.optimizer.shapes.build_plan` computes them."""
+    forced = replace(plan, partition=tuple(partition), inflight_caps=())
+    if family(plan.schedule).memory_caps:
+        forced = replace(forced, inflight_caps=tuple(inflight_caps(spec, forced)))
+    return forced
 
 
 def plan_like(spec: ClusterSpec, like: Plan) -> Evaluation | str:

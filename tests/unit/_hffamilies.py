@@ -12,6 +12,9 @@ from typing import Any
 import torch
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
+# The unit tier's small model of every family (test_hf_stage and test_export use it too);
+# its vocabulary differs from tests/_hfdoc.py's LLAMA (256: the stdlib data's bytes), as
+# these tests feed random token ids, never the data.
 SMALL = dict(
     vocab_size=96,
     hidden_size=32,

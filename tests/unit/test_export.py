@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _hffamilies import SMALL  # the unit tier's small model (every family test's)
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
 from geopipe.checkpoint.writer import CheckpointWriter
@@ -17,15 +18,6 @@ from geopipe.cli import main
 from geopipe.model.family import ModelDesc, build_stage
 from geopipe.model.gpt import GPTConfig
 
-SMALL = dict(
-    vocab_size=96,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-)
 CASES = {
     "llama-tied-split": (LlamaConfig, {"tie_word_embeddings": True}, [(0, 2), (2, 5)]),
     "llama-tied-one-stage": (LlamaConfig, {"tie_word_embeddings": True}, [(0, 5)]),

@@ -12,20 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from _hffamilies import SMALL  # the unit tier's small model (every family test's)
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
 from geopipe.model.family import ModelDesc, build_stage, stage_param_names
 from geopipe.model.hf import EMBED, HEAD, HFStage, hf_layer_of, load_stage_weights
 
-SMALL = dict(
-    vocab_size=96,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-)
 FAMILIES = {
     "llama-gqa-tied": (LlamaConfig, {"tie_word_embeddings": True}),
     "llama-gqa-untied": (

@@ -288,3 +288,13 @@ def test_the_calibrator_hands_an_outer_run_its_plan_and_forecast() -> None:
     alone = cal.observe(8, east, _results(east, 8))
     assert alone.plan is east and alone.event["group_step_s"] == [STEP_S[0]]
     assert cal.outer.cost.exchange_s == 0 and cal.outer.cost.control.rtt_s == 0
+    # east's group lost instead: the survivors report their launch positions (their actors
+    # are not reconfigured), past the shrunk plan's pipelines
+    west = without_groups(run.plan, {0})
+    kept = [r for r in range(run.plan.pipelines) if run.plan.group_of(r) == 1]
+    assert kept[0] >= west.pipelines or len(kept) < run.plan.pipelines
+    launch_results = [SimpleNamespace(replica=r, stage=0, duration_s=STEP_S[1]) for r in kept]
+    cal.restart(9)
+    cal.observe(9, west, launch_results)
+    lone = cal.observe(10, west, launch_results)
+    assert lone.plan is west and lone.event["group_step_s"] == [STEP_S[1]]

@@ -68,16 +68,60 @@ def _plan(groups: int) -> Plan:
     )
 
 
-def test_the_layout_without_a_lost_group_renumbers_the_others() -> None:
+def test_the_layout_without_a_lost_group_keeps_the_others_stable_ids() -> None:
+    """The survivors' plan names each pipeline's group by the id its actors keep (their data
+    slice, their outer key): never renumbered 0.., so ``group_of`` cannot answer another
+    group's id after a loss."""
     plan = _plan(3)
     left = without_groups(plan, {0})
-    assert left.pipelines == 4 and left.groups == (0, 0, 1, 1) and left.num_groups == 2
+    assert left.pipelines == 4 and left.groups == (1, 1, 2, 2) and left.num_groups == 2
+    assert left.group_ids == (1, 2) and [left.group_of(r) for r in range(4)] == [1, 1, 2, 2]
     assert [p.stage_sites[0] for p in left.mix] == ["west", "west", "south", "south"]
     assert left.stage_sites == ("west", "west")  # pipeline 0's, as any mixed plan's
     assert left.total_microbatches == 8  # the survivors' slices: the global batch shrinks
-    assert without_groups(plan, {1}).groups == (0, 0, 1, 1)
+    assert left.group_microbatches(1) == left.group_microbatches(2) == 4
+    assert Plan.from_dict(left.to_dict()) == left  # as status.json and events carry it
+    middle = without_groups(plan, {1})
+    assert middle.groups == (0, 0, 2, 2) and middle.group_ids == (0, 2)
+    assert without_groups(middle, {0}).groups == (2, 2)  # a second loss: still stable
     with pytest.raises(ValueError, match="no replica group"):
         without_groups(plan, {0, 1, 2})
+
+
+def test_a_step_after_losing_the_first_group_records_the_survivors() -> None:
+    """After group 0 is lost the survivors' actors (not reconfigured) report their launch
+    positions, past the shrunk plan's pipelines: the step's group losses are named by the
+    launch plan's groups (the lost group's nan) and its tokens are the survivors' slices."""
+    from geopipe.runtime.actor.executor import IterationResult
+    from geopipe.runtime.control.metrics import aggregate
+    from geopipe.runtime.control.outerfail import recorded_shape
+
+    launched = _plan(3)
+    left = without_groups(launched, {0})
+    results = [
+        IterationResult(
+            stage=1,
+            replica=r,
+            step=5,
+            losses=[float(r), float(r)],
+            busy_s=0.1,
+            wait_s=0.0,
+            duration_s=0.2,
+            start=0.0,
+            wan_bytes=0,
+            micro_batches=2,
+            optimizer_steps=1,
+        )
+        for r in range(launched.pipelines)
+        if launched.group_of(r) != 0  # launch positions 2..5
+    ]
+    tokens, groups = recorded_shape(12, left, launched)
+    assert tokens == 8 * 1 * 8  # 8 of the launch's 12 micro-batches of 1 sequence of 8
+    m = aggregate(results, left.num_stages, tokens, groups)
+    assert m.group_loss[1:] == [2.5, 4.5] and m.group_loss[0] != m.group_loss[0]  # nan
+    assert m.tokens == 64 and m.loss == pytest.approx(3.5)
+    # a run without an outer loop records the global batch, its plan's groups
+    assert recorded_shape(12, launched, None) == (12 * 8, launched.groups)
 
 
 FROZEN = object()  # a call that never answers

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+from dataclasses import fields, replace
 from typing import Any
 
 import pytest
@@ -14,7 +15,7 @@ import pytest
 from geopipe.config import ClusterSpec, ConfigError, OuterSetting, parse_cluster
 from geopipe.model.sizes import param_totals, stage_param_count
 from geopipe.optimizer.evaluate import plan_peak_memory
-from geopipe.optimizer.grouplayout import plan_like
+from geopipe.optimizer.grouplayout import plan_like, with_partition
 from geopipe.optimizer.memory import outer_state_bytes_per_param, stage_memory
 from geopipe.optimizer.outer_cost import (
     CALL_OVERHEAD_S,
@@ -27,6 +28,7 @@ from geopipe.optimizer.outer_cost import (
 from geopipe.optimizer.outerplan import outer_run, unlaunchable
 from geopipe.optimizer.penalty import PenaltyModel, parse_table
 from geopipe.optimizer.planner import plan_cluster
+from geopipe.optimizer.shapes import build_plan
 from geopipe.optimizer.strategy import (
     as_pipeline,
     balanced_shares,
@@ -34,6 +36,7 @@ from geopipe.optimizer.strategy import (
     plan_strategy,
     site_groupings,
 )
+from geopipe.plan import PipelineLayout, Plan
 
 MODEL = {"n_layer": 4, "n_embd": 128, "n_head": 4, "vocab_size": 256, "max_seq_len": 128}
 
@@ -333,6 +336,31 @@ def test_a_forced_layout_imposes_its_layer_split_on_a_group_of_unequal_sites() -
     assert forced.iteration_time_s > own.iteration_time_s
     deeper = plan_cluster(_unlike(2)).best.plan  # 1 pipeline of 4 stages over a and b
     assert "have 2 stages, not 4" in plan_like(spec, deeper)
+
+
+def test_a_forced_split_keeps_every_plan_field_it_does_not_derive() -> None:
+    """``with_partition`` (the forced layout's plans) changes the split and the in-flight
+    caps that follow from it — the same caps ``build_plan`` gives that split — and keeps
+    every other field, those the planner leaves at their defaults included: here a
+    one-pipeline mixed plan's ``mix`` and ``groups``, which a field-by-field copy drops."""
+    spec = group_spec(_two_sites(gbps=1.0), ("a", "b"), 8)
+    own = plan_cluster(spec).best.plan
+    split = ((0, 1), (1, own.partition[-1][1]))
+    assert own.num_stages == 2 and own.partition != split
+    kw = {f: getattr(own, f) for f in ("pipelines", "micro_batch_size", "seq_len")}
+    kw.update(num_microbatches=own.num_microbatches, delta_n=own.delta_n, codecs=own.codecs)
+    zb = build_plan(spec, own.stage_sites, schedule="lookahead-zb", **kw)
+    ref = build_plan(spec, own.stage_sites, schedule="lookahead-zb", partition=split, **kw)
+    assert zb.inflight_caps != ref.inflight_caps  # the caps do follow from the split
+    assert with_partition(spec, zb, split) == ref
+    lay = PipelineLayout(zb.stage_sites, zb.partition, zb.num_microbatches, zb.delta_n, zb.codecs)
+    marked = replace(zb, pipelines=1, mix=(lay,), groups=(0,))
+    forced = with_partition(spec, marked, split)
+    derived = {"partition", "inflight_caps"}
+    for f in fields(Plan):
+        if f.name not in derived:
+            assert getattr(forced, f.name) == getattr(marked, f.name), f.name
+    assert forced.partition == split and forced.mix == (lay,) and forced.groups == (0,)
 
 
 def test_worldwide_64_chooses_a_strategy_that_keeps_its_devices_computing(capsys) -> None:

@@ -138,7 +138,9 @@ class OuterCalibrator:
         now = time.perf_counter() if now is None else now
         per: dict[int, float] = {}
         for r in results:
-            g = plan.group_of(r.replica)
+            # a result's replica is its actor's launch position (the survivors of a lost
+            # group keep theirs; ``plan`` lists only them): its group is the launch plan's
+            g = self.run.plan.group_of(r.replica)
             per[g] = max(per.get(g, 0.0), r.duration_s)
         self._seen[step] = _Seen(now, per)
         if not self.run.evaluations:  # an outer run made without the strategy table's plans

@@ -64,25 +64,39 @@ from geopipe.runtime.control.outerloop import GroupsLost
 from geopipe.runtime.control.states import Checkpointing, Recovering, Running, State
 from geopipe.runtime.control.workers import WorkerLost
 
-__all__ = ["grow_decision", "recover_groups", "without_groups"]
+__all__ = ["grow_decision", "recorded_shape", "recover_groups", "without_groups"]
+
+
+def recorded_shape(
+    global_batch: int, plan: Plan, launched: Plan | None
+) -> tuple[int, tuple[int, ...]]:
+    """What a step of ``plan`` records: its tokens, and the group of each pipeline as a step
+    result names it (``launched``: an outer run's launch plan, else None).
+
+    A result's ``replica`` is its actor's launch position: the survivors of a lost group
+    are not reconfigured, so after a loss they report positions past the shrunk plan's, and
+    their groups are the launch plan's. The tokens are the survivors' slices of the global
+    batch ([Note: what the survivors train on]): the micro-batches the plan's pipelines run."""
+    if launched is None:
+        return global_batch * plan.seq_len, plan.groups
+    return plan.total_microbatches * plan.micro_batch_size * plan.seq_len, launched.groups
 
 
 def without_groups(plan: Plan, lost: set[int]) -> Plan:
-    """``plan`` less the pipelines of replica groups ``lost`` (indices of ``plan.groups``);
-    the remaining groups are renumbered 0.. in order (a plan's groups are contiguous; the
-    actors keep their stable group ids and data slices: [Note: what the survivors train
-    on])."""
+    """``plan`` less the pipelines of replica groups ``lost`` (stable ids); the others keep
+    their ids ([Note: replica groups] in :mod:`geopipe.plan`), as their actors keep their
+    data slices ([Note: what the survivors train on]): a pipeline's ``group_of`` is its
+    actors' group after a loss as before it (its position ``r`` may change)."""
     keep = [r for r in range(plan.pipelines) if plan.group_of(r) not in lost]
     if not keep:
         raise ValueError("no replica group is left")
-    renumber = {g: i for i, g in enumerate(sorted({plan.group_of(r) for r in keep}))}
     mix = tuple(plan.mix[r] for r in keep)
     first = mix[0]
     return replace(
         plan,
         pipelines=len(keep),
         mix=mix,
-        groups=tuple(renumber[plan.group_of(r)] for r in keep),
+        groups=tuple(plan.group_of(r) for r in keep),
         stage_sites=first.stage_sites,
         partition=first.partition,
         num_microbatches=first.num_microbatches,

@@ -15,7 +15,6 @@ from pathlib import Path
 
 from geopipe.config import ClusterSpec
 from geopipe.runtime.control.cluster import LaunchError, check_precision
-from geopipe.runtime.control.models import check_data_source
 
 __all__ = ["check_run_dir", "preflight", "shared_paths"]
 
@@ -23,6 +22,9 @@ __all__ = ["check_run_dir", "preflight", "shared_paths"]
 def preflight(spec: ClusterSpec, run_dir: Path) -> list[str]:
     """Raise :class:`LaunchError` naming the field or path at fault; return notes (what a
     dry run cannot check from here, and what the operator must provide)."""
+    # Here, not at the top: models imports torch (~2 s), which `geopipe status` never needs.
+    from geopipe.runtime.control.models import check_data_source
+
     check_data_source(spec)
     check_run_dir(run_dir)
     notes = []
