@@ -184,9 +184,13 @@ def _results(plan, step: int, jitter: bool = False) -> list:
     ]
 
 
-def _timeline(run, spec, steps: int, cap: int, every: int, jitter: bool) -> list[tuple[int, float]]:
+def _timeline(
+    run, spec, steps: int, cap: int, every: int, jitter: bool, exposed: float = 0.0
+) -> list[tuple[int, float]]:
     """``(step, when the driver recorded it)`` of a run that spends time as the runtime
-    does ([Note: the driver's control calls]); a checkpoint costs 1 s more."""
+    does ([Note: the driver's control calls]); a checkpoint costs 1 s more; each apply waits
+    ``exposed`` seconds for the payloads, which the link model does not foresee (a real
+    network's slow start after idle)."""
     sched = StreamingSchedule(run.h, run.setting.fragments, run.setting.overlap)
     call_s = 2 * LATENCY_S + OVERHEAD_S
     out, t, step, queued = [], 0.0, 0, False
@@ -206,7 +210,7 @@ def _timeline(run, spec, steps: int, cap: int, every: int, jitter: bool) -> list
         out += [(s, t) for s in span]
         step += n
         if sched.applies_at(step) is not None:  # the apply's price at the measured step
-            t += OUTER_CALLS_PER_FRAGMENT * call_s + _apply_s(run, spec)
+            t += OUTER_CALLS_PER_FRAGMENT * call_s + _apply_s(run, spec) + exposed
         if every and step % every == 0:
             t += 1.0
     return out
@@ -222,15 +226,21 @@ def _apply_s(run, spec) -> float:
 
 
 @pytest.mark.parametrize(
-    ("every", "jitter", "short"),
-    [(0, False, False), (20, False, False), (0, True, False), (0, False, True)],
+    ("every", "jitter", "short", "exposed"),
+    [
+        (0, False, False, 0.0),
+        (20, False, False, 0.0),
+        (0, True, False, 0.0),
+        (0, False, True, 0.0),
+        (0, False, False, 0.35),
+    ],
 )
 def test_calibration_recovers_the_call_overhead_and_forecasts_the_wall_time(
-    every: int, jitter: bool, short: bool
+    every: int, jitter: bool, short: bool, exposed: float
 ) -> None:
     spec = parse_cluster(_doc(every=every), "t")
     run = plan_run(spec, penalty=_table()).outer
-    rounds = SimpleNamespace(run=run, max_span=None)
+    rounds = SimpleNamespace(run=run, max_span=None, rounds=[])  # rounds: OuterRounds' rows
     cal = Calibrator(spec, False, 1.0, [], rounds)
     period = run.h // run.setting.fragments
     # the cap the runtime derives from it: 12 steps, more than a period; or (``short``)
@@ -238,9 +248,12 @@ def test_calibration_recovers_the_call_overhead_and_forecasts_the_wall_time(
     predicted = SPAN_S / (period // 2 + 0.5) if short else 0.4
     cap = span_cap(predicted)
     assert cap > period or (short and 1 < cap < period)
-    seen = _timeline(run, spec, 60, cap, every, jitter)
+    seen = _timeline(run, spec, 60, cap, every, jitter, exposed)
+    sched = StreamingSchedule(run.h, run.setting.fragments, run.setting.overlap)
     forecasts, events = {}, []
     for step, at in seen:
+        if step and sched.applies_at(step) is not None:  # applied before this step ran
+            rounds.rounds.append({"exposed_s": exposed, "groups": 2})
         got = cal.outer.observe(step, run.plan, _results(run.plan, step, jitter), predicted, at)
         if got is not None:
             forecasts[step] = got[0]
