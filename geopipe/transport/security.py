@@ -142,12 +142,17 @@ class RunCredentials:
 
     __str__ = __repr__
 
-    def protection(self) -> dict[str, object]:
+    def protection(self, outer_groups: int = 1) -> dict[str, object]:
         """What these credentials protect, exactly (the metrics' ``security`` event): the
         handshake is always authenticated by the run secret; what follows it on the same
         connection is authenticated and encrypted only under TLS — in plaintext a frame
-        carries CRC32s against corruption, which anyone on the path can recompute."""
+        carries CRC32s against corruption, which anyone on the path can recompute. With
+        ``outer_groups`` > 1 (an outer-loop run's replica groups) every group signs its
+        outer payloads with its own Ed25519 key (geopipe.runtime.actor.outer_sign, the
+        driver's ``GroupKeyring``: keys exactly when there is more than one group), so the
+        run secret, which every actor holds, is not what says which group sent one."""
         tls = self.encrypt
+        signed = outer_groups > 1
         return {
             "encrypt": tls,
             "handshake": "authenticated: mutual HMAC-SHA256 challenge-response, run secret",
@@ -162,6 +167,15 @@ class RunCredentials:
             ),
             "covers": "data plane: activations, gradients, tied-embedding gradients, link "
             "probe, outer-loop payloads, checkpoint copies between sites",
+            "outer_payloads_signed": signed,
+            "outer_payloads": (
+                f"signed per replica group ({outer_groups} groups): Ed25519, one key pair per "
+                "group made by the driver for this run; a listener takes a payload as group "
+                "g's only if g's key verifies it, and blames a group only for bytes its key "
+                "signed"
+                if signed
+                else "none exchanged (one replica group: no outer-loop exchange to sign)"
+            ),
             "not_covered": "Ray's control plane and object store (Ray's own protection; the "
             "site rendezvous goes through it); torch.distributed inside a site (gloo/NCCL: "
             "the site's network is trusted)",

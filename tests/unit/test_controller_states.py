@@ -24,6 +24,7 @@ from geopipe.checkpoint.store import latest_complete, list_checkpoints, load_che
 from geopipe.config import HealthSpec, parse_cluster
 from geopipe.runtime.control.cluster import LaunchError
 from geopipe.runtime.control.controller import Controller, LaunchOptions
+from geopipe.runtime.control.health import ShardsUnwritten
 from geopipe.runtime.control.workers import WorkerFailed
 from geopipe.runtime.storage.sitestore import SiteStore
 from tests.unit.fakes import FakeWorkers, reference_losses, reference_state
@@ -168,6 +169,8 @@ def test_a_run_plans_launches_trains_checkpoints_and_finishes(tmp_path: Path, co
     assert run.ctl.plan.pipelines == 2 and run.ctl.plan.num_stages == 2
     (plan,) = run.events("plan")
     assert plan["config_hash"] == run.ctl.spec.digest and plan["plan"]["pipelines"] == 2
+    (security,) = run.events("security")  # one replica group: no outer payloads to sign
+    assert security["outer_payloads_signed"] is False and security["handshake_authenticated"]
     assert [e["step"] for e in run.events("checkpoint")] == [2, 4, 6]
     steps = [x for x in run.lines() if "event" not in x]
     assert [x["step"] for x in steps] == list(range(6))
@@ -359,6 +362,33 @@ def test_devices_that_come_back_are_grown_onto_at_a_checkpoint(
     assert_exact(run, 8)
 
 
+def test_a_wedged_writer_met_at_a_grow_back_is_recovered_from(tmp_path: Path, corpus: Path) -> None:
+    """As above, but a survivor's writer never finishes its shard of step 4: the grow-back
+    at 6 first needs that save, waits ``hang_floor_uncalibrated_s``, drops it (step 2 stays
+    the newest complete checkpoint) and recovers without the writer (Growing -> Recovering)
+    instead of ending the run. The writer was the only holder of its stage left, so the run
+    goes on from checkpoint 2 and saves step 4 again."""
+    fake = FakeWorkers()
+    fake.inject("east/stage0/r1", die_at_step=2, hold_until_step=4)
+    fake.inject("west/stage1/r0", block_save=4)
+    run = Run(
+        make_doc(corpus, steps=8, every=2),
+        tmp_path / "run",
+        fake,
+        health={"hang_floor_uncalibrated_s": 0.2},
+    )
+    seen = _watch_unwritten(run, lambda: tmp_path / "run" / "checkpoints")
+    run.go()
+    ((exc, newest),) = seen
+    assert exc.step == 4 and exc.names == ["west/stage1/r0"] and newest == 2
+    path = run.path()
+    i = path.index("growing 6")
+    assert path[i + 1 : i + 3] == ["recovering 6", "running 2"]
+    assert "geopipe/fk2/west/stage1/r0" in fake.killed
+    assert [e["step"] for e in run.events("checkpoint")] == [2, 4, 6, 8]
+    assert_exact(run, 8)
+
+
 # -- saves that cannot finish ------------------------------------------------------------------
 def test_a_frozen_writer_blocks_the_save_until_killed_then_a_survivor_stands_in(
     tmp_path: Path, corpus: Path
@@ -399,6 +429,100 @@ def test_a_save_no_one_can_finish_is_abandoned_after_settle_s(tmp_path: Path, co
     steps = [(i.step, i.status) for i in list_checkpoints(tmp_path / "run" / "checkpoints")]
     assert (2, "complete") in steps and (6, "complete") in steps and 4 not in dict(steps)
     assert_exact(run, 6)
+
+
+def _watch_unwritten(run: Run, root_of: object) -> list:
+    """Record each :class:`ShardsUnwritten` the coordinator's ``poll`` raises, with what
+    ``latest_complete`` says under ``root_of()`` at that moment."""
+    seen, poll = [], run.ctl.checkpoints.poll
+    copies = run.ctl.checkpoints.copies
+    inner = copies.poll if copies is not None else None
+
+    def record(exc: ShardsUnwritten) -> None:
+        info = latest_complete(root_of(), on_skip=lambda p, r: None)
+        seen.append((exc, info.step if info is not None else None))
+
+    def watched(*args, **kw):
+        try:
+            return poll(*args, **kw)
+        except ShardsUnwritten as exc:
+            record(exc)
+            raise
+
+    def watched_copies(*args, **kw):
+        try:
+            return inner(*args, **kw)
+        except ShardsUnwritten as exc:
+            record(exc)
+            raise
+
+    run.ctl.checkpoints.poll = watched
+    if copies is not None:
+        copies.poll = watched_copies
+    return seen
+
+
+@pytest.mark.parametrize("per_site", [False, True])
+def test_a_save_a_wedged_writer_blocks_is_cut_short_and_recovered_from(
+    tmp_path: Path, corpus: Path, per_site: bool
+) -> None:
+    """West stage 1's writer never finishes its shard of step 4 (it answers pings: a writer
+    thread wedged in a gather) and nothing else fails. The next save waits for it only
+    ``hang_floor_uncalibrated_s`` (tiny here; without a bound the fake's wait raises
+    FakeHang), then raises ShardsUnwritten naming that actor; nothing of step 4 is
+    committed, step 2 stays the newest complete checkpoint, and the controller's recovery
+    kills the writer and goes on from the survivors without losing a step. With per-site
+    copies the same holds for each site's store."""
+    fake = FakeWorkers()
+    fake.inject("west/stage1/r0", block_save=4)
+    doc = make_doc(corpus, steps=8, every=2)
+    if per_site:
+        doc["training"]["checkpoint"]["dir"] = str(tmp_path / "ck-{site}")
+        root = tmp_path / "ck-east"
+    else:
+        root = tmp_path / "run" / "checkpoints"
+    run = Run(doc, tmp_path / "run", fake, health={"hang_floor_uncalibrated_s": 0.2})
+    seen = _watch_unwritten(run, lambda: root)
+    run.go()
+    ((exc, newest),) = seen
+    assert exc.step == 4 and exc.names == ["west/stage1/r0"] and newest == 2
+    (failure,) = run.events("failure")
+    assert failure["dead"] == ["geopipe/fk2/west/stage1/r0"]
+    assert "checkpoint step 4" in failure["error"] and "not written" in failure["error"]
+    assert fake.killed[0] == "geopipe/fk2/west/stage1/r0"
+    assert "recovering 6" in run.path()
+    assert run.events("recovered")[0]["lost_steps"] == 0
+    assert [e["step"] for e in run.events("checkpoint")] == [2, 8]
+    steps = [(i.step, i.status) for i in list_checkpoints(root)]
+    assert steps == [(2, "complete"), (8, "complete")]
+    assert_exact(run, 8)
+
+
+def test_the_last_save_a_wedged_writer_blocks_is_saved_again_after_recovery(
+    tmp_path: Path, corpus: Path
+) -> None:
+    """The run's last save (step 4) cannot commit: its writer never finishes. The driver
+    waits ``hang_floor_uncalibrated_s``, drops it (step 2 stays the newest complete
+    checkpoint), recovers without the writer and saves step 4 again on the new layout."""
+    fake = FakeWorkers()
+    fake.inject("east/stage0/r0", block_save=4)
+    run = Run(
+        make_doc(corpus, steps=4, every=2),
+        tmp_path / "run",
+        fake,
+        health={"hang_floor_uncalibrated_s": 0.2},
+    )
+    seen = _watch_unwritten(run, lambda: tmp_path / "run" / "checkpoints")
+    run.go()
+    ((exc, newest),) = seen
+    assert exc.step == 4 and exc.names == ["east/stage0/r0"] and newest == 2
+    path = run.path()
+    i = path.index("recovering 4")
+    assert path[i - 1] == "checkpointing 4" and path[-2:] == ["checkpointing 4", "finished"]
+    assert [e["step"] for e in run.events("checkpoint")] == [2, 4]
+    steps = [(i.step, i.status) for i in list_checkpoints(tmp_path / "run" / "checkpoints")]
+    assert steps == [(2, "complete"), (4, "complete")]
+    assert_exact(run, 4)
 
 
 # -- per-site copies and resume ----------------------------------------------------------------

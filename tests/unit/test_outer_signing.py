@@ -25,8 +25,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
-from geopipe.outer import ROW_LEN
+from geopipe.outer import ROW_LEN, average_encoded
+from geopipe.runtime.actor import outer_wire
 from geopipe.runtime.actor.outer_sign import GroupKeyring, signed_digest
 from geopipe.runtime.actor.outer_wire import (
     EncodedSender,
@@ -35,6 +37,7 @@ from geopipe.runtime.actor.outer_wire import (
     OuterPeer,
     OuterSettings,
 )
+from geopipe.transport.codec import Sealed
 from geopipe.transport.security import make_credentials
 from tests.unit.test_outer_values import chunk, dropped
 
@@ -214,3 +217,124 @@ def test_each_stage_actor_is_told_its_groups_key() -> None:
     assert len({s.outer_key.private for s in specs}) == plan.num_groups
     assert len({s.outer_key.publics for s in specs}) == 1
     assert pl.stage_spec(0, 0).outer_key == specs[0].outer_key
+
+
+# -- who a refusal is pinned on: only a group whose own key verified the bytes ------------------
+def wait_messages(net: OuterExchange, n: int) -> None:
+    deadline = time.monotonic() + 10
+    while net.receiver.messages < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert net.receiver.messages >= n
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_an_honest_groups_frame_replayed_by_a_third_party_changes_nothing(
+    mesh, keys, caplog, when
+) -> None:
+    """Group 0's insider relays group 1's genuine signed chunk 0 (the very bytes group 1
+    sends) to group 2's listener a second time, before group 1's own frame arrives or after
+    it was filed. Same signed bytes: the second copy is dropped, not held against group 1
+    (whose own connection, its next chunk behind it, is kept), and the gather equals the
+    one without the replay. (Before: the second frame poisoned the key, group 1 refused.)"""
+    me = mesh[2]
+    genuine = [chunk(CHUNK, CODEC), chunk(NUMEL - CHUNK, CODEC)]
+    key = (*TAG, 0, 0, 1, 0)
+    relayed = (signed_key(keys, 1, key, genuine[0]), genuine[0])
+    relay = EncodedSender(me.address, CREDS)
+    try:
+        with caplog.at_level(logging.WARNING, "geopipe.transport.security"):
+            if when == "before":
+                relay.send(*relayed)
+                wait_messages(me, 1)
+            mesh[0].post((*TAG, 0, 0), 0, [chunk(CHUNK, CODEC), chunk(NUMEL - CHUNK, CODEC)])
+            mesh[1].post((*TAG, 0, 0), 1, genuine)
+            wait_messages(me, 4)  # the relayed copy, or group 1's own, is not filed
+            if when == "after":
+                relay.send(*relayed)
+            deadline = time.monotonic() + 10
+            while me.receiver.refused.count == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            got, missing, _ = me.gather((*TAG, 0, 0), 2, timeout_s=30)
+    finally:
+        relay.close()
+    assert missing == {} and me.refused == {} and sorted(got) == [0, 1]
+    assert all(same(x, y) for x, y in zip(got[1], genuine, strict=True))
+    assert me.receiver.refused.count == 1 and me.inbox.failures == []
+    (record,) = [r for r in caplog.records if "refused" in r.getMessage()]
+    assert "arrived again, same bytes: dropped" in record.getMessage()
+    assert "('127.0.0.1'," in record.getMessage()
+    # the round averages exactly what it would have without the replay
+    n = NUMEL - CHUNK
+    assert torch.equal(
+        average_encoded([got[0][1], got[1][1]], n), average_encoded([got[0][1], genuine[1]], n)
+    )
+
+
+MALFORMED = ["size", "round", "sealed"]
+
+
+@pytest.mark.parametrize("how", MALFORMED)
+def test_a_malformed_frame_in_an_honest_groups_name_is_pinned_on_no_group(
+    mesh, keys, caplog, how, monkeypatch
+) -> None:
+    """Frames claiming group 1 that the listener refuses without group 1's key having
+    verified them: a header of the wrong size (signed by the insider's own group 0, but
+    refused on its header, before any signature is checked), group 1's genuine signed frame
+    replayed out of its round's window (round 2: a signature does not make a misplaced
+    frame its signer's doing), and group 1's genuine frame with its seal's CRC altered.
+    Each is refused, logged naming the peer, its connection dropped, and pinned on no
+    group: group 1 is not written off, and its own chunks are gathered as sent. (Before:
+    the header refusals were pinned on group 1, and the altered seal filed an error for
+    group 1's key.)"""
+    me = mesh[2]
+    genuine = [chunk(CHUNK, CODEC), chunk(NUMEL - CHUNK, CODEC)]
+    if how == "size":
+        wrong = chunk(CHUNK + ROW_LEN, CODEC)
+        frame = (signed_key(keys, 0, (*TAG, 0, 0, 1, 0), wrong), wrong)
+    elif how == "round":
+        frame = (signed_key(keys, 1, (*TAG, 0, 2, 1, 0), genuine[0]), genuine[0])
+    else:
+        frame = (signed_key(keys, 1, (*TAG, 0, 0, 1, 0), genuine[0]), genuine[0])
+    sender = EncodedSender(me.address, CREDS)
+    try:
+        with caplog.at_level(logging.WARNING, "geopipe.transport.security"):
+            with monkeypatch.context() as m:
+                if how == "sealed":
+                    m.setattr(outer_wire, "seal", lambda enc: Sealed(enc, 12345))
+                sender.send(*frame)
+            assert dropped(sender)
+            why = wait_failure(me)
+    finally:
+        sender.close()
+    want = {"size": "not expected", "round": "not expected", "sealed": "checksum"}[how]
+    assert want in why and "peer ('127.0.0.1'," in why, why
+    assert me.refused == {} and me.receiver.messages == 0
+    assert len([r for r in caplog.records if "refused" in r.getMessage()]) == 1
+    mesh[0].post((*TAG, 0, 0), 0, [chunk(CHUNK, CODEC), chunk(NUMEL - CHUNK, CODEC)])
+    mesh[1].post((*TAG, 0, 0), 1, genuine)
+    got, missing, _ = me.gather((*TAG, 0, 0), 2, timeout_s=30)
+    assert missing == {} and me.refused == {} and sorted(got) == [0, 1]
+    assert all(same(x, y) for x, y in zip(got[1], genuine, strict=True))
+
+
+def test_two_different_payloads_a_group_signed_for_one_key_are_pinned_on_it(mesh, keys) -> None:
+    """Group 1 itself (its key) signs two different payloads for one key: both verify, so
+    group 1 provably sent both. Neither is averaged (the key holds an error), and group 1
+    is refused, at once, naming the equivocation."""
+    me = mesh[2]
+    key = (*TAG, 0, 0, 1, 0)
+    first, second = chunk(CHUNK, CODEC), chunk(CHUNK, CODEC)
+    sender = EncodedSender(me.address, CREDS)
+    try:
+        sender.send(signed_key(keys, 1, key, first), first)
+        sender.send(signed_key(keys, 1, key, second), second)
+        assert dropped(sender)
+        wait_failure(me)
+    finally:
+        sender.close()
+    assert list(me.refused) == [1] and "group 1 signed two different payloads" in me.refused[1]
+    mesh[0].post((*TAG, 0, 0), 0, [chunk(CHUNK, CODEC), chunk(NUMEL - CHUNK, CODEC)])
+    t0 = time.monotonic()
+    got, missing, _ = me.gather((*TAG, 0, 0), 2, timeout_s=20)
+    assert time.monotonic() - t0 < 10 and sorted(got) == [0]
+    assert missing[1].startswith("refused: ") and "signed two different" in missing[1]

@@ -61,3 +61,22 @@ def test_the_event_says_what_the_transport_does(encrypt: bool) -> None:
     finally:
         rx.close()
         inbox.close()
+
+
+@pytest.mark.parametrize("groups", [1, 3])
+def test_the_event_says_whether_outer_payloads_are_signed(groups: int) -> None:
+    """An outer run's groups sign their payloads (per-group Ed25519): the event says so
+    exactly when the driver's keyring makes keys, i.e. when there is more than one group."""
+    from types import SimpleNamespace
+
+    from geopipe.runtime.actor.outer_sign import GroupKeyring
+
+    said = make_credentials("run-o", encrypt=False).protection(outer_groups=groups)
+    plan = SimpleNamespace(num_groups=groups, group_of=lambda r: r)
+    keyed = GroupKeyring().key_of(plan, 0) is not None
+    assert said["outer_payloads_signed"] is keyed is (groups > 1)
+    if keyed:
+        assert "Ed25519" in said["outer_payloads"] and "3 groups" in said["outer_payloads"]
+    else:
+        assert "none exchanged" in said["outer_payloads"]
+    assert make_credentials("run-p", encrypt=True).protection()["outer_payloads_signed"] is False

@@ -4,11 +4,12 @@ checked on their header before anything is allocated (:class:`OuterFrames`), and
 whose values the average can take, checked once decoded before they are filed
 (:class:`OuterReceiver`). Whatever else arrives is refused like any frame the data plane's
 plan refuses (:mod:`geopipe.transport.receiver`): logged naming the peer, the connection
-dropped; the refusal is also handed to the exchange with the group the frame claims, so a
+dropped; the refusal is also handed to the exchange with the key it is pinned on, so a
 round stops waiting for that group at once. When the run's groups sign their payloads
-(:mod:`.outer_sign`), the receiver also takes a payload filed under group ``g`` only if
-group ``g``'s signature verifies, and pins a failed signature on the group that did sign,
-if any, never on the group a frame merely claims.
+(:mod:`.outer_sign`), the receiver takes a payload filed under group ``g`` only if group
+``g``'s signature verifies, and pins a refusal on a group only when that group's key
+verified the bytes refused, never on the group a frame merely claims; a second frame
+whose signed bytes equal the first's is dropped (a replay changes nothing).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import socket
+import threading
 from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +25,7 @@ import numpy as np
 import torch
 
 from geopipe.outer import ROW_LEN, decode_delta
-from geopipe.runtime.actor.outer_sign import GroupVerifier, is_signature
+from geopipe.runtime.actor.outer_sign import GroupVerifier, is_signature, signed_digest
 from geopipe.transport import wire
 from geopipe.transport.codec import CorruptPayloadError, Encoded, Sealed, open_sealed
 from geopipe.transport.frames import FrameInfo, FrameRefusedError
@@ -65,8 +67,8 @@ def bad_values(x: torch.Tensor) -> str | None:
 class OuterRefusedError(FrameRefusedError):
     """An outer frame refused by the plan (its header, its signature, or its values);
     ``key``: the key the refusal is pinned on, so the exchange can tell which group's payload
-    will not come (`OuterExchange`): the key the frame claims, or for a signature that does
-    not verify, that key under the group whose signature it carries (None: no group's)."""
+    will not come (`OuterExchange`). Signed: a key under the group whose key verified the
+    frame's bytes, else None (:mod:`.outer_sign`); unsigned: the key the frame claims."""
 
     def __init__(self, key: Hashable, message: str) -> None:
         super().__init__(message)
@@ -184,7 +186,18 @@ class OuterReceiver(DirectReceiver):
     def __init__(self, inbox: Any, on_refused: Callable[[Hashable, str], None], **kw: Any) -> None:
         self.on_refused = on_refused  # before the listener starts: a frame may come at once
         self.verifier: GroupVerifier | None = None  # set before any peer connects
+        # signed: each key filed -> the digest its signature covers, until its round is
+        # applied (forget), to tell a replay (same bytes: dropped) from an equivocation
+        self._digests: dict[tuple, bytes] = {}
+        self._digests_lock = threading.Lock()
         super().__init__(inbox, **kw)
+
+    def forget(self, tag: tuple) -> None:
+        """Let go of the digests of ``tag``'s keys (its round is applied)."""
+        n = len(tag)
+        with self._digests_lock:
+            for key in [k for k in self._digests if k[:n] == tag]:
+                del self._digests[key]
 
     def _read(self, conn: socket.socket, peer: tuple) -> None:
         try:
@@ -197,42 +210,76 @@ class OuterReceiver(DirectReceiver):
         return self.verifier is not None and isinstance(self.expect, OuterFrames)
 
     def _admit(self, info: FrameInfo) -> None:
-        """The plan's header check, on the key less its signature when groups sign: a frame
-        without one is refused, pinned on no group (nothing proves who sent it)."""
-        if self._signed():
-            key = info.key
-            if not (isinstance(key, tuple) and key and is_signature(key[-1])):
-                raise OuterRefusedError(None, f"outer frame {key!r} is not signed")
-            info = dataclasses.replace(info, key=key[:-1])
-        super()._admit(info)
+        """The plan's header check, on the key less its signature when groups sign: then a
+        frame without one, or one the plan refuses, is pinned on no group (a header is read
+        before any signature can be checked: nothing proves who sent it)."""
+        if not self._signed():
+            super()._admit(info)
+            return
+        key = info.key
+        if not (isinstance(key, tuple) and key and is_signature(key[-1])):
+            raise OuterRefusedError(None, f"outer frame {key!r} is not signed")
+        try:
+            super()._admit(dataclasses.replace(info, key=key[:-1]))
+        except OuterRefusedError as exc:
+            raise OuterRefusedError(None, str(exc)) from None
 
     def _file(
         self, key: Hashable, sealed: Sealed, deliver_at: float, sent_at: float, peer: tuple
     ) -> None:
         plan = self.expect
         if isinstance(plan, OuterFrames) and isinstance(key, tuple):
+            digest = None
             if self._signed():
-                key = self._check_signature(plan, key, sealed)
+                key, digest = self._check_signature(plan, key, sealed)
             try:
                 enc: Encoded | None = open_sealed(sealed)
-            except CorruptPayloadError:
+            except CorruptPayloadError as exc:
+                if digest is not None:  # signed bytes intact, their (unsigned) seal altered
+                    raise OuterRefusedError(None, f"outer payload {key!r}: {exc}") from None
                 enc = None  # damaged in transit: the inbox files that for its key, below
             why = None if enc is None else plan.why_not_values(key, enc)
             if why is not None:
                 raise OuterRefusedError(key, f"outer payload {key!r} {why}")
+            if digest is not None and not self._first(key, digest, peer):
+                return
         super()._file(key, sealed, deliver_at, sent_at, peer)
 
-    def _check_signature(self, plan: OuterFrames, key: tuple, sealed: Sealed) -> tuple:
-        """``key`` less its signature, if the group it claims signed this payload under it;
-        else raises `OuterRefusedError` pinned on the group that did sign it, if any (a
-        forgery by that group's insider), or on none (see :mod:`.outer_sign`)."""
+    def _first(self, key: tuple, digest: bytes, peer: tuple) -> bool:
+        """Whether ``key``'s signed payload (``digest``) is the first for it this round. A
+        second with the same bytes is dropped (logged, the connection kept: it may be the
+        group's own); one with other bytes, also signed by the group (both verified), is an
+        equivocation: the key holds an error instead and the group is refused."""
+        with self._digests_lock:
+            first = self._digests.get(key)
+            if first is None:
+                self._digests[key] = digest
+                return True
+        if first == digest:
+            self.refused.reject(peer, f"outer payload {key!r} arrived again, same bytes: dropped")
+            return False
+        err = CorruptPayloadError(
+            f"outer payload {key!r}: group {key[len(self.expect.tag) + 2]} signed two "
+            f"different payloads for it (the second from peer {peer})"
+        )
+        self.inbox.refuse(key, err)
+        raise OuterRefusedError(key, str(err))
+
+    def _check_signature(
+        self, plan: OuterFrames, key: tuple, sealed: Sealed
+    ) -> tuple[tuple, bytes]:
+        """``key`` less its signature, and the digest signed, if the group it claims signed
+        this payload under it; else raises `OuterRefusedError` pinned on the group that did
+        sign it, if any (a forgery by that group's insider), or on none (see
+        :mod:`.outer_sign`)."""
         assert self.verifier is not None
         key, sig = key[:-1], key[-1]
         n = len(plan.tag)
         claimed = key[n + 2]
-        signer = self.verifier.signer(claimed, key, sig, sealed.enc)
+        digest = signed_digest(key, sealed.enc)
+        signer = self.verifier.signer(claimed, key, sig, sealed.enc, digest)
         if signer == claimed:
-            return key
+            return key, digest
         if signer is None:
             raise OuterRefusedError(
                 None, f"outer payload {key!r}: no group's signature verifies (claims {claimed})"

@@ -17,18 +17,37 @@ arrays' dtypes and shapes) and its payload bytes, so a signature cannot be moved
 key or payload. The listener checks it on the reader's thread, before the payload's values
 are decoded or anything is filed (:class:`~.outer_frames.OuterReceiver`).
 
-Who a failed signature is pinned on (a refused group is written off by the driver): the
-group whose key *does* verify those bytes, if one does -- a payload signed by group 0 and
-filed as group 1 proves group 0's insider forged it -- and otherwise nobody: bytes no group
-signed prove nothing about who sent them, and blaming the group they claim would let any
-insider get an honest group written off. Such a refusal is still logged naming the peer and
-its connection dropped; the claimed group's genuine payload, on its own connection, is still
-taken, and a gather that waits in vain names the failure. Unsigned frames are refused the
-same way. The transport metadata (sequence number, the link emulator's delivery stamp) is
-not signed: it orders and paces frames, and the values averaged never depend on it. Nor is
-an attempt number: a fragment's rounds only advance within a run, and a resume is a new
-launch with new keys; were a round ever redone, its first attempt's genuine payload would
-verify in the second.
+Who a refusal is pinned on (a refused group is written off by the driver): a group only
+when its own key verified the bytes refused -- proof that it sent them -- and otherwise
+nobody. Every actor of the run can reach every listener and relay what it received, so
+anything a frame merely *claims* proves nothing about who sent it, and pinning on the claim
+would let one insider get honest groups written off by replaying their genuine frames or
+sending malformed ones in their name. So:
+
+* pinned on the signer: a payload signed by group 0 and filed as group 1 (group 0's insider
+  forged it); a payload group ``g`` signed whose values the average cannot take; and two
+  *different* payloads both validly signed by ``g`` for one key (``g`` equivocated: neither
+  is used, the key holds an error instead);
+* pinned on no group, refused and logged naming the peer's address: a header the plan does
+  not expect (a header is checked before its payload is read, so before any signature can
+  be, and a genuine frame replayed out of its round's window would verify: being signed
+  does not make a misplaced frame its signer's doing); an unsigned frame; a signature no
+  group's key verifies (moved to another key, or over other bytes); a signed payload whose
+  transport seal was altered; such a frame's connection is dropped, the claimed group's
+  genuine frames on its own connection are still taken, and a gather that waits in vain
+  names the latest failure;
+* dropped, nothing else: a second frame for a key whose signed bytes are identical to the
+  first's (a replay, or the same frame relayed twice) -- identical bytes average the same,
+  so keeping the first is idempotent, and the connection it came on is kept (it may be the
+  group's own, its next chunks behind it).
+
+An unsigned exchange (:meth:`~.outer_wire.OuterExchange.identify` with None: a run of one
+group, which exchanges nothing, and tests) has no proof of anything and takes a frame's
+claim as its sender. The transport metadata (sequence number, the link emulator's delivery
+stamp, the seal's CRC) is not signed: it orders, paces and checks frames, and the values
+averaged never depend on it. Nor is an attempt number: a fragment's rounds only advance
+within a run, and a resume is a new launch with new keys; were a round ever redone, its
+first attempt's genuine payload would verify in the second.
 
 Ed25519 over a digest, not over the payload itself: ``cryptography``'s Ed25519 hashes its
 whole message twice to sign and once to verify (SHA-512) and takes it as one contiguous
@@ -155,10 +174,14 @@ class GroupVerifier:
     def __init__(self, publics: dict[int, bytes]) -> None:
         self._keys = {g: Ed25519PublicKey.from_public_bytes(p) for g, p in publics.items()}
 
-    def signer(self, claimed: int, key: Hashable, sig: str, enc: Encoded) -> int | None:
+    def signer(
+        self, claimed: int, key: Hashable, sig: str, enc: Encoded, digest: bytes | None = None
+    ) -> int | None:
         """The group whose key signed ``enc`` under ``key``: ``claimed`` first, then any
-        other (a forgery's author); None when no group's key verifies it."""
-        digest, raw = signed_digest(key, enc), bytes.fromhex(sig)
+        other (a forgery's author); None when no group's key verifies it. ``digest``:
+        :func:`signed_digest` of ``key`` and ``enc`` when the caller has it already."""
+        digest = signed_digest(key, enc) if digest is None else digest
+        raw = bytes.fromhex(sig)
         order = [claimed, *sorted(g for g in self._keys if g != claimed)]
         for g in order:
             pub = self._keys.get(g)

@@ -155,8 +155,9 @@ class EncodedInbox:
         self._box.put(key, _Failed(error), 0.0)
 
     def refuse(self, key: Hashable, error: BaseException) -> None:
-        """``error`` in place of whatever ``key`` holds (the receiver's answer to a second
-        frame for a key: which of the two is genuine cannot be told, so neither is used)."""
+        """``error`` in place of whatever ``key`` holds: the receiver's answer to a second,
+        different payload for a key (signed: the group signed both; unsigned: which of the
+        two is genuine cannot be told), so neither is used."""
         self._box.put(key, _Failed(error), 0.0, replace=True)
 
     def fail(self, error: BaseException) -> None:
@@ -258,9 +259,11 @@ class OuterExchange:
     stage, partition, fragment and round, so a late or early payload cannot be mistaken
     for another round's.
 
-    ``refused``: the peer groups whose frames the listener refused (by the group a refused
-    frame claims, or the key an error was filed for), with why. A refused group's stream is
-    gone (the connection dropped, or its payload unusable), so no gather waits for it until
+    ``refused``: the peer groups whose frames the listener refused, with why: signed, only a
+    group whose own key verified the bytes refused (:mod:`.outer_sign`, "Who a refusal is
+    pinned on"); unsigned, the group a refused frame claims, or the key an error was filed
+    for. A refused group's stream is gone (the connection dropped, or its payload
+    unusable), so no gather waits for it until
     :meth:`connect` pairs it again; the driver decides what follows ([Note: a round over
     the survivors] in :mod:`geopipe.runtime.actor.outer`).
 
@@ -316,8 +319,10 @@ class OuterExchange:
             self.frames.peers = frozenset(g for g in self.peers if g not in self._dropped)
 
     def _refused_frame(self, key: Hashable, why: str) -> None:
-        """The receiver refused a frame (on its reader's thread): pinned on the group the
-        frame claims, if it claims a peer (the first refusal is kept: it is the cause)."""
+        """The receiver refused a frame (on its reader's thread): pinned on the peer group
+        of the key the receiver pinned it on, if any (signed: the group whose key verified
+        the bytes; unsigned: the one the frame claims); the first refusal is kept, it is
+        the cause. One pinned on no key is only logged (by the receiver, naming the peer)."""
         group = None if self.frames is None else self.frames.group_of(key)
         if group is not None:
             self.refused.setdefault(group, why)
@@ -374,12 +379,14 @@ class OuterExchange:
 
     def forget(self, tag: tuple, chunks: int) -> None:
         """Let go of everything held for ``tag``'s ``chunks`` chunks (its round is applied):
-        the chunks gathers took, and those the inbox still holds — a group's the round did
-        not wait for, or a second frame for a key already taken (filed, as its first is
-        gone). Frames for ``tag`` that come later are off the plan's window and refused, so
-        nothing of a round outlives it."""
+        the chunks gathers took, those the inbox still holds — a group's the round did not
+        wait for, or (unsigned) a second frame for a key already taken, filed as its first
+        is gone — and the digests the receiver keeps to know a replay. Frames for ``tag``
+        that come later are off the plan's window and refused, so nothing of a round
+        outlives it."""
         for key in [k for k in self._held if k[0] == tag]:
             del self._held[key]
+        self.receiver.forget(tag)
         for g in {*self.peers, *self._dropped, *self.refused}:
             for c in range(chunks):
                 self.inbox.discard((*tag, g, c))
@@ -449,7 +456,8 @@ class OuterExchange:
                     return f"refused: {refused}"
                 if left <= 0:
                     return "silent"
-            except CorruptPayloadError as exc:  # filed for this key: damaged, or a duplicate
+            except CorruptPayloadError as exc:  # filed for this key: damaged, or a second
+                # payload (signed: one the group signed too; unsigned: any)
                 self.refused.setdefault(g, str(exc))
                 return f"refused: {self.refused[g]}"
         return None

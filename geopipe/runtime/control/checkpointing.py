@@ -3,7 +3,11 @@
 A save snapshots every stage (training stalls only for that) and writes the shards in the
 background; the manifest is committed once every shard is on disk. One save at a time: a
 new one first completes the last. Whatever fails mid-save, the previous complete
-checkpoint stays the newest one.
+checkpoint stays the newest one. The writes are waited for at most
+:func:`~geopipe.runtime.control.health.shard_wait_s` once needed (the next save, the last
+one): a frozen or wedged writer then raises
+:class:`~geopipe.runtime.control.health.ShardsUnwritten`, which recovery handles as a frozen
+actor, and nothing of that save is committed — never a hang of the driver.
 
 Two kinds of storage: one directory every node shares (the driver commits each checkpoint
 there), or — with ``{site}`` in ``training.checkpoint.dir`` — one directory per site, each
@@ -40,7 +44,7 @@ from geopipe.checkpoint.verify import bad_file
 from geopipe.checkpoint.writer import CheckpointWriter
 from geopipe.config import ClusterSpec
 from geopipe.runtime.control.cluster import LaunchError
-from geopipe.runtime.control.health import quiet_get, ref_failed
+from geopipe.runtime.control.health import ShardsUnwritten, quiet_get, ref_failed, shard_wait_s
 from geopipe.runtime.control.models import model_shape
 from geopipe.runtime.control.outerckpt import (
     outer_manifest,
@@ -157,6 +161,7 @@ class CheckpointCoordinator:
                 workers=workers,
             )
             self.copies.on_rejected = lambda site, path, why: self.skip(path, why, site)
+            self.copies.who = self._who
         # Which checkpoints are this run's (set by the controller at launch): its id, and
         # its lineage (checkpoint.store.accepts); fresh: a launch without --resume, which
         # moves another run's checkpoints aside before saving any of its own.
@@ -288,6 +293,17 @@ class CheckpointCoordinator:
     def _flat(self) -> list[Any]:
         return [a for row in self._actors() for a in row]
 
+    def _who(self, actors: list[Any]) -> tuple[list[int], list[str]]:
+        """``actors``' indices in the layout's order (``rows[stage][replica]`` flattened, the
+        order a recovery's :class:`ShardsUnwritten` indices follow) and their names."""
+        sites = {id(a): f"{s}/" for a, s in self._actor_sites()} if self._actor_sites else {}
+        layout = [(k, r, a) for k, row in enumerate(self._rows()) for r, a in enumerate(row)]
+        place = {
+            id(a): (i, f"{sites.get(id(a), '')}stage{k}/r{r}") for i, (k, r, a) in enumerate(layout)
+        }
+        found = [place[id(a)] for a in actors if id(a) in place]
+        return [i for i, _ in found], [name for _, name in found]
+
     # -- save ----------------------------------------------------------------------------------
     def save(self, step: int) -> None:
         """Start the save of step boundary ``step`` (finishing the previous save first)."""
@@ -319,13 +335,17 @@ class CheckpointCoordinator:
         pending = self._pending
         if pending is None:
             return
-        if not wait:
-            ready, _ = self.workers.wait(pending.refs, num_returns=len(pending.refs), timeout=0)
-            if len(ready) < len(pending.refs):
-                return
+        refs = pending.refs  # waited for at most shard_wait_s: a wedged writer is no hang
+        wait_s = shard_wait_s(pending.stall_s, self.spec.health) if wait else 0
+        ready, _ = self.workers.wait(refs, num_returns=len(refs), timeout=wait_s)
+        if len(ready) < len(refs) and not wait:
+            return
         self._pending = None
         writer = pending.writer
         try:
+            if len(ready) < len(refs):  # nothing of the save is committed
+                stuck = [a for a, r in zip(self._flat(), refs, strict=True) if r not in ready]
+                raise ShardsUnwritten(*self._who(stuck), writer.step, wait_s)
             path = self._commit(pending)
         except BaseException:
             writer.abort()  # the previous checkpoint stays the newest complete one

@@ -68,7 +68,7 @@ from geopipe.runtime.control.metrics import aggregate, measured_events
 from geopipe.runtime.control.models import check_data_source
 from geopipe.runtime.control.options import LaunchOptions, RunResult
 from geopipe.runtime.control.outerckpt import check_outer_launch
-from geopipe.runtime.control.outerfail import recover_groups
+from geopipe.runtime.control.outerfail import recorded_shape, recover_groups
 from geopipe.runtime.control.outerloop import OuterRounds
 from geopipe.runtime.control.placement import Placement
 from geopipe.runtime.control.planning import measure_before_planning
@@ -350,7 +350,8 @@ class Controller:
         """Open the metrics and write the launch's security and plan events."""
         metrics = Path(self.opts.metrics_out or self.run_dir / "metrics.jsonl")
         self.reporter.open(metrics, self.workers.ray_metrics, self.spec)
-        self.reporter.event("security", **self.creds.protection(), listen=self.spec.security.listen)
+        said = self.creds.protection(outer_groups=self.plan.num_groups)  # outer: signed
+        self.reporter.event("security", **said, listen=self.spec.security.listen)
         skew, line = measure_clock_skew(self.workers, self.placement.roles(), CERT_TOLERANCE_S)
         self.reporter.event("clock_skew", **skew)
         if line:
@@ -418,8 +419,7 @@ class Controller:
             try:
                 rec = self.recovery.recover(state.step, state.refs, state.error, grace_s)
             except WorkerLost as exc:
-                # A survivor died while the job was being re-formed around it: recover
-                # again from what is left now (a bounded number of times).
+                # a survivor died while re-forming: recover again (a bounded number of times)
                 self._nested_failures += 1
                 if self._nested_failures > MAX_NESTED_RECOVERIES:
                     raise
@@ -429,7 +429,10 @@ class Controller:
             return Running(rec.step)
         if isinstance(state, Growing):
             self._status(state.step, state)
-            self.checkpoints.poll(wait=True)  # its gathers run on the groups a grow-back leaves
+            try:  # the save in flight first: its gathers run on the groups a grow-back leaves
+                self.checkpoints.poll(wait=True)
+            except ActorsUnresponsive as exc:  # a wedged writer: recover instead of growing
+                return Recovering(state.step, exc, self._pings())
             self.recovery.grow(state.step, state.decision)
             self._relaid(state.step)
             return Checkpointing(state.step)
@@ -498,8 +501,9 @@ class Controller:
 
     def _record(self, step: int, results: list) -> None:
         """Metrics, calibration, status and progress of a finished step."""
-        tokens = self.spec.training.global_batch_size * self.plan.seq_len
-        m = aggregate(results, self.plan.num_stages, tokens, self.plan.groups)
+        launched = self.outer_run.plan if self.outer_run else None
+        tokens, groups = recorded_shape(self.spec.training.global_batch_size, self.plan, launched)
+        m = aggregate(results, self.plan.num_stages, tokens, groups)
         self._result.steps.append(m)
         self.reporter.step(m, self.calibrator.predicted_s)
         # The calibration model replays one uniform layout; a mix keeps the planner's
@@ -530,14 +534,14 @@ class Controller:
             self._set_plan(plan)
 
     def _checkpoint(self, state: Checkpointing) -> State:
+        try:
+            self.checkpoints.save(state.step)
+            if state.final:  # the last save must commit (after a recovery: saved again)
+                self.checkpoints.poll(wait=True, final=True)
+        except (WorkerLost, WorkerFailed, ActorsUnresponsive) as exc:  # or a writer froze
+            return Recovering(state.step, exc, self._pings())
         if not state.final:
-            try:
-                self.checkpoints.save(state.step)
-            except (WorkerLost, WorkerFailed) as exc:  # an actor died between steps
-                return Recovering(state.step, exc, self._pings())
             return Running(state.step)
-        self.checkpoints.save(state.step)
-        self.checkpoints.poll(wait=True, final=True)
         return Interrupted() if state.interrupted else Finished()
 
     def _relaid(self, step: int) -> None:

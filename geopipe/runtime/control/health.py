@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ActorsUnresponsive",
     "ModelFailed",
+    "ShardsUnwritten",
     "StepHung",
     "alive",
     "await_step",
@@ -47,6 +48,7 @@ __all__ = [
     "quiet_get",
     "raise_model_error",
     "ref_failed",
+    "shard_wait_s",
     "silent_sites",
 ]
 
@@ -90,6 +92,33 @@ class ActorsUnresponsive(RuntimeError):
 
 class StepHung(TimeoutError):
     """The step did not finish within the hang timeout although its actors answer."""
+
+
+class ShardsUnwritten(ActorsUnresponsive):
+    """A checkpoint's shard writes did not all finish within :func:`shard_wait_s`: a frozen
+    or wedged writer (e.g. its thread stuck in a gather that a failure cut short). Nothing
+    of that save was committed. Its actors are handled as frozen ones are (recovery kills
+    and replaces them; an outer run loses their groups): a writer that never finishes its
+    shard may never finish anything else either, and the driver cannot tell which."""
+
+    def __init__(self, indices: list[int], names: list[str], step: int, seconds: float) -> None:
+        RuntimeError.__init__(
+            self,
+            f"checkpoint step {step}: the shard(s) of {', '.join(names)} were not written "
+            f"within {seconds:.1f} s (a frozen or wedged writer); the save is dropped, the "
+            "previous complete checkpoint stays the newest",
+        )
+        self.indices, self.names, self.step = indices, names, step
+
+
+def shard_wait_s(stall_s: float, cfg: HealthSpec) -> float:
+    """How long the driver waits for a save's shard writes once it needs them (the next
+    save, the run's last save): the rule of a hung step before calibration with the save's
+    own measured snapshot stall as its predicted time — ``hang_factor`` × the stall, at
+    least ``hang_floor_uncalibrated_s`` (120 s by default). Writing a shard scales with the
+    state, not the step, so the step's prediction would be the wrong yardstick; the
+    snapshot copies the same state, so its stall is one."""
+    return hang_timeout_s(stall_s, False, cfg)
 
 
 def hang_timeout_s(predicted_s: float, calibrated: bool, cfg: HealthSpec) -> float:

@@ -38,7 +38,7 @@ from geopipe.checkpoint.restore import Restorable, SiteCopy, copy_sites, newest_
 from geopipe.checkpoint.store import CheckpointError, Lineage, latest_complete
 from geopipe.config import ClusterSpec
 from geopipe.runtime.control.cluster import kill_actors
-from geopipe.runtime.control.health import quiet_get, ref_failed
+from geopipe.runtime.control.health import ShardsUnwritten, quiet_get, ref_failed, shard_wait_s
 from geopipe.runtime.control.reporting import Reporter
 from geopipe.runtime.control.workers import SpawnOptions, Workers, ask, call_all
 from geopipe.runtime.storage.sitestore import ShardSource, SiteStore
@@ -123,6 +123,8 @@ class SiteCopies:
         self._pending: _Save | None = None
         # told of each corrupt or incomplete copy a store finds (CheckpointCoordinator)
         self.on_rejected: Callable[[str, str, str], None] | None = None
+        # actors -> (their indices in the layout, their names): a ShardsUnwritten's fields
+        self.who: Callable[[list[Any]], tuple[list[int], list[str]]] = lambda a: ([], [])
         self._said: set[tuple[str, str, str]] = set()
         # Replication ([k copies]): each site's newest committed copy, and the saves that
         # committed fewer copies than promised (status.json, `geopipe status`).
@@ -317,6 +319,8 @@ class SiteCopies:
         save = self._pending
         if save is None:
             return
+        if wait:  # the shards at most shard_wait_s (a wedged writer), the pulls as they go
+            self._await_shards(save)
         refs = save.flat_refs + list(save.fetches.values())
         ready, _ = self.workers.wait(refs, num_returns=len(refs), timeout=None if wait else 0)
         if len(ready) < len(refs):
@@ -326,6 +330,26 @@ class SiteCopies:
         if failed:
             self._stand_in(save, failed)
         self._finish(save, strict)
+
+    def _await_shards(self, save: _Save) -> None:
+        """Wait for the save's shard encodings as long as :func:`shard_wait_s` allows; past
+        that drop the save (each site's previous copy stays its newest) and raise
+        :class:`ShardsUnwritten` naming the actors whose shards never came."""
+        refs, wait_s = save.flat_refs, shard_wait_s(save.stall_s, self.spec.health)
+        ready, _ = self.workers.wait(refs, num_returns=len(refs), timeout=wait_s)
+        if len(ready) == len(refs):
+            return
+        self._drop(save)
+        flat = [a for row in save.rows for a in row]
+        stuck = [a for a, r in zip(flat, refs, strict=True) if r not in ready]
+        raise ShardsUnwritten(*self.who(stuck), save.step, wait_s)
+
+    def _drop(self, save: _Save) -> None:
+        """Abandon the save in flight: the stores discard what they pulled of it."""
+        self._pending = None
+        for s in save.fetches:
+            if s in self._stores:
+                self.workers.call(self._stores[s], "abort", save.step, save.save_id)
 
     def _stand_in(self, save: _Save, failed: dict[str, Any]) -> None:
         """Stages whose writer died: a surviving replica encodes the shard instead, and the
@@ -455,10 +479,7 @@ class SiteCopies:
         if len(ready) == len(refs):
             self.poll(wait=True)
             return
-        self._pending = None
-        for s in save.fetches:
-            if s in self._stores:
-                self.workers.call(self._stores[s], "abort", save.step, save.save_id)
+        self._drop(save)
         self.reporter.event("checkpoint_abandoned", step=save.step)
 
     # -- restoring -----------------------------------------------------------------------------
