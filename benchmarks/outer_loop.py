@@ -486,6 +486,7 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--loss-h", default="1,10,50", help="H values of the loss gaps")
     ap.add_argument("--seeds", type=int, default=3, help="seeds of the sync and bounded runs")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved runs of the peer part")
+    ap.add_argument("--loss-from", help="the JSON line of an earlier --parts loss run to reuse")
     ap.add_argument("--grid", default="1,10,50", help="H values measured per link regime")
     ap.add_argument("--regimes", default=REGIMES, help="Mbit/s:ms,... for the strategy choice")
     ap.add_argument("--parts", default="loss,bed,peer,siteloss", help="which parts run")
@@ -525,7 +526,10 @@ def main() -> None:
         star, stream = {**star, "h": 10}, {**stream, "h": 10, "overlap": 1}
     say(f"planner: outer {star}; streaming {stream}; under the loss bound {bounded}")
     tmp = Path(tempfile.mkdtemp(prefix="geopipe-outerloop-"))
-    loss = part_loss(a, star, bounded, tmp) if "loss" in a.parts else None
+    if a.loss_from:  # an earlier run's loss part (its figures do not move with load)
+        loss = json.loads(Path(a.loss_from).read_text().strip().splitlines()[-1])["loss"]
+    else:
+        loss = part_loss(a, star, bounded, tmp) if "loss" in a.parts else None
     site = part_siteloss(tmp) if "siteloss" in a.parts else None
     bed = part_bed(a, star, stream) if a.parts & {"bed", "peer"} else None
     result = {
@@ -542,6 +546,7 @@ def main() -> None:
             k: {n: _brief(r) for n, r in v.items()}
             for k, v in (bed or {}).get("regimes", {}).items()
         },
+        "loss_from": a.loss_from,
         "load_before": round(load0, 2),
         "load_after": round(os.getloadavg()[0], 2),
         "seconds": round(time.monotonic() - t0),

@@ -133,6 +133,12 @@ class SiteSpec(Spec):
     device_tflops: TFLOPS = Field(description="peak dense TFLOP/s of one device")
     device_efficiency: FRACTION = Field(0.4, description="achieved fraction of peak")
     backward_forward_ratio: RATIO = Field(2.0, description="backward time / forward time")
+    layer_overhead_ms: LATENCY_MS = Field(
+        0.0,
+        description="fixed forward time per layer per micro-batch beyond its FLOPs (kernel "
+        "launches, Python): what makes small micro-batches slow; measured at launch with "
+        "plan.calibrate",
+    )
     device_mem_bw_gb_per_s: MEM_BW_GB_PER_S = Field(1000.0, description="device memory bandwidth")
     intra_bandwidth_gbps: BANDWIDTH_GBPS = 100.0
     intra_latency_ms: LATENCY_MS = 0.01

@@ -396,7 +396,8 @@ class Evaluator:
         fwd, bwd, step, inp, wgt = [], [], [], [], []
         for k, (a, z) in enumerate(plan.partition):
             site = spec.site(plan.stage_sites[k])
-            fwd.append(f := sum(flops[a:z]) * b * s / site.flops_per_s)
+            overhead = (z - a) * site.layer_overhead_ms / 1e3  # fixed, per micro-batch
+            fwd.append(f := sum(flops[a:z]) * b * s / site.flops_per_s + overhead)
             args = (flops, (a, z), spec.training.recompute)  # recomputed blocks: F once more
             b_s, i, w = stage_backward(f, site.backward_forward_ratio, k == 0, *args)
             bwd.append(b_s)

@@ -29,6 +29,9 @@ class DeviceSpeed:
     efficiency: float
     backward_forward_ratio: float
     tflops: float | None = None
+    # fixed forward seconds per layer per micro-batch beyond the FLOPs (SiteSpec's
+    # layer_overhead_ms): 0 where only one micro-batch size was timed
+    layer_overhead_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -69,7 +72,12 @@ class Measurements:
     def from_dict(cls, doc: dict) -> Measurements:
         """The inverse of :meth:`to_dict` (a run's plan event, replayed)."""
         devices = {
-            s: DeviceSpeed(d["efficiency"], d["backward_forward_ratio"], d.get("tflops"))
+            s: DeviceSpeed(
+                d["efficiency"],
+                d["backward_forward_ratio"],
+                d.get("tflops"),
+                d.get("layer_overhead_ms", 0.0) / 1e3,
+            )
             for s, d in doc.get("devices", {}).items()
         }
         links = tuple(
@@ -87,6 +95,7 @@ class Measurements:
                     "efficiency": d.efficiency,
                     "backward_forward_ratio": d.backward_forward_ratio,
                     **({"tflops": d.tflops} if d.tflops is not None else {}),
+                    **_overhead(d),
                 }
                 for s, d in self.devices.items()
             },
@@ -103,6 +112,10 @@ class Measurements:
         }
 
 
+def _overhead(d: DeviceSpeed) -> dict:
+    return {"layer_overhead_ms": d.layer_overhead_s * 1e3} if d.layer_overhead_s else {}
+
+
 def costed(spec: ClusterSpec, measured: Measurements) -> ClusterSpec:
     """The copy of ``spec`` the cost model reads: each measured figure in the place of the
     YAML's nominal one, except codec speeds the YAML sets, which stand (an operator who
@@ -117,6 +130,8 @@ def costed(spec: ClusterSpec, measured: Measurements) -> ClusterSpec:
         if dev is not None:
             update["device_efficiency"] = dev.efficiency
             update["backward_forward_ratio"] = dev.backward_forward_ratio
+            if dev.layer_overhead_s:
+                update["layer_overhead_ms"] = dev.layer_overhead_s * 1e3
             if dev.tflops is not None:
                 update["device_tflops"] = dev.tflops
         speeds = measured.codecs.get(s.name)

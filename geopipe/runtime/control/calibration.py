@@ -39,6 +39,7 @@ __all__ = [
     "Calibrator",
     "boundary_offsets",
     "fifo_excess",
+    "fit_forward",
     "measured_split_times",
     "measured_stage_times",
     "profile_machine",
@@ -96,21 +97,50 @@ def searched_codecs(spec: ClusterSpec) -> list[str]:
     return sorted({c for setting in settings for c in codec_pair(setting)} - {"none"})
 
 
-def profile_machine(spec: ClusterSpec, micro_batch: int, seq_len: int) -> Measurements:
+def profile_machine(
+    spec: ClusterSpec, micro_batch: int, seq_len: int, largest: int | None = None
+) -> Measurements:
     """Every site's compute speed and the codec speeds, as measured on this machine (the
     embedded cluster's sites all run here); :func:`~geopipe.optimizer.measurements.costed`
-    puts them in the cost model's place of the YAML's nominal figures."""
+    puts them in the cost model's place of the YAML's nominal figures.
+
+    With ``largest`` (the largest micro-batch the plan may choose) the model is timed at
+    two micro-batch sizes and the forward time fitted as ``layers x overhead + size x
+    per-sample`` (:func:`fit_forward`): the per-sample slope gives the efficiency, the
+    intercept each layer's fixed cost per micro-batch (kernel launches, Python). Timed at
+    one size, every micro-batch size looked equally efficient and the planner chose the
+    smallest, which on this machine's demo job ran 1.6x slower per sample than 8."""
     f, b = _measure(spec, micro_batch, seq_len)
+    per_sample, overhead = f / micro_batch, 0.0
+    other = min(largest or 0, max(8, micro_batch) * 8)
+    if other > micro_batch:
+        f2, _ = _measure(spec, other, seq_len)
+        per_sample, overhead = fit_forward((micro_batch, f), (other, f2), spec.model.n_layer + 2)
     speeds = measure_speeds(searched_codecs(spec), (micro_batch, seq_len, spec.model.n_embd))
-    flops = sum(layer_forward_flops(spec.model, seq_len)) * micro_batch * seq_len
+    flops = sum(layer_forward_flops(spec.model, seq_len)) * seq_len  # per sample
     devices = {}
     for s in spec.sites:
-        eff = flops / f / (s.device_tflops * 1e12)
+        eff = flops / per_sample / (s.device_tflops * 1e12)
         if not 0 < eff <= 1:  # the nominal peak was wrong: keep the measured speed anyway
-            devices[s.name] = DeviceSpeed(1.0, b / f, tflops=flops / f / 1e12)
+            devices[s.name] = DeviceSpeed(1.0, b / f, flops / per_sample / 1e12, overhead)
         else:
-            devices[s.name] = DeviceSpeed(eff, b / f)
+            devices[s.name] = DeviceSpeed(eff, b / f, None, overhead)
     return Measurements(devices=devices, codecs={s.name: dict(speeds) for s in spec.sites})
+
+
+def fit_forward(
+    small: tuple[int, float], large: tuple[int, float], layers: int
+) -> tuple[float, float]:
+    """``(seconds per sample, fixed seconds per layer per micro-batch)`` of the line through
+    two timed forwards ``(micro-batch size, seconds)``; a fit the timings' noise bends out
+    of shape (a negative slope or intercept) keeps the small size's figure alone and no
+    overhead (the planner as before)."""
+    (b1, f1), (b2, f2) = small, large
+    slope = (f2 - f1) / (b2 - b1)
+    fixed = f1 - slope * b1
+    if slope <= 0 or fixed <= 0:
+        return f1 / b1, 0.0
+    return slope, fixed / layers
 
 
 # -- while training: the measured steps ---------------------------------------------------------

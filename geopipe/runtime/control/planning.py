@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from geopipe.config import ClusterSpec, Range
+from geopipe.config import ClusterSpec, Range, choice_values
 from geopipe.optimizer.measurements import Measurements
 from geopipe.optimizer.runplan import Overrides
 from geopipe.runtime.control.calibration import profile_machine, should_profile
@@ -25,7 +25,9 @@ def measure_before_planning(spec: ClusterSpec, overrides: Overrides) -> Measurem
     fixed = overrides.plan
     b = fixed.micro_batch_size if fixed else max(1, _first(spec.plan.micro_batch_size))
     s = fixed.seq_len if fixed else _first(spec.plan.seq_len, spec.model.max_seq_len)
-    return profile_machine(spec, b, s)
+    mbs = choice_values(spec.plan.micro_batch_size, default=[1], powers_of_two=True)
+    largest = b if fixed else max(mbs, default=b)  # the plan's choices: two sizes timed
+    return profile_machine(spec, b, s, largest)
 
 
 def _first(choice: Any, default: int = 1) -> int:

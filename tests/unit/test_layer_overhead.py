@@ -1,0 +1,76 @@
+"""A layer's fixed cost per micro-batch (``sites[].layer_overhead_ms``): fitted from two timed
+micro-batch sizes, carried by the measurements, priced by the evaluator, and what turns the
+planner from the smallest micro-batch to a larger one where nothing else is at stake."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from geopipe.config import parse_cluster
+from geopipe.model.sizes import layer_forward_flops
+from geopipe.optimizer.evaluate import Evaluator
+from geopipe.optimizer.measurements import DeviceSpeed, Measurements, costed
+from geopipe.optimizer.runplan import plan_run
+from geopipe.optimizer.shapes import build_plan
+from geopipe.runtime.control.calibration import fit_forward
+
+
+def test_the_fit_recovers_a_line_and_refuses_a_bent_one() -> None:
+    layers, per_sample, fixed = 6, 7.3e-3, 0.9e-3  # seconds
+    at = {b: layers * fixed + b * per_sample for b in (1, 8)}
+    slope, overhead = fit_forward((1, at[1]), (8, at[8]), layers)
+    assert slope == pytest.approx(per_sample) and overhead == pytest.approx(fixed)
+    # noise that makes the larger size cheaper per micro-batch, or the line cross below 0:
+    # the small size's figure alone, no overhead
+    assert fit_forward((1, 0.05), (8, 0.04), layers) == (0.05, 0.0)
+    assert fit_forward((2, 0.01), (8, 0.08), layers) == (0.005, 0.0)
+
+
+def _one_site_doc(mbs: dict | int) -> dict:
+    doc = yaml.safe_load(Path("clusters/local-2dc.yaml").read_text())
+    doc["sites"] = doc["sites"][:1]
+    doc["sites"][0]["devices_per_node"] = 1
+    doc["links"] = []
+    doc["plan"].update(micro_batch_size=mbs, pipelines=1)
+    doc["training"]["global_batch_size"] = 8
+    return doc
+
+
+def test_the_evaluator_prices_each_layers_fixed_cost_per_micro_batch() -> None:
+    spec = parse_cluster(_one_site_doc(1), "t")
+    site = spec.sites[0]
+    plan = build_plan(
+        spec,
+        (site.name,),
+        pipelines=1,
+        micro_batch_size=2,
+        seq_len=64,
+        num_microbatches=4,
+        schedule="1f1b",
+        delta_n=(),
+        codecs=(),
+    )
+    plain = Evaluator(spec).costs(plan).fwd_s[0]
+    flops = sum(layer_forward_flops(spec.model, 64)) * 2 * 64 / site.flops_per_s
+    assert plain == pytest.approx(flops)
+    slow = spec.model_copy(update={"sites": [site.model_copy(update={"layer_overhead_ms": 0.5})]})
+    layers = plan.partition[0][1] - plan.partition[0][0]
+    assert Evaluator(slow).costs(plan).fwd_s[0] == pytest.approx(flops + layers * 0.5e-3)
+
+
+def test_a_measured_overhead_reaches_the_cost_model_and_the_planner_batches_up() -> None:
+    """One stage, one device, 8 sequences a step: with no fixed cost every micro-batch size
+    computes the same, and the planner keeps the smallest; with the fixed cost a launch
+    measured, it runs the 8 as one micro-batch."""
+    spec = parse_cluster(_one_site_doc({"min": 1, "max": 8}), "t")
+    name = spec.sites[0].name
+    flat = Measurements(devices={name: DeviceSpeed(0.3, 2.0)})
+    fixed = Measurements(devices={name: DeviceSpeed(0.3, 2.0, None, 0.7e-3)})
+    assert costed(spec, fixed).sites[0].layer_overhead_ms == pytest.approx(0.7)
+    assert spec.sites[0].layer_overhead_ms == 0.0  # the spec as loaded is never patched
+    assert Measurements.from_dict(fixed.to_dict()) == fixed  # as the plan event carries it
+    assert plan_run(spec, flat).plan.micro_batch_size == 1
+    assert plan_run(spec, fixed).plan.micro_batch_size == 8
