@@ -174,7 +174,9 @@ def regime_settings(a, rate: float, lat: float, grid: list[int], star: dict) -> 
             "name": f"{tag}_auto",
             "strategy": "auto",
             "outer": {**base, "h": grid},
-            "steps": steps_for(max(grid), 1),
+            # two whole rounds after the first: its forecast is judged over more than one
+            # span of steps (a span's steps are recorded together when it returns)
+            "steps": steps_for(max(grid), 2),
         },
         {"name": f"{tag}_pipeline", "strategy": "pipeline", "steps": 8 if slow else 12},
     ]

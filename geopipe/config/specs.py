@@ -561,8 +561,8 @@ class ClusterSpec(Spec):
         hash leaves out the `transformers`-only model fields, so it is what it was before
         they existed."""
         # How the data plane is protected changes no number a checkpoint holds.
-        # Neither a machine's measured codec speeds nor the codec error policy change what
-        # a checkpoint holds.
+        # Neither a machine's measured codec speeds and per-layer overhead nor the codec
+        # error policy change what a checkpoint holds.
         # Nor does the loss-penalty bound; and a pipeline run's plan.outer is unused, so its
         # hash is what it was before the outer loop existed.
         plan = {"max_codec_error", "min_gain", "max_loss_penalty"}
@@ -576,7 +576,7 @@ class ClusterSpec(Spec):
             "ray": {"gpus_per_actor"},  # how devices are shared changes no number
             "training": {"eval"},
             "plan": plan,
-            "sites": {"__all__": {"codec_gb_per_s"}},
+            "sites": {"__all__": {"codec_gb_per_s", "layer_overhead_ms"}},
         }
         if not self.model.is_hf:
             exclude["model"] = {"hf", *HF_ONLY_FIELDS}
