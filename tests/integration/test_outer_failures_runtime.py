@@ -15,6 +15,10 @@ Group 1 (west) is lost inside round 2 in three ways:
   stalls while both processes live): round 2 waits ``health.wan_outage_s``, naming the
   link, then writes group 1 off; six steps.
 
+And ``first``: group 0 (east) killed as ``mid`` kills group 1, five steps: the survivor's
+actors keep their launch positions, past the shrunk plan's, which every later step's
+record must map through the launch plan.
+
 The references: up to its kill after four steps ``send`` is an uninterrupted run, whose
 losses ``mid`` must equal bit for bit up to its own kill (group 0 is not disturbed by its
 peer's death); from round 2 on, group 0's losses must be bit-identical in all three,
@@ -40,7 +44,7 @@ from geopipe.runtime.control.controller import Controller, LaunchOptions
 from tests.integration.test_outer_runtime import _doc, _table
 
 pytestmark = pytest.mark.ray
-STEPS = {"mid": 8, "send": 6, "stall": 6}  # "mid" runs on past its grow-back at step 6
+STEPS = {"mid": 8, "send": 6, "stall": 6, "first": 5}  # "mid" runs past its grow-back at 6
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -63,7 +67,8 @@ def _kill(actor) -> None:
 
 def _run(tmp: Path, when: str | None) -> tuple[list[dict], Controller]:
     """``STEPS[when]`` steps; ``when`` kills group 1 in round 2 (``mid``, ``send``) or cuts its
-    outer connections before round 2 (``stall``). Returns the metrics lines and the finished
+    outer connections before round 2 (``stall``), or kills group 0 as ``mid`` kills group 1
+    (``first``). Returns the metrics lines and the finished
     controller."""
     doc = _doc(steps=8, h=2)  # the YAML's steps set the LR schedule: one for all three
     doc["health"] = {"wan_outage_s": 3.0}  # how long round 2 waits on a stalled link
@@ -72,13 +77,14 @@ def _run(tmp: Path, when: str | None) -> tuple[list[dict], Controller]:
     try:
         ctl.launch()
         assert ctl.plan.num_groups == 2 and ctl.plan.site_of(0, 1) == "west"
-        victim, after_step = ctl.placement.rows[0][1], ctl.outer.after_step
+        victim = ctl.placement.rows[0][0 if when == "first" else 1]
+        after_step = ctl.outer.after_step
 
         def hooked(done: int, actors: list, *rest) -> None:
             if when == "send" and done == 4:
                 _kill(victim)  # round 2's send and apply meet a dead peer
             after_step(done, actors, *rest)
-            if when == "mid" and done == 3:
+            if when in ("mid", "first") and done == 3:
                 _kill(victim)  # the next inner step meets a dead actor
             if when == "stall" and done == 3:
                 # west's outer peers are cut (its sends go nowhere, it hears no one); the
@@ -170,3 +176,26 @@ def test_a_stalled_link_between_groups_is_named_then_the_silent_group_written_of
     _lost(stall, 4)
     (fail,) = _events(stall, "failure")
     assert "no outer payload over group 0 <- 1" in fail["error"]
+
+
+def test_losing_the_first_group_is_recorded_by_the_survivors_stable_group(runs):
+    """Group 0 (east) killed as "mid" kills group 1: its survivor's actors keep their launch
+    positions, past the shrunk plan's one pipeline, so every step after the loss must be
+    recorded by the launch plan's groups (before the fix the first one raised IndexError):
+    group 1's loss beside a lost group 0's nothing, the survivors' tokens (half the batch),
+    no step lost or redone."""
+    first, ctl = runs("first")
+    losses = _losses(first, STEPS["first"])
+    (rec,) = _events(first, "recovered")
+    assert rec["failed_step"] == 3 and rec["lost_steps"] == 0
+    assert rec["lost_groups"] == [0] and rec["groups_left"] == [1]
+    assert rec["lost_sites"] == ["east"] and not _events(first, "resumed")
+    rows = [x for x in first if "event" not in x]
+    before, after = rows[:3], rows[4:]
+    assert all(len(x["group_loss"]) == 2 for x in before)
+    for x in after:
+        lost, kept = x["group_loss"]
+        assert (lost is None or lost != lost) and kept == pytest.approx(x["loss"])
+        assert x["tokens"] * 2 == before[0]["tokens"]
+    assert all(loss == loss for loss in losses)
+    assert ctl.plan.group_ids == (1,) and ctl.plan.pipelines == 1
