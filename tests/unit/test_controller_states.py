@@ -371,15 +371,9 @@ def test_a_wedged_writer_met_at_a_grow_back_is_recovered_from(tmp_path: Path, co
     fake = FakeWorkers()
     fake.inject("east/stage0/r1", die_at_step=2, hold_until_step=4)
     fake.inject("west/stage1/r0", block_save=4)
-    run = Run(
-        make_doc(corpus, steps=8, every=2),
-        tmp_path / "run",
-        fake,
-        health={"hang_floor_uncalibrated_s": 0.2},
-    )
-    seen = _watch_unwritten(run, lambda: tmp_path / "run" / "checkpoints")
-    run.go()
-    ((exc, newest),) = seen
+    doc = make_doc(corpus, steps=8, every=2)
+    root = tmp_path / "run" / "checkpoints"
+    run, exc, newest = _wedged(doc, fake, tmp_path / "run", lambda: root)
     assert exc.step == 4 and exc.names == ["west/stage1/r0"] and newest == 2
     path = run.path()
     i = path.index("growing 6")
@@ -462,6 +456,17 @@ def _watch_unwritten(run: Run, root_of: object) -> list:
     return seen
 
 
+def _wedged(doc: dict, fake: FakeWorkers, run_dir: Path, root_of: object) -> tuple:
+    """``doc`` run to its end with the shard-write bound tiny (0.2 s), the one
+    :class:`ShardsUnwritten` it meets watched (:func:`_watch_unwritten`): the run, the
+    error, and the newest complete checkpoint when it was raised."""
+    run = Run(doc, run_dir, fake, health={"hang_floor_uncalibrated_s": 0.2})
+    seen = _watch_unwritten(run, root_of)
+    run.go()
+    ((exc, newest),) = seen
+    return run, exc, newest
+
+
 @pytest.mark.parametrize("per_site", [False, True])
 def test_a_save_a_wedged_writer_blocks_is_cut_short_and_recovered_from(
     tmp_path: Path, corpus: Path, per_site: bool
@@ -481,10 +486,7 @@ def test_a_save_a_wedged_writer_blocks_is_cut_short_and_recovered_from(
         root = tmp_path / "ck-east"
     else:
         root = tmp_path / "run" / "checkpoints"
-    run = Run(doc, tmp_path / "run", fake, health={"hang_floor_uncalibrated_s": 0.2})
-    seen = _watch_unwritten(run, lambda: root)
-    run.go()
-    ((exc, newest),) = seen
+    run, exc, newest = _wedged(doc, fake, tmp_path / "run", lambda: root)
     assert exc.step == 4 and exc.names == ["west/stage1/r0"] and newest == 2
     (failure,) = run.events("failure")
     assert failure["dead"] == ["geopipe/fk2/west/stage1/r0"]
@@ -506,15 +508,9 @@ def test_the_last_save_a_wedged_writer_blocks_is_saved_again_after_recovery(
     checkpoint), recovers without the writer and saves step 4 again on the new layout."""
     fake = FakeWorkers()
     fake.inject("east/stage0/r0", block_save=4)
-    run = Run(
-        make_doc(corpus, steps=4, every=2),
-        tmp_path / "run",
-        fake,
-        health={"hang_floor_uncalibrated_s": 0.2},
-    )
-    seen = _watch_unwritten(run, lambda: tmp_path / "run" / "checkpoints")
-    run.go()
-    ((exc, newest),) = seen
+    doc = make_doc(corpus, steps=4, every=2)
+    root = tmp_path / "run" / "checkpoints"
+    run, exc, newest = _wedged(doc, fake, tmp_path / "run", lambda: root)
     assert exc.step == 4 and exc.names == ["east/stage0/r0"] and newest == 2
     path = run.path()
     i = path.index("recovering 4")

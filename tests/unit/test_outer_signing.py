@@ -39,7 +39,7 @@ from geopipe.runtime.actor.outer_wire import (
 )
 from geopipe.transport.codec import Sealed
 from geopipe.transport.security import make_credentials
-from tests.unit.test_outer_values import chunk, dropped
+from tests.unit.test_outer_values import chunk, dropped, wait_refused
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -251,9 +251,7 @@ def test_an_honest_groups_frame_replayed_by_a_third_party_changes_nothing(
             wait_messages(me, 4)  # the relayed copy, or group 1's own, is not filed
             if when == "after":
                 relay.send(*relayed)
-            deadline = time.monotonic() + 10
-            while me.receiver.refused.count == 0 and time.monotonic() < deadline:
-                time.sleep(0.01)
+            wait_refused(me)
             got, missing, _ = me.gather((*TAG, 0, 0), 2, timeout_s=30)
     finally:
         relay.close()

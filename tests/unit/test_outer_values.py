@@ -283,6 +283,14 @@ def test_a_diverged_replica_sends_nothing_and_the_driver_sees_a_model_error(
         peer.close()
 
 
+def wait_refused(net: OuterExchange, timeout_s: float = 10.0) -> None:
+    """Until ``net``'s listener has refused a frame (or ``timeout_s``): the assertions that
+    follow say whether it did, and whom it was pinned on."""
+    deadline = time.monotonic() + timeout_s
+    while net.receiver.refused.count == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def test_a_refused_peer_is_answered_at_once_then_at_the_slices_pace(monkeypatch) -> None:
     masters = Masters(monkeypatch, NUMEL)
     me, peer = loop(masters, "int8", 0), loop(masters, "int8", 1)
@@ -320,9 +328,7 @@ def test_a_second_frame_for_a_key_leaves_neither_payload_to_average(net) -> None
     try:
         sender.send((*TAG, 0, 0, 1, 0), first)
         sender.send((*TAG, 0, 0, 1, 0), second)
-        deadline = time.monotonic() + 10
-        while a.receiver.refused.count == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_refused(a)
         got, missing, _ = a.gather((*TAG, 0, 0), 2, timeout_s=10)
     finally:
         sender.close()

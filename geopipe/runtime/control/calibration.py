@@ -104,7 +104,8 @@ def profile_machine(
     embedded cluster's sites all run here); :func:`~geopipe.optimizer.measurements.costed`
     puts them in the cost model's place of the YAML's nominal figures.
 
-    With ``largest`` (the largest micro-batch the plan may choose) the model is timed at
+    With ``largest`` (the largest micro-batch the plan may choose; at most 64, or 8 x
+    ``micro_batch`` if more) the model is timed at
     two micro-batch sizes and the forward time fitted as ``layers x overhead + size x
     per-sample`` (:func:`fit_forward`): the per-sample slope gives the efficiency, the
     intercept each layer's fixed cost per micro-batch (kernel launches, Python). Timed at
