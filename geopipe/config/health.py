@@ -70,7 +70,9 @@ class HealthSpec(Spec):
         gt=0.0,
         le=86_400.0,
         description="how long re-sent per-site checkpoint copies are waited for before the "
-        "copy is abandoned (the previous complete checkpoint stays)",
+        "copy is abandoned (the previous complete checkpoint stays); also the least deadline "
+        "of any checkpoint pull between sites (hang_factor x its bytes over the link's rate "
+        "if longer)",
     )
     settle_s: float = Field(
         10.0,

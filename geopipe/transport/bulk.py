@@ -19,6 +19,11 @@ Wire format (little endian): a request is ``u32 length`` + JSON ``{"step", "file
 "offset", "size"}``; the reply is ``u8 status`` (0 ok, 1 error) + ``u64 length`` + that
 many bytes (the data, or a UTF-8 error message); the client checks the length against what
 it asked before reading the reply. Nothing read from the network is unpickled.
+
+A read may carry a deadline (:meth:`ChunkClient.read_all`): the socket's timeout is then
+the time left before each receive, so a server that accepts and never answers, or answers
+a trickle, ends the read at the deadline (`ChunkTimeout`), not after one idle timeout per
+receive -- which a byte every few seconds would renew forever.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import json
 import socket
 import struct
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 
@@ -36,7 +42,7 @@ from geopipe.transport.gate import Gate
 from geopipe.transport.security import RejectLog, RunCredentials, link_id
 from geopipe.transport.sockets import advertised_host, set_congestion, shutdown_socket
 
-__all__ = ["ChunkClient", "ChunkError", "ChunkServer"]
+__all__ = ["ChunkClient", "ChunkError", "ChunkServer", "ChunkTimeout"]
 
 _REQ = struct.Struct("<I")
 _REP = struct.Struct("<BQ")
@@ -48,6 +54,11 @@ Reader = Callable[[int, str, int, int], bytes]  # (step, file, offset, size) -> 
 
 class ChunkError(OSError):
     """The server could not serve a piece (its message says why), or the stream broke."""
+
+
+class ChunkTimeout(ChunkError):
+    """A read's deadline passed before its replies were complete (a stalled or trickling
+    server, or a link far slower than the caller planned for)."""
 
 
 class ChunkServer:
@@ -158,32 +169,43 @@ class ChunkClient:
         self._sock = sock
 
     def read_all(
-        self, step: int, file: str, pieces: list[tuple[int, int]], in_flight: int = 2
+        self,
+        step: int,
+        file: str,
+        pieces: list[tuple[int, int]],
+        in_flight: int = 2,
+        deadline: float | None = None,
     ) -> Iterator[bytes]:
-        """The bytes of each ``(offset, size)`` piece, in order, ``in_flight`` asked ahead."""
+        """The bytes of each ``(offset, size)`` piece, in order, ``in_flight`` asked ahead.
+        ``deadline`` (a ``time.monotonic()`` instant): past it `ChunkTimeout`, however
+        slowly the bytes still come (it replaces the idle ``timeout_s`` for these reads)."""
         todo, asked = deque(pieces), deque()
         while todo or asked:
             while todo and len(asked) < in_flight:
                 off, n = todo.popleft()
                 body = json.dumps({"step": step, "file": file, "offset": off, "size": n}).encode()
+                _arm(self._sock, deadline)
                 try:
                     self._sock.sendall(_REQ.pack(len(body)) + body)
                 except OSError as exc:
+                    if isinstance(exc, TimeoutError) and deadline is not None:
+                        raise _late() from None
                     raise ChunkError(f"chunk request failed: {exc}") from None
                 asked.append(n)
-            yield self._reply(file, asked.popleft())
+            yield self._reply(file, asked.popleft(), deadline)
 
-    def _reply(self, file: str, n: int) -> bytes:
+    def _reply(self, file: str, n: int, deadline: float | None = None) -> bytes:
         """The reply to a request for ``n`` bytes; its length is checked against what was
         asked before anything is allocated for it (a short piece: the file ends there)."""
-        head = _recv(self._sock, _REP.size)
+        by = () if deadline is None else (deadline,)  # without one: the call as it was
+        head = _recv(self._sock, _REP.size, *by)
         if head is None:
             raise ChunkError("the chunk server closed the connection")
         status, length = _REP.unpack(head)
         if length > (_MAX_ERROR if status else n):
             what = "error message" if status else f"reply to a request for {n} bytes"
             raise ChunkError(f"{file}: a {what} of {length} bytes is out of bounds")
-        data = _recv(self._sock, length)
+        data = _recv(self._sock, length, *by)
         if data is None:
             raise ChunkError("the chunk server closed the connection mid-reply")
         if status:
@@ -197,15 +219,33 @@ class ChunkClient:
             self._sock.close()
 
 
-def _recv(sock: socket.socket, n: int) -> bytes | None:
-    """Exactly ``n`` bytes, or None if the peer closed first."""
+def _arm(sock: socket.socket, deadline: float | None) -> None:
+    """With a deadline: the socket's timeout becomes the time left (`ChunkTimeout` if none)."""
+    if deadline is None:
+        return
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise _late()
+    sock.settimeout(left)
+
+
+def _late() -> ChunkTimeout:
+    return ChunkTimeout("the read's deadline passed before its replies were complete")
+
+
+def _recv(sock: socket.socket, n: int, deadline: float | None = None) -> bytes | None:
+    """Exactly ``n`` bytes, or None if the peer closed first (or went idle past the
+    socket's timeout); past ``deadline``, `ChunkTimeout`."""
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
+        _arm(sock, deadline)
         try:
             k = sock.recv_into(view[got:])
-        except (TimeoutError, OSError):
+        except OSError as exc:
+            if isinstance(exc, TimeoutError) and deadline is not None:
+                raise _late() from None  # the timeout was the time left
             return None
         if k == 0:
             return None

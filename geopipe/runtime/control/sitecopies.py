@@ -22,6 +22,11 @@ checkpoint all of whose shards survive on a live site
 (:func:`~geopipe.checkpoint.restore.newest_restorable`); a site of the new layout without a
 copy of it first pulls one from a site that has it, then every actor loads from its own
 site's copy.
+
+No pull is waited for without end ([Note: every pull has a deadline] in
+:mod:`geopipe.runtime.storage.sitestore`): nor a store's copy, past its pulls' deadlines
+plus ``health.copy_wait_s`` (a save's copy then fails and counts as short, a restore's
+raises and the restore goes on to an older checkpoint, as after any copy that fails).
 """
 
 from __future__ import annotations
@@ -40,8 +45,14 @@ from geopipe.config import ClusterSpec
 from geopipe.runtime.control.cluster import kill_actors
 from geopipe.runtime.control.health import ShardsUnwritten, quiet_get, ref_failed, shard_wait_s
 from geopipe.runtime.control.reporting import Reporter
-from geopipe.runtime.control.workers import SpawnOptions, Workers, ask, call_all
-from geopipe.runtime.storage.sitestore import ShardSource, SiteStore
+from geopipe.runtime.control.workers import CallTimeout, SpawnOptions, Workers, ask, call_all
+from geopipe.runtime.storage.sitestore import (
+    ADDRESS_WAIT_S,
+    MANIFEST_WAIT_S,
+    PullBound,
+    ShardSource,
+    SiteStore,
+)
 
 __all__ = ["LINK_SHARE", "SiteCopies"]
 
@@ -207,10 +218,15 @@ class SiteCopies:
         )
         ck = self.spec.training.checkpoint
         listen_all = self.spec.security.listen == "all"
-        args = (site, str(self.root(site)), ck.keep, self.creds, listen_all, self._run_for(site))
+        run = self._run_for(site)
+        args = (site, str(self.root(site)), ck.keep, self.creds, listen_all, run, self.bound())
         handle = self.workers.spawn(SiteStore, args, opts)
         self._handles[name] = handle
         return handle
+
+    def bound(self) -> PullBound:
+        """Each pull's deadline rule, from the run's health clocks."""
+        return PullBound(self.spec.health.copy_wait_s, self.spec.health.hang_factor)
 
     def _run_for(self, site: str) -> dict | None:
         """The run's identity for a new store of ``site``: fresh (move another run's
@@ -321,6 +337,7 @@ class SiteCopies:
             return
         if wait:  # the shards at most shard_wait_s (a wedged writer), the pulls as they go
             self._await_shards(save)
+            self._await_copies(save)
         refs = save.flat_refs + list(save.fetches.values())
         ready, _ = self.workers.wait(refs, num_returns=len(refs), timeout=None if wait else 0)
         if len(ready) < len(refs):
@@ -343,6 +360,30 @@ class SiteCopies:
         flat = [a for row in save.rows for a in row]
         stuck = [a for a, r in zip(flat, refs, strict=True) if r not in ready]
         raise ShardsUnwritten(*self.who(stuck), save.step, wait_s)
+
+    def _await_copies(self, save: _Save) -> None:
+        """Wait for each site's copy as long as its pulls' deadlines allow, plus
+        ``health.copy_wait_s`` for its commit; a copy still unfinished then (a frozen store)
+        is abandoned and counted as failed, never waited for without end."""
+        bound, w = self.bound(), self.workers
+        infos = quiet_get(w, save.infos, 0)  # written by now (_await_shards)
+        t0 = time.monotonic()
+        limit = {
+            s: bound.floor_s
+            + sum(
+                bound.seconds(getattr(info, "bytes", 0), None if src == s else self._rate(src, s))
+                for info, src in zip(infos, save.stage_sites, strict=False)
+            )
+            for s in save.fetches
+        }
+        for s in sorted(save.fetches, key=limit.__getitem__):
+            left = max(0.0, t0 + limit[s] - time.monotonic())
+            if w.wait([save.fetches[s]], num_returns=1, timeout=left)[0]:
+                continue
+            del save.fetches[s]
+            save.failed[s] = f"not copied within {limit[s]:.0f} s (the pulls' deadlines)"
+            if s in self._stores:
+                w.call(self._stores[s], "abort", save.step, save.save_id)
 
     def _drop(self, save: _Save) -> None:
         """Abandon the save in flight: the stores discard what they pulled of it."""
@@ -512,10 +553,28 @@ class SiteCopies:
             if s in point.complete_at:
                 out[s] = ask(self.workers, [store], "path_of", point.step)[0]
             else:
-                source = self._stores[point.site]
-                out[s] = ask(self.workers, [store], "copy_from", point.step, source)[0]
+                out[s] = self._copy(store, point, s)
                 self.reporter.event("checkpoint_copied", step=point.step, to=s, source=point.site)
         return out
+
+    def _copy(self, store: Any, point: Restorable, site: str) -> str:
+        """``site``'s store pulls ``point`` from ``point.site``'s (unpaced: its pulls'
+        deadlines assume the link's whole rate), waited for as long as those deadlines
+        allow plus ``health.copy_wait_s``; past that a :class:`CheckpointError`."""
+        w, bound, source = self.workers, self.bound(), self._stores[point.site]
+        lk = self._link(point.site, site)
+        bps = None if lk is None else lk.bandwidth_bps / 8
+        doc = quiet_get(w, [w.call(source, "manifest", point.step)], MANIFEST_WAIT_S)[0]
+        sizes = [e.get("bytes", 0) for e in (doc or {}).get("stages", [])]
+        wait_s = bound.floor_s + MANIFEST_WAIT_S + ADDRESS_WAIT_S
+        wait_s += sum(bound.seconds(n, bps) for n in sizes)
+        try:
+            return w.get([w.call(store, "copy_from", point.step, source, bps)], timeout=wait_s)[0]
+        except CallTimeout:
+            raise CheckpointError(
+                f"site {site}'s copy of checkpoint step {point.step} from site {point.site} "
+                f"did not finish within {wait_s:.0f} s (its pulls' deadlines)"
+            ) from None
 
     def find_latest(
         self, lineage: Lineage | None = None

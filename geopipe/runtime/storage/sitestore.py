@@ -16,6 +16,19 @@ the bulk path: through Ray each piece would be an object-store pull costing seve
 trips over a long link — paced to a share of the WAN link's bandwidth so the activations
 keep the rest (:data:`geopipe.runtime.control.sitecopies.LINK_SHARE`). Inside a site, and when a
 holder's chunk server cannot be reached, through Ray actor calls.
+
+[Note: every pull has a deadline]
+A pull's deadline is what the run knows of it: ``health.hang_factor`` x its bytes over the
+rate it is paced at (a copy: :data:`~geopipe.runtime.control.sitecopies.LINK_SHARE` of the
+link) or, unpaced, the link's rate (a restore's copy), at least ``health.copy_wait_s``
+(a pull inside a site, whose rate the run does not price, gets that floor alone):
+:class:`PullBound`. It holds however the holder answers: over the data plane each
+receive waits only the time left (a server that accepts and never answers, or trickles
+a byte at a time, cannot renew it), through Ray each chunk's wait is cut to it. Past it
+the pull raises :class:`PullTimeout`, its file is unlinked, and nothing of it reaches a
+committed copy: a save's copy counts as failed (a replication shortfall,
+:mod:`geopipe.runtime.control.sitecopies`), a restore's copy is abandoned whole and the
+error names the file, the source and the bound.
 """
 
 from __future__ import annotations
@@ -48,10 +61,10 @@ from geopipe.checkpoint.store import (
 from geopipe.checkpoint.verify import signature
 from geopipe.checkpoint.writer import CheckpointWriter
 from geopipe.runtime.node import node_ip
-from geopipe.transport.bulk import ChunkClient, ChunkError, ChunkServer
+from geopipe.transport.bulk import ChunkClient, ChunkError, ChunkServer, ChunkTimeout
 from geopipe.transport.security import RunCredentials
 
-__all__ = ["CHUNK_BYTES", "ShardSource", "SiteStore"]
+__all__ = ["CHUNK_BYTES", "PullBound", "PullTimeout", "ShardSource", "SiteStore"]
 
 CHUNK_BYTES = 4 << 20  # one pull request
 _IN_FLIGHT = 2  # chunks requested ahead, so a long round trip does not idle the link
@@ -64,6 +77,25 @@ _FILE_RE = re.compile(r"^(stage-\d+\.safetensors|manifest\.json)$")
 
 
 @dataclass(frozen=True)
+class PullBound:
+    """How long a pull may take ([Note: every pull has a deadline]): ``factor`` x its
+    bytes over its rate, at least ``floor_s`` (the run's ``health.hang_factor`` and
+    ``health.copy_wait_s``; these defaults are theirs)."""
+
+    floor_s: float = 120.0
+    factor: float = 20.0
+
+    def seconds(self, nbytes: int, bps: float | None) -> float:
+        """The bound of a pull of ``nbytes`` at ``bps`` bytes/s (None: not priced)."""
+        return max(self.floor_s, self.factor * nbytes / bps) if bps else self.floor_s
+
+
+class PullTimeout(CheckpointError):
+    """A pull passed its deadline (a stalled or trickling holder, a link far slower than
+    planned): abandoned, its file unlinked."""
+
+
+@dataclass(frozen=True)
 class ShardSource:
     """Where a store pulls a shard from: any actor with ``read_chunk(step, file, offset,
     size)`` (a stage replica holding it in memory, or another site's store)."""
@@ -72,6 +104,7 @@ class ShardSource:
     actor: Any
     rate_bps: float | None  # bytes/s to pace at when crossing sites; None: no pacing
     address: tuple[str, int] | None = None  # the holder's chunk server (data plane)
+    deadline_bps: float | None = None  # the rate its deadline assumes (None: rate_bps)
 
 
 class SiteStore:
@@ -85,6 +118,7 @@ class SiteStore:
         creds: RunCredentials | None = None,
         listen_all: bool = False,
         run: dict | None = None,
+        bound: PullBound | None = None,
     ) -> None:
         # Not at a lower CPU priority (os.nice): tried, it barely moved the replication
         # stall, and under heavy load a niced store did not answer a recovery's questions
@@ -98,10 +132,12 @@ class SiteStore:
         self._moved = move_aside(self.root) if run and run["fresh"] else None
         self.root.mkdir(parents=True, exist_ok=True)  # fails here, at launch, if it cannot
         self.keep = keep
+        self.bound = bound or PullBound()  # each pull's deadline (the run's health clocks)
         self.creds, self.listen_all = creds, listen_all  # the data plane's protection
         self._lock = threading.Lock()
         self._writers: dict[int, tuple[str, CheckpointWriter]] = {}  # step -> (save id, w)
         self._cancelled: set[str] = set()
+        self._late: dict[str, str] = {}  # save id -> its pull past its deadline (not again)
         # copies hashed once, by (step, directory signature): [Note: what is verified, when]
         self._verified: dict[tuple[int, tuple], SiteCopy] = {}
         self._rejected: dict[str, str] = {}  # copy path -> why it failed verification
@@ -143,11 +179,19 @@ class SiteStore:
     ) -> list[int]:
         """Pull the shards of checkpoint ``step`` into this site's copy in progress;
         ``infos[i]`` (resolved by Ray before this runs) is ``sources[i]``'s file, size and
-        checksum. Returns the stages the copy holds so far."""
+        checksum. Returns the stages the copy holds so far. A save one of whose pulls
+        passed its deadline is not pulled again (the driver's stand-in retry would only
+        wait as long once more on the link that was too slow): the same error at once."""
         writer = self._writer(step, save_id)
+        if save_id in self._late:
+            raise PullTimeout(self._late[save_id])
         for src, info in zip(sources, infos, strict=True):
             if info.stage not in writer.stages_written:
-                self._pull(step, save_id, writer.tmp_dir, src, info)
+                try:
+                    self._pull(step, save_id, writer.tmp_dir, src, info)
+                except PullTimeout as exc:
+                    self._late[save_id] = str(exc)
+                    raise
                 writer.add_shard(info)
         return sorted(writer.stages_written)
 
@@ -186,6 +230,7 @@ class SiteStore:
         chunk); the site's previous copies are untouched."""
         with self._lock:
             self._cancelled.add(save_id)
+            self._late.pop(save_id, None)
             held = self._writers.get(step)
             if held is not None and held[0] == save_id:
                 del self._writers[step]
@@ -194,19 +239,24 @@ class SiteStore:
     def _pull(
         self, step: int, save_id: str, tmp_dir: Path, src: ShardSource, info: ShardInfo
     ) -> None:
-        """Copy ``info.file`` from ``src`` chunk by chunk, paced, then fsync and verify."""
+        """Copy ``info.file`` from ``src`` chunk by chunk, paced, then fsync and verify;
+        past its deadline ([Note: every pull has a deadline]) :class:`PullTimeout`."""
         path = tmp_dir / info.file
         digest = hashlib.sha256()
         t0 = time.perf_counter()
         pieces = [
             (off, min(CHUNK_BYTES, info.bytes - off)) for off in range(0, info.bytes, CHUNK_BYTES)
         ]
+        limit = self.bound.seconds(info.bytes, src.deadline_bps or src.rate_bps)
+        deadline = time.monotonic() + limit
         done = 0
         try:
             with open(path, "wb") as f:
-                for data in self._pieces(step, info.file, src, pieces):
+                for data in self._pieces(step, info.file, src, pieces, deadline):
                     if save_id in self._cancelled:
                         raise CheckpointError(f"the save of step {step} was abandoned")
+                    if time.monotonic() > deadline:
+                        raise _Late()
                     n = len(data)
                     f.write(data)
                     digest.update(data)
@@ -217,6 +267,12 @@ class SiteStore:
                             time.sleep(ahead)
                 f.flush()
                 os.fsync(f.fileno())
+        except _Late:
+            path.unlink(missing_ok=True)
+            raise PullTimeout(  # short: a copy's failure is shown by its last 200 characters
+                f"{info.file} of step {step} not pulled onto {self.site} within its deadline "
+                f"({limit:.1f} s for {info.bytes} bytes): abandoned"
+            ) from None
         except Exception:
             path.unlink(missing_ok=True)
             raise
@@ -228,22 +284,31 @@ class SiteStore:
             )
 
     def _pieces(
-        self, step: int, file: str, src: ShardSource, pieces: list[tuple[int, int]]
+        self,
+        step: int,
+        file: str,
+        src: ShardSource,
+        pieces: list[tuple[int, int]],
+        deadline: float,
     ) -> Iterator[bytes]:
         """The pieces of ``file``, in order: over the holder's chunk server when it has one
-        (the data plane), else through Ray actor calls; ``_IN_FLIGHT`` asked ahead."""
+        (the data plane), else through Ray actor calls; ``_IN_FLIGHT`` asked ahead; none
+        waited for past ``deadline`` (`_Late`)."""
         client = None
         if src.address is not None:
             try:
-                client = ChunkClient(tuple(src.address), creds=self.creds)
+                left = deadline - time.monotonic()
+                client = ChunkClient(tuple(src.address), max(left, 0.001), creds=self.creds)
             except ChunkError:
                 client = None  # unreachable (another network?): Ray still reaches it
         via = self._via.setdefault(step, {})
         if client is not None:
             try:
-                for data in client.read_all(step, file, pieces, _IN_FLIGHT):
+                for data in client.read_all(step, file, pieces, _IN_FLIGHT, deadline):
                     via["data_plane"] = via.get("data_plane", 0) + len(data)
                     yield data
+            except ChunkTimeout:
+                raise _Late() from None
             except ChunkError as exc:
                 raise CheckpointError(f"{file} of step {step}: {exc}") from None
             finally:
@@ -256,7 +321,15 @@ class SiteStore:
                 off, n = todo.popleft()
                 inflight.append((n, src.actor.read_chunk.remote(step, file, off, n)))
             n, ref = inflight.popleft()
-            data = get(ref, timeout=CHUNK_WAIT_S)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise _Late()
+            try:
+                data = get(ref, timeout=min(CHUNK_WAIT_S, left))
+            except Exception:
+                if time.monotonic() >= deadline:
+                    raise _Late() from None  # Ray's timeout was the time left
+                raise
             if len(data) != n:
                 raise CheckpointError(f"{file}: got {len(data)} bytes, asked {n}")
             via["ray"] = via.get("ray", 0) + n
@@ -321,10 +394,12 @@ class SiteStore:
             f.seek(offset)
             return f.read(size)
 
-    def copy_from(self, step: int, source: Any) -> str:
+    def copy_from(self, step: int, source: Any, rate_bps: float | None = None) -> str:
         """Make this site hold a complete copy of ``step`` by pulling every file of
         ``source``'s (another store's) copy; returns its path. Used before a restore when
-        this site's own copy of the chosen checkpoint is missing."""
+        this site's own copy of the chosen checkpoint is missing. ``rate_bps``: the link's
+        bytes/s, which each pull's deadline assumes (the copy is not paced); past one the
+        copy is abandoned whole (:class:`PullTimeout`)."""
         have = self.root / step_dirname(step)
         if any(c.step == step for c in self.holdings()):
             return str(have)
@@ -341,7 +416,7 @@ class SiteStore:
                 info = ShardInfo(
                     e["stage"], e["file"], e["sha256"], e["bytes"], e.get("tensors", 0), 0.0
                 )
-                src = ShardSource(e["stage"], source, None, address)
+                src = ShardSource(e["stage"], source, None, address, rate_bps)
                 self._pull(step, save_id, writer.tmp_dir, src, info)
                 writer.add_shard(info)
             manifest = {k: v for k, v in doc.items() if k not in _RESERVED}
@@ -349,6 +424,10 @@ class SiteStore:
         except BaseException:
             self.abort(step, save_id)
             raise
+
+
+class _Late(Exception):
+    """A pull's deadline passed (inside :meth:`SiteStore._pull`, which says which)."""
 
 
 def _ray_get(ref: Any, timeout: float) -> Any:
