@@ -13,8 +13,9 @@ plain Adam, the same numbers), no clipping, and the runtime's LR schedule itself
 half cosine to the last step).
 
 * **sync**: one model on the whole global batch of ``B`` sequences per step (what synchronous
-  data parallelism computes), seeds 0 and 1: their relative difference is the noise;
-* **outer**: ``M`` replica groups from the same initial model (seed 0), group ``g`` taking the
+  data parallelism computes), at every seed of ``--seeds`` (init and data order): their
+  largest relative spread is the noise;
+* **outer**: ``M`` replica groups from the same initial model (the seed's), group ``g`` taking the
   ``g``-th of ``M`` contiguous slices of every global batch (the runtime's pipeline slices),
   each with its own inner Adam (never reset), meeting on the Streaming DiLoCo schedule through
   :mod:`geopipe.outer`: each group encodes its pseudo-gradient once with the codec, every
@@ -25,20 +26,25 @@ half cosine to the last step).
 Both see the same samples in the same steps, so tokens are equal. The measure is the held-out
 loss of the final weights (theta_global for the outer loop, what ``geopipe export`` writes)
 over 256 fixed held-out windows: ``rel_gap = (loss_outer - loss_sync) / loss_sync`` against
-the sync run of the same seed.
+the sync run of the same seed. Every row is run at every seed of ``--seeds`` (default 0) and
+written with its ``seed``: one seed's gap moves 1-2 % of loss between seeds here, as much as
+a tight ``plan.max_loss_penalty`` separates, and the planner averages a row's seeds.
 
 Run: ``nice .venv/bin/python benchmarks/outer_penalty.py [--steps 600] [--quick]`` (~25 min;
 ``--quick``: the M = 2, codec none rows only). Writes ``geopipe/optimizer/loss_penalty.json``
-(``--out``; ``--no-write`` to leave it alone) and ends with one JSON line. ``--outer-lr``
-and ``--outer-momentum`` (with ``--h 10,50``, and ``--sync-loss a,b`` to reuse the
-deterministic sync runs) measure other outer settings, ``--seed 1`` the outer runs' own
-spread; those runs are printed, never written to the table.
+(``--out``; ``--no-write`` to leave it alone) and ends with one JSON line. ``--grid planner``
+and ``--grid bounded`` (at ``--outer-lr``/``--outer-momentum``) merge their rows into the
+table as each is measured (a killed run keeps them), rows of other settings or seeds
+staying; ``--sync-loss a,b`` reuses the deterministic sync runs of the first seeds of
+``--seeds`` (the rest are trained). With the default grid, ``--outer-lr`` and
+``--outer-momentum`` (and ``--h 10,50``) make a comparison that is printed, never written.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,6 +98,18 @@ def planner_grid(outer_lr: float, outer_momentum: float) -> list[Setting]:
     ]
     rows += [Setting(2, h, c, **o) for c in ("int8", "none") for h in (5, 2)]
     return rows
+
+
+def bounded_grid(outer_lr: float, outer_momentum: float) -> list[Setting]:
+    """The M = 2, int8 candidates benchmarks/outer_loop.py's ``BOUNDED_OUTER`` offers the
+    planner under a tight ``plan.max_loss_penalty`` (``--grid bounded``): F = 1 at H = 2, 5,
+    10, 25, 50, 100; F = 5 with overlap 1 at H = 10 and overlap 4 at H = 25, 50, 100
+    (torchft's constraints: H a multiple of F, overlap < H / F). Those nearest the bound
+    first, so a killed run has measured them."""
+    o = {"outer_lr": outer_lr, "outer_momentum": outer_momentum}
+    rows = [Setting(2, h, "int8", 5, 4, **o) for h in (50, 25, 100)]
+    rows += [Setting(2, h, "int8", **o) for h in (10, 25, 5, 2, 50, 100)]
+    return [*rows, Setting(2, 10, "int8", 5, 1, **o)]
 
 
 def settings(quick: bool, hs: list[int] | None = None, **outer: float) -> list[Setting]:
@@ -225,7 +243,33 @@ def sync_run(seed: int, data: Data) -> float:
     return loss
 
 
-def main() -> None:
+def seed_list(value: str) -> list[int]:
+    """``--seeds``: distinct non-negative integers, comma-separated."""
+    try:
+        seeds = [int(x) for x in value.split(",")]
+    except ValueError:
+        seeds = []
+    if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(
+            f"expected distinct non-negative integers separated by commas, got {value!r}"
+        )
+    return seeds
+
+
+def float_list(value: str) -> list[float]:
+    """``--sync-loss``: finite positive losses, comma-separated."""
+    try:
+        losses = [float(x) for x in value.split(",")]
+    except ValueError:
+        losses = []
+    if not losses or not all(0 < x < float("inf") for x in losses):
+        raise argparse.ArgumentTypeError(
+            f"expected positive numbers separated by commas, got {value!r}"
+        )
+    return losses
+
+
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--batch", type=int, default=16, help="global batch (sequences per step)")
@@ -240,102 +284,149 @@ def main() -> None:
     ap.add_argument("--outer-lr", type=float, default=OUTER_LR)
     ap.add_argument("--outer-momentum", type=float, default=OUTER_MOMENTUM)
     ap.add_argument(
-        "--sync-loss",
-        type=lambda v: [float(x) for x in v.split(",")],
-        help="the two sync seeds' held-out losses of an earlier run with the same "
-        "settings (deterministic), instead of training them again",
+        "--seeds",
+        type=seed_list,
+        default=[0],
+        help="comma-separated seeds: every row runs at each, against the sync run of that seed",
     )
     ap.add_argument(
-        "--seed",
-        type=int,
-        default=0,
-        choices=(0, 1),
-        help="the outer runs' seed, compared with that sync seed",
+        "--sync-loss",
+        type=float_list,
+        default=[],
+        help="the sync runs' held-out losses of an earlier run with the same settings "
+        "(deterministic), one per seed in --seeds order; seeds past the list are trained",
     )
     ap.add_argument(
         "--grid",
-        choices=("default", "planner"),
+        choices=("default", "planner", "bounded"),
         default="default",
-        help="planner: the rows the planner prices, at --outer-lr/--outer-momentum, "
-        "merged into the table (rows of other outer settings stay)",
+        help="planner: the rows the planner prices; bounded: the M = 2 int8 candidates under "
+        "a tight plan.max_loss_penalty; both at --outer-lr/--outer-momentum, merged into the "
+        "table (rows of other settings and seeds stay)",
     )
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    t_start = time.perf_counter()
-    data = load_data(args.batch, args.seq_len, args.steps)
+    if len(args.sync_loss) > len(args.seeds):
+        ap.error(
+            f"--sync-loss: {len(args.sync_loss)} losses for {len(args.seeds)} seeds "
+            "(one per seed of --seeds, in its order)"
+        )
+    return args
+
+
+def grid_of(args: argparse.Namespace) -> list[Setting]:
+    """The settings to run; sets ``args.no_write`` for a comparison that is only printed."""
     outer = {}
     if (args.outer_lr, args.outer_momentum) != (OUTER_LR, OUTER_MOMENTUM):
         outer = {"outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum}
-        args.no_write |= args.grid != "planner"  # a comparison, unless it is the planner's grid
-    args.no_write |= args.seed != 0  # the table is seed 0's: another seed's runs are a check
-    grid = (
-        planner_grid(args.outer_lr, args.outer_momentum)
-        if args.grid == "planner"
-        else settings(args.quick, args.h, **outer)
-    )
-    sync = args.sync_loss or [sync_run(seed, data) for seed in (0, 1)]
-    noise = abs(sync[1] - sync[0]) / sync[0]
-    rows = []
-    for s in grid:
-        t0 = time.perf_counter()
-        loss, info = train_outer(s, data, args.seed)
-        gap = (loss - sync[args.seed]) / sync[args.seed]
-        rows.append(
-            {
-                "replicas": s.replicas,
-                "h": s.h,
-                "fragments": s.fragments,
-                "overlap": s.overlap,
-                "codec": s.codec,
-                "outer_lr": s.outer_lr,
-                "outer_momentum": s.outer_momentum,
-                "rel_gap": round(gap, 5),
-                "loss": round(loss, 5),
-                **info,
-            }
-        )
-        if args.grid == "planner" and not args.no_write:  # each row as soon as it is measured
-            report(args, data, sync, noise, rows, time.perf_counter() - t_start, quiet=True)
-        ratio = gap / noise if noise else float("nan")
+        args.no_write |= args.grid == "default"  # a comparison, unless a merged grid
+    if args.grid == "planner":
+        return planner_grid(args.outer_lr, args.outer_momentum)
+    if args.grid == "bounded":
+        return bounded_grid(args.outer_lr, args.outer_momentum)
+    return settings(args.quick, args.h, **outer)
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(1)
+    t_start = time.perf_counter()
+    data = load_data(args.batch, args.seq_len, args.steps)
+    grid = grid_of(args)
+    merge = args.grid != "default"
+    old = old_table(args.out, data) if merge and not args.no_write else {}
+    given = dict(zip(args.seeds, args.sync_loss, strict=False))
+    sync = {s: given[s] if s in given else sync_run(s, data) for s in args.seeds}
+    sync_all = {**old.get("sync_loss", {}), **sync}
+    rows: list[dict] = []
+    for s in grid:  # every seed of a setting before the next: a killed run keeps whole rows
+        for seed in args.seeds:
+            t0 = time.perf_counter()
+            loss, info = train_outer(s, data, seed)
+            gap = (loss - sync[seed]) / sync[seed]
+            rows.append({**row_of(s, seed), "rel_gap": round(gap, 5), "loss": round(loss, 5)})
+            rows[-1].update(info)
+            if merge and not args.no_write:  # each row as soon as it is measured
+                report(args, data, sync_all, old, rows, time.perf_counter() - t_start, quiet=True)
+            print(
+                f"{s.name:<32} seed {seed}  held-out {loss:.4f}  rel gap {gap:+.4f} "
+                f"({info['outer_steps']} outer steps, {time.perf_counter() - t0:.0f} s)",
+                flush=True,
+            )
+    report(args, data, sync_all, old, rows, time.perf_counter() - t_start)
+
+
+def row_of(s: Setting, seed: int) -> dict:
+    return {
+        "replicas": s.replicas,
+        "h": s.h,
+        "fragments": s.fragments,
+        "overlap": s.overlap,
+        "codec": s.codec,
+        "outer_lr": s.outer_lr,
+        "outer_momentum": s.outer_momentum,
+        "seed": seed,
+    }
+
+
+def old_table(path: Path, data: Data) -> dict:
+    """The table a merged grid adds to: its rows (each saying its outer optimizer and seed;
+    rows written before they did are DiLoCo's defaults' and seed 0's) and its sync losses by
+    seed (the first tables' list is seeds 0, 1, ...). Empty if there is none; exits 2 if it
+    was measured with other steps or tokens per step (its gaps would not compare)."""
+    try:
+        doc = json.loads(path.read_text())
+        rows, sync = doc["rows"], doc.get("sync_loss", [])
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    have = (doc.get("steps"), doc.get("tokens_per_step"))
+    if have != (data.steps, data.batch * data.seq_len):
         print(
-            f"{s.name:<24} held-out {loss:.4f}  rel gap {gap:+.4f} ({ratio:+.1f}x the sync "
-            f"noise; {info['outer_steps']} outer steps, {time.perf_counter() - t0:.0f} s)",
-            flush=True,
+            f"error: --out {path}: its table has steps, tokens_per_step = {have}, this run "
+            f"{data.steps}, {data.batch * data.seq_len}: another --out, or the same settings",
+            file=sys.stderr,
         )
-    report(args, data, sync, noise, rows, time.perf_counter() - t_start)
+        raise SystemExit(2)
+    if isinstance(sync, list):
+        sync = dict(enumerate(sync))
+    defaults = {"outer_lr": OUTER_LR, "outer_momentum": OUTER_MOMENTUM, "seed": 0}
+    return {
+        "rows": [{**defaults, **r} for r in rows],
+        "sync_loss": {int(k): float(v) for k, v in sync.items()},
+    }
 
 
-def merged_rows(path: Path, rows: list[dict]) -> list[dict]:
-    """The table's rows with ``rows`` in the place of any of the same setting (rows written
-    before outer settings were recorded per row are DiLoCo's defaults')."""
+def merged_rows(old: list[dict], rows: list[dict]) -> list[dict]:
+    """The old table's rows with ``rows`` in the place of any of the same setting and seed."""
 
     def key(r: dict) -> tuple:
         return (
-            r.get("outer_lr", OUTER_LR),
-            r.get("outer_momentum", OUTER_MOMENTUM),
+            r["outer_lr"],
+            r["outer_momentum"],
             r["replicas"],
             r["h"],
             r["fragments"],
             r.get("overlap", 0),
             r["codec"],
+            r.get("seed", 0),
         )
 
-    try:
-        old = json.loads(path.read_text())["rows"]
-    except (OSError, ValueError, KeyError):
-        old = []
-    old = [{"outer_lr": OUTER_LR, "outer_momentum": OUTER_MOMENTUM, **r} for r in old]
     new = {key(r) for r in rows}
     return [r for r in old if key(r) not in new] + rows
+
+
+def sync_noise(sync: dict[int, float]) -> float:
+    """The largest relative spread among the sync seeds (0 with one seed)."""
+    v = list(sync.values())
+    return (max(v) - min(v)) / min(v) if v else 0.0
 
 
 def report(
     args,
     data: Data,
-    sync: list[float],
-    noise: float,
+    sync: dict[int, float],
+    old: dict,
     rows: list[dict],
     runtime_s: float,
     quiet: bool = False,
@@ -348,16 +439,22 @@ def report(
         " cosine; each row's outer Nesterov SGD lr and momentum are its own",
         "steps": data.steps,
         "tokens_per_step": data.batch * data.seq_len,
-        "sync_loss": [round(x, 5) for x in sync],
-        "sync_noise": round(noise, 5),
-        "rows": merged_rows(args.out, rows) if args.grid == "planner" else rows,
+        "sync_loss": {str(k): round(v, 5) for k, v in sorted(sync.items())},
+        "sync_noise": round(sync_noise(sync), 5),
+        "rows": merged_rows(old.get("rows", []), rows) if args.grid != "default" else rows,
     }
     if not args.no_write:
         args.out.write_text(json.dumps(table, indent=1) + "\n")
         if quiet:
             return
         print(f"wrote {args.out}")
-    line: dict[str, object] = {}
+    print(json.dumps(summary(args, data, sync, rows, runtime_s)))
+
+
+def summary(args, data: Data, sync: dict[int, float], rows: list[dict], runtime_s: float) -> dict:
+    """The closing JSON line: each setting's gap as the mean over this run's seeds (and each
+    seed's beside it with ``_per_seed``)."""
+    gaps: dict[str, list[float]] = {}
     for r in rows:
         tag = (
             ""
@@ -368,17 +465,20 @@ def report(
                 + ("" if r["fragments"] == 1 else f"f{r['fragments']}_")
             )
         )
-        line[f"outer_loss_rel_gap_{tag}h{r['h']}"] = r["rel_gap"]
+        gaps.setdefault(f"outer_loss_rel_gap_{tag}h{r['h']}", []).append(r["rel_gap"])
+    line: dict[str, object] = {k: round(sum(g) / len(g), 5) for k, g in gaps.items()}
+    if len(args.seeds) > 1:
+        line.update({f"{k}_per_seed": g for k, g in gaps.items()})
     line.update(
-        sync_noise=round(noise, 5),
-        sync_loss=round(sync[args.seed], 5),
+        sync_noise=round(sync_noise({s: sync[s] for s in args.seeds}), 5),
+        sync_loss=[round(sync[s], 5) for s in args.seeds],
         steps=data.steps,
         outer_lr=args.outer_lr,
         outer_momentum=args.outer_momentum,
-        seed=args.seed,
+        seeds=args.seeds,
         runtime_s=round(runtime_s),
     )
-    print(json.dumps(line))
+    return line
 
 
 if __name__ == "__main__":

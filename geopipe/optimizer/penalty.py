@@ -7,19 +7,26 @@ scaling laws, arXiv 2503.09799). No formula predicts it well enough to trade it 
 time, so the planner reads a table measured by ``benchmarks/outer_penalty.py`` and shipped
 beside this module (``loss_penalty.json``)::
 
-    {"source": ..., "model": ..., "steps": N, "tokens_per_step": T, "sync_noise": x,
-     "rows": [{"replicas": M, "h": H, "fragments": F, "codec": "int8", "rel_gap": g}, ...]}
+    {"source": ..., "model": ..., "steps": N, "tokens_per_step": T,
+     "sync_loss": {"0": L0, "1": L1, ...}, "sync_noise": x,
+     "rows": [{"replicas": M, "h": H, "fragments": F, "codec": "int8", "seed": s,
+               "rel_gap": g}, ...]}
 
-``rel_gap`` is the final held-out loss's relative gap to synchronous training
-(``loss_outer / loss_sync - 1``); ``sync_noise`` the gap between two seeds of the
-synchronous run (what a gap must exceed to mean anything).
+``rel_gap`` is the final held-out loss's relative gap to synchronous training of the row's
+own ``seed`` (``loss_outer / loss_sync[seed] - 1``; a row without ``seed`` is seed 0's);
+``sync_loss`` the synchronous run's held-out loss by seed (the seed as a JSON key; the first
+tables wrote a list, seeds 0 and 1); ``sync_noise`` the largest relative spread among those
+seeds (what a gap must exceed to mean anything). One setting's gap moves by several percent
+of loss from seed to seed on the shipped table's model (up to 8 points at M = 2), more than
+the gaps a tight ``plan.max_loss_penalty`` separates, so a row worth pricing is measured at
+several seeds. Only ``rows`` and ``sync_noise`` are read here.
 
 The model, and why:
 
 * rows are grouped by ``(M, codec, F, outer lr, outer momentum)`` — a row may say the outer
   optimizer it ran (``outer_lr``, ``outer_momentum``; DiLoCo's 0.7 and 0.9 if it does not),
   and a candidate is priced only by rows of its own outer optimizer; repeated rows of one
-  ``H`` (seeds) are averaged;
+  ``H`` (seeds) are averaged, and the price says over how many (``(3 seeds)``);
 * between two measured ``H`` the gap is linear in ``log H`` (the published sweeps space
   ``H`` geometrically and the gap grows about evenly per doubling);
 * outside the measured ``H`` there is no price: above the largest ``H`` measured (or below
@@ -28,12 +35,14 @@ The model, and why:
   at ``H = 1`` is not plain synchronous training);
 * an ``M``, ``F`` or codec the table does not hold is unpriced (no interpolation across
   them: the gap does not move smoothly enough with them to guess);
-* a negative gap (the outer loop measured better) counts as 0: noise is no reason to
-  prefer the outer loop;
+* a negative gap (the outer loop measured better; for seeds, their mean) counts as 0:
+  noise is no reason to prefer the outer loop;
 * the overlap ``tau`` is not interpolated either: a row may say the ``overlap`` it ran with
   (0 if it does not), and a candidate overlapping more steps than any row of its
-  ``(M, codec, F)`` measured is unpriced (the overlapped steps run on weights the outer step
-  then replaces); within it, the gap is taken as independent of ``tau``;
+  ``(M, codec, F)`` measured at any ``H`` is unpriced (the overlapped steps run on weights
+  the outer step then replaces); within it, the gap is taken as independent of ``tau``, so
+  a key's rows may differ in overlap (1 at ``H = 10``, where ``H / F = 2`` allows no more,
+  4 at ``H >= 25``) and are still one curve in ``H``;
 * rows of fewer than 2 replicas are not an outer loop and are skipped.
 
 Without a table (not measured yet) every outer candidate is unpriced and ``geopipe plan``
@@ -101,7 +110,8 @@ class PenaltyTable:
     steps: int
     tokens_per_step: int
     sync_noise: float
-    points: Mapping[Key, tuple[tuple[int, float], ...]] = field(default_factory=dict)
+    # (H, mean gap, rows averaged) sorted by H
+    points: Mapping[Key, tuple[tuple[int, float, int], ...]] = field(default_factory=dict)
     overlaps: Mapping[Key, int] = field(default_factory=dict)  # the largest measured per key
 
     def predict(
@@ -128,7 +138,7 @@ class PenaltyTable:
                 f"({self.overlaps.get(key, 0)}, {where})",
             )
         pts = self.points[key]
-        hs = [x for x, _ in pts]
+        hs = [x for x, *_ in pts]
         if h > hs[-1] or h < hs[0]:
             side = "beyond the largest" if h > hs[-1] else "below the smallest"
             span = f"H={hs[-1]}" if h > hs[-1] else f"H={hs[0]}"
@@ -137,13 +147,14 @@ class PenaltyTable:
             )
         i = bisect_left(hs, h)
         if hs[i] == h:
-            return Penalty(max(0.0, pts[i][1]), f"measured at H={h} ({where})")
-        (h0, g0), (h1, g1) = pts[i - 1], pts[i]
+            return Penalty(max(0.0, pts[i][1]), f"measured at H={h}{_seeds(pts[i])} ({where})")
+        (h0, g0, _), (h1, g1, _) = pts[i - 1], pts[i]
         w = (math.log(h) - math.log(h0)) / (math.log(h1) - math.log(h0))
         gap = g0 + w * (g1 - g0)
         return Penalty(
             max(0.0, gap),
-            f"interpolated in log H between H={h0} ({g0:.2%}) and H={h1} ({g1:.2%}) ({where})",
+            f"interpolated in log H between H={h0} ({g0:.2%}{_seeds(pts[i - 1])}) and "
+            f"H={h1} ({g1:.2%}{_seeds(pts[i])}) ({where})",
         )
 
     def _missing(
@@ -182,6 +193,12 @@ class PenaltyTable:
             "tokens_per_step": self.tokens_per_step,
             "sync_noise": self.sync_noise,
         }
+
+
+def _seeds(point: tuple[int, float, int]) -> str:
+    """How many rows (seeds) a point averages, for a price's basis; nothing for one."""
+    n = point[2]
+    return f" ({n} seeds)" if n > 1 else ""
 
 
 @dataclass(frozen=True)
@@ -256,6 +273,8 @@ def parse_table(doc: Any, path: str = "<table>") -> PenaltyTable:
             f = _field(row, "fragments", int, where)
             tau = _field({"overlap": 0, **row}, "overlap", int, where)
             codec = _field(row, "codec", str, where)
+            if _field({"seed": 0, **row}, "seed", int, where) < 0:
+                raise ValueError(f"{where}seed: expected a non-negative int, got {row['seed']}")
             gap = _field(row, "rel_gap", float, where)
             lr = _field({"outer_lr": DEFAULT_OUTER[0], **row}, "outer_lr", float, where)
             mu = _field({"outer_momentum": DEFAULT_OUTER[1], **row}, "outer_momentum", float, where)
@@ -272,7 +291,8 @@ def parse_table(doc: Any, path: str = "<table>") -> PenaltyTable:
             sums.setdefault(key, {}).setdefault(h, []).append(gap)
             overlaps[key] = max(overlaps.get(key, 0), tau)
         points = {
-            k: tuple((h, sum(g) / len(g)) for h, g in sorted(v.items())) for k, v in sums.items()
+            k: tuple((h, sum(g) / len(g), len(g)) for h, g in sorted(v.items()))
+            for k, v in sums.items()
         }
         return PenaltyTable(
             path,

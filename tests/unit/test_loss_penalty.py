@@ -102,6 +102,56 @@ def test_repeated_rows_average_and_negative_gaps_count_zero() -> None:
     assert t.predict(2, 50, 1, "none").value == 0.0
 
 
+def test_seeds_of_one_h_average_before_interpolation_and_the_basis_counts_them() -> None:
+    # Three seeds at H = 10 and at H = 100, one at H = 50 (another key's seeds stay apart);
+    # the per-seed gaps straddle zero as the runs did (-0.31 %, +1.69 %, ...).
+    o = {"codec": "int8", "outer_lr": 1.0, "outer_momentum": 0.0}
+    rows = [
+        _row(2, 10, -0.0031, seed=0, **o),
+        _row(2, 10, 0.0169, seed=1, **o),
+        _row(2, 10, 0.0180, seed=2, **o),
+        _row(2, 50, 0.0300, seed=0, **o),
+        _row(2, 100, 0.0100, seed=0, **o),
+        _row(2, 100, 0.0400, seed=1, **o),
+        _row(2, 100, 0.0250, seed=2, **o),
+        _row(2, 10, 0.5, seed=0, codec="none"),
+    ]
+    t = parse_table(_table(rows))
+    p = t.predict(2, 10, 1, "int8", outer=(1.0, 0.0))
+    assert p.value == pytest.approx(0.0106)  # (-0.0031 + 0.0169 + 0.0180) / 3, by hand
+    assert "measured at H=10 (3 seeds)" in p.basis
+    one = t.predict(2, 50, 1, "int8", outer=(1.0, 0.0))
+    assert one.value == pytest.approx(0.03) and "seeds" not in one.basis
+    # H = 25 between the 3-seed mean at H = 10 (1.06 %) and the 1-seed H = 50 (3 %):
+    # log(25/10) / log(50/10) = 0.5693 of the way.
+    mid = t.predict(2, 25, 1, "int8", outer=(1.0, 0.0))
+    assert mid.value == pytest.approx(0.0106 + 0.569323 * (0.03 - 0.0106), rel=1e-5)
+    assert "H=10 (1.06% (3 seeds))" in mid.basis
+    assert t.predict(2, 100, 1, "int8", outer=(1.0, 0.0)).value == pytest.approx(0.025)
+    # a mean below zero is 0, whatever one seed said
+    neg = parse_table(_table([_row(2, 5, g, seed=i) for i, g in enumerate((-0.02, 0.01, 0.0))]))
+    assert neg.predict(2, 5, 1, "none").value == 0.0
+
+
+def test_a_key_whose_rows_differ_in_overlap_is_one_curve_up_to_its_largest() -> None:
+    # The bounded grid's streaming rows: F = 5 with overlap 1 at H = 10 (H / F = 2 allows no
+    # more) and overlap 4 at H = 25 and 50, two seeds each.
+    gaps = {10: (0.004, 0.008), 25: (0.010, 0.014), 50: (0.020, 0.030)}
+    rows = [
+        _row(2, h, g, "int8", f=5, overlap=1 if h == 10 else 4, seed=i)
+        for h, pair in gaps.items()
+        for i, g in enumerate(pair)
+    ]
+    t = parse_table(_table(rows))
+    assert t.predict(2, 10, 5, "int8", overlap=1).value == pytest.approx(0.006)
+    assert t.predict(2, 25, 5, "int8", overlap=4).value == pytest.approx(0.012)
+    assert t.predict(2, 50, 5, "int8", overlap=2).value == pytest.approx(0.025)
+    w = math.log(20 / 10) / math.log(25 / 10)  # H = 20 overlap 3: within the key's largest
+    assert t.predict(2, 20, 5, "int8", overlap=3).value == pytest.approx(0.006 + w * 0.006)
+    p = t.predict(2, 50, 5, "int8", overlap=5)
+    assert p.value is None and "overlap 5 is beyond the largest measured (4" in p.basis
+
+
 def test_rows_of_one_replica_are_skipped() -> None:
     t = parse_table(_table([_row(1, 10, 0.5), _row(2, 10, 0.01)]))
     assert not t.predict(1, 10, 1, "none").priced
@@ -118,6 +168,8 @@ def test_rows_of_one_replica_are_skipped() -> None:
         (_table([_row(2, 10, 0.1, "int9")]), "rows[0].codec"),
         (_table([_row(2, 10, 0.1, f=3)]), "h a multiple of fragments"),
         (_table([_row(2, "10", 0.1)]), "rows[0].h"),
+        (_table([_row(2, 10, 0.1, seed=-1)]), "rows[0].seed"),
+        (_table([_row(2, 10, 0.1, seed="1")]), "rows[0].seed"),
     ],
 )
 def test_a_malformed_table_names_the_row(doc: object, where: str) -> None:
