@@ -23,6 +23,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread():
+    """The tests' own torch work (the single-process references, the checks on gathered
+    state) runs on one intra-op thread, as every stage actor does (OMP_NUM_THREADS=1,
+    geopipe.runtime.control.cluster.ACTOR_ENV).
+
+    [Note: one torch thread in the test process]
+    torch's default is a thread per core: two here, on a host whose cores the stage actors,
+    Ray and the other pytest-xdist worker keep busy. The tiny models' kernels are far too
+    small to split, and each kernel's two threads wait for each other while the other is
+    descheduled: test_runtime's ``reference`` of a 2-layer GPT over 4 steps of 16
+    micro-batches took 22-25 s of CPU that way, 0.28 s on one thread (2.5 s the first time,
+    imports and warm-up included; getrusage, the host loaded as in `make test`), the
+    losses equal to ~6e-8 (float summation order: every comparison with a reference has a
+    tolerance far above it); test_outage_runtime's 40-step one 54 s -> 3 s.
+    test_outer_actor's reference already set one thread, for the rest of its worker's
+    session: now every session does, from the start."""
+    import torch
+
+    torch.set_num_threads(1)
+    yield
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """One embedded Ray for every test that asks for it, with both sites of the local
@@ -80,6 +103,8 @@ COST = {
     "test_recompute_runtime": 30,
     "test_run_identity_modes": 48,
     "test_outer_failures_runtime": 41,
+    # It was missing here and so came last, its ~50 s alone on one worker at the very end.
+    "test_starved_chaos": 50,
     "test_ckpt_faults": 40,
     "test_site_rendezvous": 34,
     "test_security_runtime": 17,  # the undisturbed run: the torch reference

@@ -294,5 +294,8 @@ def test_property_int8_fp16(shape: tuple[int, ...], seed: int, log_scale: float)
     e16 = fp16.encode(x)
     y16 = fp16.decode(e16)
     assert y16.shape == x.shape
-    assert _rel_err(x, y16) < 1e-3
+    # fp16's round to nearest: half an ulp, 2^-11 of the value in the normal range and 2^-25
+    # (half the smallest subnormal) below it, where a tiny tensor's relative error grows
+    # (hypothesis found one at 1.3e-3 of its norm)
+    assert torch.all((x - y16).abs() <= 2.0**-11 * x.abs() + 2.0**-25)
     assert e16.payload_nbytes == wire.wire_bytes("fp16", x.numel(), e16.row_len)
