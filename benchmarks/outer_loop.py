@@ -105,50 +105,40 @@ def _outer_keys(o: dict) -> dict:
 # --------------------------------------------------------------------------- bed settings
 
 
-def step_time_settings(a, star: dict, stream: dict) -> list[dict]:
-    """The step-time part at the issue's link, and geopipe at codec none (the peer's)."""
+def step_time_settings(a, star: dict, stream: dict, bounded: dict | None) -> list[dict]:
+    """The step-time part at the issue's link: the planner's outer loop, its streaming form
+    and its choice under the loss bound (when that is neither), each a round count apart."""
     from _outer_bed import steps_for
 
-    lat, rate = BED_LINK
-    h = star["h"]
     rounds = 1 if a.quick else 2
+    runs = [("outer", star)] + ([] if a.quick else [("outer_streaming", stream)])
+    if bounded and not a.quick and _outer_keys(bounded) not in map(_outer_keys, (star, stream)):
+        runs.append(("outer_bounded", bounded))
     out = [
         {
-            "name": "outer",
+            "name": n,
             "strategy": "outer",
-            "outer": _outer_keys(star),
-            "steps": steps_for(h, rounds),
-        },
-        {
-            "name": "outer_none",
-            "strategy": "outer",
-            "outer": {**_outer_keys(star), "codec": "none"},
-            "steps": steps_for(h, rounds),
-        },
+            "outer": _outer_keys(o),
+            "steps": steps_for(o["h"], rounds),
+        }
+        for n, o in runs
     ]
-    if not a.quick:
-        out.append(
-            {
-                "name": "outer_streaming",
-                "strategy": "outer",
-                "outer": _outer_keys(stream),
-                "steps": steps_for(stream["h"], rounds),
-            }
-        )
     for s in out:
-        s.update(latency_ms=lat, rate_mbit=rate)
+        s.update(latency_ms=BED_LINK[0], rate_mbit=BED_LINK[1])
     return out
 
 
 def no_wan_settings(a, star: dict) -> list[dict]:
-    """The same two groups with nothing on the WAN, and one group alone on one site."""
+    """The same two groups with nothing on the WAN (no round inside the run: the key's
+    base), the same with the planner's rounds (what the rounds' barrier costs on this host
+    without any WAN), and one group alone on one site."""
     from _outer_bed import steps_for
 
     n = steps_for(star["h"], 1 if a.quick else 2)
-    lat, rate = NO_WAN
     quiet = {**_outer_keys(star), "h": 4 * n, "fragments": 1, "overlap": 0}
     out = [
         {"name": "no_wan", "strategy": "outer", "outer": quiet, "steps": n},
+        {"name": "no_wan_rounds", "strategy": "outer", "outer": _outer_keys(star), "steps": n},
         {
             "name": "single_group",
             "strategy": "pipeline",
@@ -158,8 +148,34 @@ def no_wan_settings(a, star: dict) -> list[dict]:
         },
     ]
     for s in out:
-        s.update(latency_ms=lat, rate_mbit=rate)
+        s.update(latency_ms=NO_WAN[0], rate_mbit=NO_WAN[1])
     return out if not a.quick else out[:1]
+
+
+def step_time_runs(a, bed, star: dict, stream: dict, bounded: dict | None, run_settings) -> dict:
+    """The no-WAN and WAN runs ``--repeats`` times, interleaved (no WAN, then the WAN, then
+    again), so a slow spell of this shared host lands on both sides; each setting's summary
+    is its median run's (by wall time per step), its runs' figures beside it."""
+    reps: dict[str, list[dict]] = {}
+    for i in range(1 if a.quick else a.repeats):
+        for link, settings in (
+            (NO_WAN, no_wan_settings(a, star)),
+            (BED_LINK, step_time_settings(a, star, stream, bounded)),
+        ):
+            bed.set_link(latency_ms=link[0], rate_mbit=link[1])
+            say(f"{link[0]:g} ms, {link[1]:g} Mbit/s (load {os.getloadavg()[0]:.2f}, run {i + 1})")
+            if i and link == NO_WAN:  # the single group is reported once
+                settings = [s for s in settings if s["name"] != "single_group"]
+            for name, r in run_settings(bed, settings).items():
+                reps.setdefault(name, []).append(r)
+    return {name: _median_run(rs) for name, rs in reps.items()}
+
+
+def _median_run(runs: list[dict]) -> dict:
+    timed = sorted((r for r in runs if r.get("wall_step_s")), key=lambda r: r["wall_step_s"])
+    if not timed:
+        return runs[0]
+    return {**timed[(len(timed) - 1) // 2], "repeats_s": [r["wall_step_s"] for r in timed]}
 
 
 def regime_settings(a, rate: float, lat: float, grid: list[int], star: dict) -> list[dict]:
@@ -216,7 +232,10 @@ def part_loss(a, star: dict, bounded: dict | None, tmp: Path) -> dict:
         if name == "bounded":  # the key: the mean of --seeds paired gaps
             row["seeds"] = a.seeds
     runs = [r for r in rows if a.steps % r["h"] == 0]
-    return loss_gaps(a.steps, runs, tmp, say, seeds=a.seeds)
+    reuse = None
+    if a.loss_reuse:
+        reuse = json.loads(Path(a.loss_reuse).read_text().strip().splitlines()[-1])["loss"]
+    return loss_gaps(a.steps, runs, tmp, say, seeds=a.seeds, reuse=reuse)
 
 
 def part_siteloss(tmp: Path) -> dict:
@@ -236,7 +255,7 @@ def part_siteloss(tmp: Path) -> dict:
     return {"shared": why, "per_site": why}
 
 
-def part_bed(a, star: dict, stream: dict) -> dict:
+def part_bed(a, star: dict, stream: dict, bounded: dict | None) -> dict:
     """Everything on the test bed, one bed for all of it."""
     from _outer_bed import run_peer, run_settings
 
@@ -247,13 +266,8 @@ def part_bed(a, star: dict, stream: dict) -> dict:
     try:
         with running(plan) as bed:
             if "bed" in a.parts:
-                bed.set_link(latency_ms=NO_WAN[0], rate_mbit=NO_WAN[1])
-                say(f"no WAN (load {os.getloadavg()[0]:.2f})")
-                out["runs"].update(run_settings(bed, no_wan_settings(a, star)))
+                out["runs"].update(step_time_runs(a, bed, star, stream, bounded, run_settings))
             bed.set_link(latency_ms=BED_LINK[0], rate_mbit=BED_LINK[1])
-            if "bed" in a.parts or "peer" in a.parts:
-                say(f"{BED_LINK[0]:g} ms, {BED_LINK[1]:g} Mbit/s (load {os.getloadavg()[0]:.2f})")
-                out["runs"].update(run_settings(bed, step_time_settings(a, star, stream)))
             if "peer" in a.parts:
                 out["peer"] = _peer(bed, a, star, run_peer, run_settings)
             if "bed" in a.parts:
@@ -407,6 +421,10 @@ def headline(a, star: dict, loss: dict | None, bed: dict | None, site: dict | No
         if out[key] is None:
             why = "not run in --quick" if runs and a.quick and name not in runs else why_bed
             out[f"{key}_why"] = (runs.get(name) or base or {}).get("error", why)
+    # beside the keys: the choice under the loss bound (when it is neither), and what the
+    # planner's rounds cost on this host with no WAN at all (the two groups' barrier)
+    out["outer_bounded_step_time_over_no_wan"] = _ratio(runs.get("outer_bounded"), base)
+    out["outer_rounds_without_wan_over_no_wan"] = _ratio(runs.get("no_wan_rounds"), base)
     out["outer_step_time_over_single_group"] = _ratio(runs.get("outer"), runs.get("single_group"))
     named = {n: x for x in (loss or {}).get("outer", []) for n in x.get("names", [])}
     # the key: the planner's choice under plan.max_loss_penalty = LOSS_BOUND; the unbounded
@@ -489,6 +507,11 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--seeds", type=int, default=3, help="seeds of the sync and bounded runs")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved runs of the peer part")
     ap.add_argument("--loss-from", help="the JSON line of an earlier --parts loss run to reuse")
+    ap.add_argument(
+        "--loss-reuse",
+        help="an earlier run's output (its last line): the loss part runs, taking every sync "
+        "seed and outer (setting, seed) that run measured from it (runs are bit-reproducible)",
+    )
     ap.add_argument("--grid", default="1,10,50", help="H values measured per link regime")
     ap.add_argument("--regimes", default=REGIMES, help="Mbit/s:ms,... for the strategy choice")
     ap.add_argument("--parts", default="loss,bed,peer,siteloss", help="which parts run")
@@ -533,7 +556,7 @@ def main() -> None:
     else:
         loss = part_loss(a, star, bounded, tmp) if "loss" in a.parts else None
     site = part_siteloss(tmp) if "siteloss" in a.parts else None
-    bed = part_bed(a, star, stream) if a.parts & {"bed", "peer"} else None
+    bed = part_bed(a, star, stream, bounded) if a.parts & {"bed", "peer"} else None
     result = {
         "benchmark": "outer_loop",
         "quick": a.quick,
