@@ -2,6 +2,7 @@
 
 * :mod:`.format` describes the files; :mod:`.store` reads, lists, verifies and prunes them;
 * :mod:`.writer` encodes shards and commits a step atomically; :mod:`.rng` is the RNG state;
+* :mod:`.rootdir` names, finds and deletes a root's directories (fsync, SHA-256 of a file);
 * :mod:`.restore` is the pure policy choosing which checkpoint copy a recovery restores.
 
 Import from the modules: this package re-exports nothing, so the restore policy and a

@@ -15,16 +15,13 @@ files the manifest names, only through safetensors, and only after their checksu
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
 import re
-import secrets
 import shutil
 import stat
-import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -33,6 +30,15 @@ from typing import TYPE_CHECKING, Any, Literal
 from safetensors import safe_open
 
 from geopipe.checkpoint.format import ADAM_STATE_GROUPS, EXP_AVG, EXP_AVG_SQ, PARAMS
+from geopipe.checkpoint.rootdir import (
+    _ACTIVE,
+    _ACTIVE_LOCK,
+    _STEP_RE,
+    _delete_checkpoint,
+    _dir_stats,
+    _scan,
+    _sha256_file,
+)
 
 if TYPE_CHECKING:  # tensors are read through safetensors, which imports torch then: a
     import torch  # site store lists, verifies and prunes without it (package docstring)
@@ -57,8 +63,6 @@ __all__ = [
     "load_state_for_layers",
     "move_aside",
     "prune",
-    "step_dirname",
-    "tmp_dirname",
 ]
 
 log = logging.getLogger(__name__)
@@ -70,23 +74,9 @@ RNG_TORCH = "rng/torch"
 _REQUIRED = ("config_hash", "plan", "data", "model")  # the caller must supply these
 _RESERVED = ("format_version", "step", "num_stages", "stages")  # the writer fills these
 _META_FORMAT, _META_STAGE, _META_JSON = "geopipe.format", "geopipe.stage", "geopipe.meta"
-_STEP_RE = re.compile(r"^step-(\d{8,})$")
-# ``.tmp-step-<step>-<pid>-<token>`` (``-trash``: a checkpoint being deleted); older
-# writers left no token
-_TMP_RE = re.compile(r"^\.tmp-step-(\d{8,})-(\d+)(?:-[0-9a-f]+)?(?:-trash)?$")
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
-_CHUNK = 8 << 20
 
 Status = Literal["complete", "corrupt", "partial"]
-
-# tmp dirs of writers alive in this process: prune and a second writer must leave them alone
-_ACTIVE: set[Path] = set()
-_ACTIVE_LOCK = threading.Lock()
-
-
-def _release_tmp(path: Path) -> None:
-    with _ACTIVE_LOCK:
-        _ACTIVE.discard(path)
 
 
 class CheckpointError(Exception):
@@ -139,72 +129,6 @@ def accepts(lineage: Lineage | None, run_id: str | None, step: int) -> bool:
         return False
     cap = lineage[key]
     return cap is None or step <= cap
-
-
-def step_dirname(step: int) -> str:
-    """``step-<NNNNNNNN>``: zero padded so names sort like steps."""
-    return f"step-{step:08d}"
-
-
-# --------------------------------------------------------------------------------------------
-# small filesystem helpers
-
-
-def _fsync(path: Path) -> None:
-    """Flush a file's or directory's data and metadata to disk (directories: the entries)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    buf = bytearray(_CHUNK)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            h.update(view[:n])
-    return h.hexdigest()
-
-
-def _dir_stats(path: Path) -> tuple[int, float]:
-    """Total bytes of the regular files directly in `path`, and its mtime (0 if gone)."""
-    total = 0
-    try:
-        with os.scandir(path) as it:
-            for entry in it:
-                if entry.is_file(follow_symlinks=False):
-                    total += entry.stat(follow_symlinks=False).st_size
-        return total, path.stat().st_mtime
-    except OSError:
-        return total, 0.0
-
-
-def tmp_dirname(step: int, trash: bool = False) -> str:
-    """A name no other save, retry or delete uses: ``.tmp-step-<step>-<pid>-<token>``.
-
-    [Note: one directory per save] Step and pid alone named the same directory for a
-    re-save of a step (a retry after a failed save, a site's copy made again): the first
-    attempt's abandoned pull, waking up later, then wrote into or unlinked files of the
-    new one by path. A random token makes every attempt's directory its own, so a late
-    writer can only touch the directory of the attempt it belongs to."""
-    return f".tmp-step-{step:08d}-{os.getpid()}-{secrets.token_hex(6)}" + (
-        "-trash" if trash else ""
-    )
-
-
-def _trash_path(root: Path, step: int) -> Path:
-    """A fresh tmp-style name to move a checkpoint to before deleting or replacing it."""
-    return root / tmp_dirname(step, trash=True)
-
-
-def _delete_checkpoint(path: Path, step: int) -> None:
-    """Rename, then delete: a crash mid-delete leaves a tmp dir, never a half step dir."""
-    trash = _trash_path(path.parent, step)
-    os.rename(path, trash)
-    shutil.rmtree(trash)
 
 
 # --------------------------------------------------------------------------------------------
@@ -476,21 +400,6 @@ def _inspect(path: Path, step: int, verify: bool) -> CheckpointInfo:
     return CheckpointInfo(path, step, "complete", None, float(doc["time"]), size, run_id)
 
 
-def _scan(root: Path) -> Iterator[tuple[Path, int, bool]]:
-    """(path, step, is_tmp) of every checkpoint-like directory; symlinks are never followed."""
-    if not root.is_dir():
-        return
-    with os.scandir(root) as it:
-        entries = sorted(it, key=lambda e: e.name)
-    for entry in entries:
-        if not entry.is_dir(follow_symlinks=False):
-            continue
-        if m := _STEP_RE.match(entry.name):
-            yield Path(entry.path), int(m.group(1)), False
-        elif m := _TMP_RE.match(entry.name):
-            yield Path(entry.path), int(m.group(1)), True
-
-
 def list_checkpoints(root: str | os.PathLike[str], *, verify: bool = False) -> list[CheckpointInfo]:
     """Every ``step-*`` and ``.tmp-*`` directory, oldest step first, with its status.
 
@@ -589,7 +498,3 @@ def move_aside(root: str | os.PathLike[str]) -> tuple[Path, str] | None:
         target = root.with_name(f"{root.name}.prev-{run}-{n}")
     root.rename(target)
     return target, run
-
-
-# --------------------------------------------------------------------------------------------
-# RNG state

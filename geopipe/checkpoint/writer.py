@@ -17,9 +17,17 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from geopipe.checkpoint.store import (
+from geopipe.checkpoint.rootdir import (
     _ACTIVE,
     _ACTIVE_LOCK,
+    _fsync,
+    _release_tmp,
+    _sha256_file,
+    _trash_path,
+    step_dirname,
+    tmp_dirname,
+)
+from geopipe.checkpoint.store import (
     _META_FORMAT,
     _META_JSON,
     _META_STAGE,
@@ -31,12 +39,6 @@ from geopipe.checkpoint.store import (
     CheckpointError,
     ShardInfo,
     _check_model_dict,
-    _fsync,
-    _release_tmp,
-    _sha256_file,
-    _trash_path,
-    step_dirname,
-    tmp_dirname,
 )
 from geopipe.checkpoint.verify import verify_dir
 

@@ -11,11 +11,11 @@ cross-checks (links name real sites, the model fits, the batch divides) live in
 from geopipe.config.checks import OuterSetting, choice_values, outer_settings
 from geopipe.config.health import RAY_KILL_WORKER_TIMEOUT_MS, HealthSpec
 from geopipe.config.load import load_cluster, parse_cluster, parse_yaml
+from geopipe.config.modelspec import MAX_LAYERS, ModelSpec
 from geopipe.config.specs import (
     MAX_DELTA_N,
     MAX_GA_POPULATION,
     MAX_GLOBAL_BATCH,
-    MAX_LAYERS,
     MAX_SITE_DEVICES,
     MAX_STEPS,
     RECOVERY_SNAPSHOTS_KEPT,
@@ -27,7 +27,6 @@ from geopipe.config.specs import (
     GASpec,
     GiB,
     LinkSpec,
-    ModelSpec,
     OuterSpec,
     PlanSpec,
     Range,

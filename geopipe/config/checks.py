@@ -7,10 +7,10 @@ from __future__ import annotations
 import difflib
 from typing import NamedTuple
 
+from geopipe.config.modelspec import MAX_LAYERS
 from geopipe.config.outer import MAX_OUTER_H, MAX_OUTER_VALUES
 from geopipe.config.specs import (
     MAX_DELTA_N,
-    MAX_LAYERS,
     MAX_SITE_DEVICES,
     Choice,
     ClusterSpec,

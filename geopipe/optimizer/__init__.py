@@ -8,6 +8,7 @@ fastest within memory, by predicting each candidate with one cost model:
 * :mod:`.costs`, :mod:`.memory` — activation/message sizes, per-device memory and the
   feasibility rule;
 * :mod:`.simulator` — replays a schedule's action lists over the links;
+* :mod:`.pipecosts` — one plan's seconds per action and WAN bytes (what the simulator replays);
 * :mod:`.evaluate` — candidate -> plan -> simulated time, memory, feasibility (the fitness);
 * :mod:`.genetic`, :mod:`.planner` — the DEAP search and ``geopipe plan``'s front;
 * :mod:`.refine` — ΔN re-chosen from measured stage times;

@@ -2,7 +2,8 @@
 
 :class:`Evaluator` is the fitness function of the search: it turns a candidate (pipelines,
 micro-batch, sequence length, ΔN and codec per WAN boundary) into a :class:`Plan`, builds
-the costs the simulator needs from the cluster spec and replays the schedule. Schedules,
+the costs the simulator needs from the cluster spec (:mod:`geopipe.optimizer.pipecosts`)
+and replays the schedule. Schedules,
 partitions and whole evaluations are cached, because the genetic search revisits.
 """
 
@@ -12,18 +13,11 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
-from itertools import pairwise
 
 import numpy as np
 
-from geopipe.config import ClusterSpec, GiB, SiteSpec, choice_values
-from geopipe.model.sizes import (
-    elem_bytes,
-    layer_forward_flops,
-    stage_param_count,
-    tied_embedding_elems,
-)
-from geopipe.optimizer.costs import boundary_message_elems, norm_exchange_s, stage_backward
+from geopipe.config import ClusterSpec, GiB, choice_values
+from geopipe.optimizer.costs import boundary_message_elems
 from geopipe.optimizer.errors import PlanningError
 from geopipe.optimizer.lean import TIE_TOLERANCE, lean_tie
 from geopipe.optimizer.memory import (
@@ -34,6 +28,7 @@ from geopipe.optimizer.memory import (
     snapshot_bytes,
     stages_over,
 )
+from geopipe.optimizer.pipecosts import pipeline_costs, wan_bytes
 from geopipe.optimizer.shapes import build_plan, candidate_shapes
 from geopipe.optimizer.simulator import (
     PipelineCosts,
@@ -56,10 +51,7 @@ from geopipe.plan import Plan, Shape
 from geopipe.transport.wire import (
     MAX_TOPK_NUMEL,
     codec_pair,
-    codec_throughput_bytes_per_s,
-    direction_codec,
     pair_name,
-    wire_bytes,
 )
 
 __all__ = [
@@ -75,7 +67,6 @@ __all__ = [
 INFEASIBLE = 1e3  # fitness floor for infeasible candidates (feasible ones are s/token ≪ 1)
 # A link busier than this (mean of both directions) leaves no headroom for retransmissions.
 MAX_LINK_UTILIZATION = 0.95
-_ADAM_BYTES_PER_PARAM = 28.0  # read p, g, m, v; write p, m, v (fp32) per optimizer step
 
 
 @dataclass(frozen=True)
@@ -206,13 +197,6 @@ def codec_space(settings: Sequence[str]) -> tuple[str, ...]:
     bwd = dict.fromkeys(codec_pair(c)[1] for c in settings)
     pairs = [pair_name(f, b) for f in fwd for b in bwd]
     return tuple(dict.fromkeys([*settings, *pairs]))
-
-
-def codec_speed(site: SiteSpec, codec: str) -> float:
-    """Encode + decode bytes (of the uncompressed tensor) per second of ``codec`` on
-    ``site``: measured at launch (``plan.calibrate``) or given in the YAML, else nominal."""
-    measured = site.codec_gb_per_s.get(codec)
-    return measured * 1e9 if measured else codec_throughput_bytes_per_s(codec)
 
 
 def _memory_reason(e: Evaluation, over: list[int], host_over: list[str]) -> str:
@@ -387,117 +371,8 @@ class Evaluator:
         return ""
 
     def costs(self, plan: Plan) -> PipelineCosts:
-        """Seconds per action for one pipeline of ``plan`` (see the simulator's docstring)."""
-        spec, model = self.spec, self.spec.model
-        b, s, d = plan.micro_batch_size, plan.seq_len, plan.pipelines
-        flops = layer_forward_flops(model, s)
-        prec = spec.training.precision
-        e = elem_bytes(prec)
-        fwd, bwd, step, inp, wgt = [], [], [], [], []
-        for k, (a, z) in enumerate(plan.partition):
-            site = spec.site(plan.stage_sites[k])
-            overhead = (z - a) * site.layer_overhead_ms / 1e3  # fixed, per micro-batch
-            fwd.append(f := sum(flops[a:z]) * b * s / site.flops_per_s + overhead)
-            args = (flops, (a, z), spec.training.recompute)  # recomputed blocks: F once more
-            b_s, i, w = stage_backward(f, site.backward_forward_ratio, k == 0, *args)
-            bwd.append(b_s)
-            inp.append(i)
-            wgt.append(w)
-            params = stage_param_count(model, (a, z))
-            t = params / d * _ADAM_BYTES_PER_PARAM / (site.device_mem_bw_gb_per_s * 1e9)
-            if d > 1:  # ZeRO-1: reduce-scatter gradients, all-gather updated weights
-                moved = 2.0 * (d - 1) / d * params * e * 8
-                t += moved / (site.intra_bandwidth_gbps * 1e9)
-                t += 2 * (d - 1) * site.intra_latency_ms / 1e3
-            step.append(t)
-        tie_s = self.tie_exchange(plan)[0]  # both copies wait for the swap before their step
-        step[0] += tie_s
-        step[-1] += tie_s
-        step = [t + norm_exchange_s(spec, plan.stage_sites) for t in step]  # global clip
-        elems = boundary_message_elems(model, b, s)
-        raw = elems * e
-        ser_f, lat_f, ser_b, lat_b = [], [], [], []
-        for j in range(plan.num_stages - 1):
-            src, dst = plan.stage_sites[j], plan.stage_sites[j + 1]
-            if src == dst:
-                site = spec.site(src)
-                t = raw * 8 / (site.intra_bandwidth_gbps * 1e9)
-                ser_f.append(t)
-                ser_b.append(t)
-                lat_f.append(site.intra_latency_ms / 1e3)
-                lat_b.append(site.intra_latency_ms / 1e3)
-                continue
-            for direction, (a_, z_), ser, lat in (
-                ("forward", (src, dst), ser_f, lat_f),
-                ("backward", (dst, src), ser_b, lat_b),
-            ):
-                codec = direction_codec(plan.codecs[j], direction)
-                if codec == "topk" and elems > MAX_TOPK_NUMEL:
-                    codec = "bf16"  # topk cannot send it (_evaluate rejects such plans)
-                # encoded at the sending site, decoded at the receiving one
-                codec_s = raw / codec_speed(spec.site(a_), codec)
-                lk = spec.link(a_, z_)
-                nbytes = wire_bytes(codec, elems, model.n_embd, e, direction, spec.plan.topk_ratio)
-                # D pipelines share the link: each gets 1/D of the bandwidth.
-                ser.append(nbytes * 8 * d / lk.bandwidth_bps / (1 - lk.loss) + codec_s)
-                lat.append(lk.latency_s)
-        return PipelineCosts(
-            tuple(fwd),
-            tuple(bwd),
-            tuple(step),
-            tuple(ser_f),
-            tuple(lat_f),
-            tuple(ser_b),
-            tuple(lat_b),
-            tuple(inp),
-            tuple(wgt),
-        )
-
-    def wan_bytes(self, plan: Plan, elems: int) -> float:
-        """Bytes one iteration sends over the WAN: every boundary's activations and
-        gradients, each direction in its codec, for all pipelines; and the tie exchange."""
-        spec = self.spec
-        e, out = elem_bytes(spec.training.precision), 0.0
-        for j in plan.wan_boundaries:
-            per_mb = sum(
-                wire_bytes(plan.codecs[j], elems, spec.model.n_embd, e, d, spec.plan.topk_ratio)
-                for d in ("forward", "backward")
-            )
-            out += per_mb * plan.num_microbatches * plan.pipelines
-        return out + self.tie_exchange(plan)[1]
-
-    def tie_exchange(self, plan: Plan) -> tuple[float, float]:
-        """``(seconds, WAN bytes)`` per iteration of swapping a tied embedding's gradients.
-
-        When the embedding (layer 0) and the head sit on different stages, each holds a copy
-        of the tied matrix, and before the optimizer step the first and the last stage of
-        every pipeline send each other their copy's gradient (``V·h`` elements in the
-        training precision; [Note: tied embeddings across stages] in
-        :mod:`geopipe.model.hf`). Both directions run at once, so the step waits one one-way
-        transfer: latency + bytes / bandwidth, the D pipelines sharing a WAN link as their
-        activations do (and its loss costing retransmissions as theirs). Sites not joined by
-        one link are reached hop by hop along the pipeline's sites (store and forward); two
-        stages in one site use the site's network. The WAN bytes count both directions over
-        every WAN hop, for all D pipelines. Nothing without a tie or with one stage.
-        """
-        elems = tied_embedding_elems(self.spec.model)
-        if not elems or plan.num_stages < 2:
-            return 0.0, 0.0
-        spec = self.spec
-        nbytes = elems * elem_bytes(spec.training.precision)
-        src, dst = plan.stage_sites[0], plan.stage_sites[-1]
-        if src == dst:
-            site = spec.site(src)
-            return site.intra_latency_ms / 1e3 + nbytes * 8 / (site.intra_bandwidth_gbps * 1e9), 0.0
-        lk = spec.link(src, dst)
-        if lk is not None:
-            hops = [lk]
-        else:  # along the pipeline's sites (they form a chain: config.checks)
-            sites = list(dict.fromkeys(plan.stage_sites))
-            hops = [spec.link(x, y) for x, y in pairwise(sites)]
-        d = plan.pipelines
-        seconds = sum(h.latency_s + nbytes * 8 * d / h.bandwidth_bps / (1 - h.loss) for h in hops)
-        return seconds, 2.0 * nbytes * d * len(hops)
+        """Seconds per action for one pipeline of ``plan`` (:func:`pipeline_costs`)."""
+        return pipeline_costs(self.spec, plan)
 
     # -- evaluation ----------------------------------------------------------------------------
     def host_memory(self, plan: Plan) -> tuple[dict[str, float], dict[str, float]]:
@@ -564,7 +439,7 @@ class Evaluator:
             memory_limit_bytes=limits,
             host_memory_bytes=host,
             host_memory_limit_bytes=host_limits,
-            wan_bytes=self.wan_bytes(plan, elems),
+            wan_bytes=wan_bytes(spec, plan, elems),
         )
         if over or host_over:
             base.reason = _memory_reason(base, over, host_over)

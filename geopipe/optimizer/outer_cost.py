@@ -82,7 +82,8 @@ from typing import Any
 
 from geopipe.config import ClusterSpec, OuterSetting
 from geopipe.model.sizes import elem_bytes, stage_param_count
-from geopipe.optimizer.evaluate import Evaluation, codec_speed
+from geopipe.optimizer.evaluate import Evaluation
+from geopipe.optimizer.pipecosts import codec_speed
 from geopipe.plan import Plan
 from geopipe.transport.wire import transfer_time, wire_bytes
 

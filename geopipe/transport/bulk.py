@@ -39,7 +39,8 @@ from collections.abc import Callable, Iterator
 
 from geopipe.transport.dial import DialError, dial
 from geopipe.transport.gate import Gate
-from geopipe.transport.security import RejectLog, RunCredentials, link_id
+from geopipe.transport.rejects import RejectLog
+from geopipe.transport.security import RunCredentials, link_id
 from geopipe.transport.sockets import advertised_host, set_congestion, shutdown_socket
 
 __all__ = ["ChunkClient", "ChunkError", "ChunkServer", "ChunkTimeout"]

@@ -57,10 +57,10 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from geopipe.transport.rejects import RejectLog
 from geopipe.transport.security import (
     HANDSHAKE_TIMEOUT_S,
     HandshakeError,
-    RejectLog,
     RunCredentials,
     ServerExchange,
     server_context,

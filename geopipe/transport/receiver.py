@@ -28,7 +28,8 @@ from geopipe.transport.frames import (
 )
 from geopipe.transport.gate import Gate
 from geopipe.transport.link import DuplicateKeyError
-from geopipe.transport.security import RejectLog, RunCredentials, link_id
+from geopipe.transport.rejects import RejectLog
+from geopipe.transport.security import RunCredentials, link_id
 from geopipe.transport.sockets import advertised_host, shutdown_socket, tune_stream
 
 __all__ = ["USER_TIMEOUT_S", "DirectReceiver", "NonFiniteError"]

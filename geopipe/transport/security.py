@@ -41,7 +41,6 @@ import contextlib
 import datetime
 import hashlib
 import hmac
-import logging
 import math
 import os
 import secrets
@@ -54,12 +53,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from geopipe.transport.runca import CERT_BACKDATE, run_certificates
+
 __all__ = [
     "HANDSHAKE_TIMEOUT_S",
     "ClockSkew",
     "HandshakeError",
     "HandshakeInterrupted",
-    "RejectLog",
     "RunCredentials",
     "ServerExchange",
     "TlsSealer",
@@ -71,8 +71,6 @@ __all__ = [
     "tls_reason",
 ]
 
-log = logging.getLogger(__name__)
-
 HANDSHAKE_TIMEOUT_S = 10.0  # the whole exchange, TLS included (a WAN round trip is < 1 s)
 _HELLO = b"GPAU"
 _VERSION = 1
@@ -80,9 +78,6 @@ _NONCE = 32
 _MAC = 32
 _CLOCK = struct.Struct("<d")  # the wall clock at the head of each nonce
 _HELLO_BYTES = len(_HELLO) + 1 + _NONCE  # the client's first message
-# Certificates start this long before the driver made them: a node whose clock is behind the
-# driver's by less than this still accepts them (NTP-less nodes drift by minutes to hours).
-CERT_BACKDATE = datetime.timedelta(days=1)
 
 
 class HandshakeError(ConnectionError):
@@ -207,64 +202,9 @@ def make_credentials(
     secret = secrets.token_bytes(32)
     if not encrypt:
         return RunCredentials(run_id, secret)
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
     now = now or datetime.datetime.now(datetime.timezone.utc)
     start, end = now - backdate, now + datetime.timedelta(days=days)
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"geopipe run {run_id} CA")])
-    ca = (
-        x509.CertificateBuilder()
-        .subject_name(ca_name)
-        .issuer_name(ca_name)
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(start)
-        .not_valid_after(end)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=False,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=True,
-                crl_sign=True,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
-        .sign(ca_key, hashes.SHA256())
-    )
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"geopipe run {run_id}")])
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(ca_name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(start)
-        .not_valid_after(end)
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(
-            x509.ExtendedKeyUsage(
-                [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
-            ),
-            critical=False,
-        )
-        .sign(ca_key, hashes.SHA256())
-    )
-    pem = serialization.Encoding.PEM
-    key_pem = key.private_bytes(
-        pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    )
-    return RunCredentials(run_id, secret, ca.public_bytes(pem), cert.public_bytes(pem), key_pem)
+    return RunCredentials(run_id, secret, *run_certificates(run_id, start, end))
 
 
 # ------------------------------------------------------------------------------- TLS
@@ -574,27 +514,3 @@ class TlsSealer:
 def link_id(address: tuple[str, int]) -> str:
     """A listener's identity in the handshake: the address its clients dial."""
     return f"{address[0]}:{int(address[1])}"
-
-
-class RejectLog:
-    """Counts connections refused by a server and logs them at most once per
-    ``every_s`` seconds (a stranger retrying in a loop must not flood the logs)."""
-
-    def __init__(self, what: str, every_s: float = 30.0) -> None:
-        self.what = what
-        self.every_s = every_s
-        self.count = 0
-        self._last = -float("inf")
-        self._since = 0
-        self._lock = threading.Lock()
-
-    def reject(self, peer: object, why: BaseException | str) -> None:
-        with self._lock:
-            self.count += 1
-            self._since += 1
-            now = time.monotonic()
-            if now - self._last < self.every_s:
-                return
-            n, self._since, self._last = self._since, 0, now
-        with contextlib.suppress(Exception):
-            log.warning("%s: refused %d connection(s), latest from %s: %s", self.what, n, peer, why)

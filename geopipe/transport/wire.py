@@ -136,7 +136,7 @@ def wire_bytes(
 # Nominal encode+decode throughput (bytes of the original fp32 tensor per second) for each
 # codec, which the planner charges against WAN time when nothing better is known: a launch
 # with `plan.calibrate` measures each searched codec on its machine, and a site's YAML may
-# give `codec_gb_per_s` (`geopipe.optimizer.evaluate.codec_speed`).
+# give `codec_gb_per_s` (`geopipe.optimizer.pipecosts.codec_speed`).
 _NOMINAL_CODEC_THROUGHPUT: dict[str, float] = {
     "none": math.inf,
     "fp16": 8e9,

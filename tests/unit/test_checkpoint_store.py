@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 from geopipe.checkpoint.rng import capture_rng, restore_rng
+from geopipe.checkpoint.rootdir import step_dirname
 from geopipe.checkpoint.store import (
     CheckpointError,
     check_compatible,
@@ -30,7 +31,6 @@ from geopipe.checkpoint.store import (
     load_checkpoint,
     load_state_for_layers,
     prune,
-    step_dirname,
 )
 from geopipe.checkpoint.writer import CheckpointWriter
 

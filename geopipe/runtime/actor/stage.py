@@ -8,7 +8,9 @@ surface the controller calls over Ray:
 * :mod:`~geopipe.runtime.actor.snapshots` keeps the full state of recent step boundaries;
 * :mod:`~geopipe.runtime.actor.shards` writes checkpoint shards and loads checkpoints;
 * :mod:`~geopipe.runtime.actor.handoff` restores a new layout's state from surviving replicas;
-* :mod:`~geopipe.runtime.actor.engine` is the DeepSpeed ZeRO-1 engine of the stage.
+* :mod:`~geopipe.runtime.actor.engine` is the DeepSpeed ZeRO-1 engine of the stage;
+* :mod:`~geopipe.runtime.actor.transfers` files a step's transport timings in its result;
+* :mod:`~geopipe.runtime.actor.outer_calls` holds the outer loop's calls (inherited).
 
 The replicas of a stage inside one site form its ZeRO-1 group. Each site has its own
 ``torch.distributed`` world, so gradient reduction cannot cross a WAN link by construction.
@@ -39,9 +41,11 @@ from geopipe.runtime.actor.executor import FOREGROUND, Fault, IterationResult, e
 from geopipe.runtime.actor.handoff import Restore, restore_boundary
 from geopipe.runtime.actor.inner_run import run_span
 from geopipe.runtime.actor.links import StageLinks, WanPeer
-from geopipe.runtime.actor.outer_wire import GroupKey, OuterPeer, OuterSettings
+from geopipe.runtime.actor.outer_calls import OuterCalls
+from geopipe.runtime.actor.outer_wire import GroupKey
 from geopipe.runtime.actor.shards import ShardWriter, load_stage
 from geopipe.runtime.actor.snapshots import BoundaryKeeper
+from geopipe.runtime.actor.transfers import collect_transport
 from geopipe.runtime.node import node_ip
 from geopipe.transport.bulk import ChunkServer
 from geopipe.transport.codec import measure_speeds
@@ -121,7 +125,7 @@ def max_payload(plan: Plan, model: ModelDesc) -> int:
     return 2 * max(4 * elems, probe.BURST_MAX_BYTES) + (1 << 20)
 
 
-class StageWorker:
+class StageWorker(OuterCalls):
     """The actor body (wrapped with ``ray.remote`` by the controller)."""
 
     def __init__(self, spec: StageSpec) -> None:
@@ -287,43 +291,13 @@ class StageWorker:
         res.duration_s = time.monotonic() - res.start
         foreground = sum(res.breakdown[k] for k in FOREGROUND)
         res.breakdown["other"] = max(0.0, res.duration_s - foreground)
-        self._collect_transport(res, step)
+        collect_transport(self.links.inbox, res, step)
         return res
 
     def run_iterations(self, start: int, count: int, record: list, sends: dict, *outer: Any):
         """Steps ``start ..`` ``start + count - 1`` in one call, with the outer loop's sends,
         apply and gather (:mod:`.inner_run`: [Note: many inner steps per driver call])."""
         return run_span(self, start, count, record, sends, *outer)
-
-    def _collect_transport(self, res: IterationResult, step: int) -> None:
-        """Move this step's transport timings from the inbox into ``res`` (later steps'
-        stay; a launch-time link probe's messages are no training traffic and go)."""
-        inbox = self.links.inbox
-        res.transport_excess_s = {"F": [], "B": []}
-        later = []
-        for key, delay in inbox.transfers:
-            if key[0] not in res.transport_excess_s:
-                continue
-            if key[1] == step:
-                res.transport_excess_s[key[0]].append(delay)
-            elif key[1] > step:
-                later.append((key, delay))
-        inbox.transfers = later
-        res.transport_stamps = {"F": [], "B": []}
-        stamped = []
-        got = inbox.got_at
-        for key, sent, usable in inbox.stamped:
-            if key[0] not in res.transport_stamps:
-                continue
-            if key[1] == step:
-                called, returned = got.get(key, (usable, usable))
-                if called < usable:  # the computation waited: it had the data on waking
-                    usable = max(usable, returned)
-                res.transport_stamps[key[0]].append((key[2], sent, usable))
-            elif key[1] > step:
-                stamped.append((key, sent, usable))
-        inbox.stamped = stamped
-        inbox.got_at = {k: v for k, v in got.items() if _step_of(k) > step}
 
     # -- state ---------------------------------------------------------------------------------
     def full_state(self) -> dict:
@@ -443,72 +417,6 @@ class StageWorker:
         s = self.spec
         return load_stage(self.engine, path, self.k, self.layers, self.links, s.group, s.groups)
 
-    # -- the outer loop between replica groups (geopipe.runtime.actor.outer) -------------------
-    def outer_begin(self, settings: OuterSettings) -> dict[str, Any]:
-        """Take theta_global from this replica's fp32 masters now and open its outer
-        listener; returns its endpoint (group, stage, partition, address, layout)."""
-        from geopipe.runtime.actor.outer import OuterLoop
-
-        self._end_outer()
-        self._outer = OuterLoop(
-            self.engine,
-            self.k,
-            self.spec.group,
-            settings,
-            host=node_ip(),
-            listen_all=self.spec.listen_all,
-            creds=self.spec.creds,
-            user_timeout_s=self.links.user_timeout_s,
-            tag=f"{self.layers}/{self.spec.hold}",
-        )
-        self._outer.net.identify(self.spec.outer_key)  # signs its payloads: .outer_sign
-        return self._outer.endpoint()
-
-    def outer_connect(self, peers: list[OuterPeer]) -> None:
-        """Connect to this replica's peers: same (stage, partition) in the other groups."""
-        self._outer.connect(peers)
-
-    def outer_send(self, fragment: int) -> dict[str, Any]:
-        """Encode this replica's pseudo-gradient of ``fragment``; its sends run on."""
-        return self._outer.send(fragment)
-
-    def outer_gather(self, fragment: int, timeout_s: float | None = None) -> dict[str, Any]:
-        """Wait for the peers' payloads of ``fragment``: the groups held, the ones missing."""
-        return self._outer.gather(fragment, timeout_s)
-
-    def outer_drop(self, groups: list[int]) -> None:
-        """Write ``groups`` off (a gather waiting on them stops); answered beside a gather."""
-        self._outer.drop(groups)
-
-    def outer_apply(self, fragment: int, groups: list[int] | None = None) -> dict[str, Any]:
-        """The outer step of ``fragment`` over ``groups`` (None: all; COLLECTIVE on the ZeRO-1
-        group, between iterations). The boundary snapshot of this step is re-taken: recovery
-        must roll back to the weights after the outer step, not before it."""
-        out = self._outer.apply(fragment, groups)
-        step = self.engine.step_count
-        if self.boundaries.holds(step):
-            self.boundaries.discard(step)
-            self.boundaries.take(step, self.engine)
-        return out
-
-    def outer_state(self) -> dict[str, Any]:
-        """theta_global and the outer momentum of this replica's partition (checkpoints)."""
-        return self._outer.state.state_dict()
-
-    def load_outer_state(self, state: dict[str, Any]) -> None:
-        self._outer.state.load_state_dict(state)
-
-    def load_outer_checkpoint(self, path: str) -> str:
-        """The outer state of the checkpoint at ``path`` (:mod:`.outer_ckpt`)."""
-        from geopipe.runtime.actor.outer_ckpt import restore_outer
-
-        return restore_outer(self._outer, path, self.spec.group, self.k)
-
-    def _end_outer(self) -> None:
-        if self._outer is not None:
-            self._outer.close()
-            self._outer = None
-
     # -- held-out evaluation (geopipe.runtime.actor.evaluate) ----------------------------------
     def set_eval(self, setup: Any) -> None:
         """``training.eval``: open the held-out stream (holding it out of this stage's
@@ -586,10 +494,3 @@ class StageWorker:
         destroy_process_group()
         gc.unfreeze()
         gc.collect()
-
-
-def _step_of(key: Any) -> int:
-    """The step of an inbox key ``(kind, step, mb)``; other keys count as past."""
-    if isinstance(key, tuple) and len(key) > 1 and isinstance(key[1], int):
-        return key[1]
-    return -1

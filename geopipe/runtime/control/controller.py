@@ -28,7 +28,6 @@ import contextlib
 import os
 import secrets
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -42,17 +41,8 @@ from geopipe.plan import Plan
 from geopipe.runtime.control.calibration import Calibrator
 from geopipe.runtime.control.chaos import ChaosMonkey
 from geopipe.runtime.control.checkpointing import CheckpointCoordinator
-from geopipe.runtime.control.cluster import (
-    ClusterInfo,
-    LaunchError,
-    auth_env,
-    check_precision,
-    check_sites,
-    gpus_per_actor,
-    plaintext_warning,
-)
+from geopipe.runtime.control.cluster import ClusterInfo, LaunchError, auth_env
 from geopipe.runtime.control.context import RunContext
-from geopipe.runtime.control.evaluation import Evaluator
 from geopipe.runtime.control.guards import NanGuard, guard_codecs
 from geopipe.runtime.control.health import (
     ActorsUnresponsive,
@@ -63,9 +53,8 @@ from geopipe.runtime.control.health import (
 )
 from geopipe.runtime.control.history import RunHistory
 from geopipe.runtime.control.innerrun import next_state, run_span
-from geopipe.runtime.control.linkprobe import measure_clock_skew, probe_links
+from geopipe.runtime.control.launching import launch_components
 from geopipe.runtime.control.metrics import aggregate, measured_events
-from geopipe.runtime.control.models import check_data_source
 from geopipe.runtime.control.options import LaunchOptions, RunResult
 from geopipe.runtime.control.outerckpt import check_outer_launch
 from geopipe.runtime.control.outerfail import recorded_shape, recover_groups
@@ -98,7 +87,7 @@ from geopipe.runtime.control.workers import (
     ask,
     call_all,
 )
-from geopipe.transport.security import CERT_BACKDATE, make_credentials
+from geopipe.transport.security import make_credentials
 
 __all__ = [
     "OUTER_NOT_LAUNCHED",
@@ -117,7 +106,6 @@ OUTER_NOT_LAUNCHED = (
 
 # A recovery interrupted by another death is retried from what is left, this many times.
 MAX_NESTED_RECOVERIES = 3
-CERT_TOLERANCE_S = CERT_BACKDATE.total_seconds()  # how far behind a node's clock may be
 
 
 def run_dir_for(spec: ClusterSpec, override: str | None) -> Path:
@@ -282,85 +270,6 @@ class Controller:
         self.plan, self.predicted = rp.plan, rp.predicted
         return Launching()
 
-    def _launch(self) -> State:
-        """LAUNCHING: check what the plan needs, connect to Ray, place and wire the actors,
-        probe the real links, and build the components that run the training from the
-        context as measured."""
-        check_data_source(self.spec)
-        self.cluster = self.workers.connect(self.spec)
-        self.reporter.dashboard_url = self.cluster.dashboard_url
-        self.reporter.ray_address = self.cluster.address
-        check_sites(self.spec, self.plan, self.workers.resources())
-        gpus = gpus_per_actor(self.spec, self.workers.resources(), len(self.plan.actors()))
-        check_precision(self.spec.training.precision, gpus > 0, self.plan.num_stages)
-        if (plaintext := plaintext_warning(self.spec)) is not None:
-            self.reporter.say(plaintext)
-        # Placement reads settings only (names, data, the emulated links' YAML figures).
-        self.placement = Placement(self.spec, self.lr_horizon, gpus, self.creds, self.workers)
-        self.placement.place(self.plan)
-        self.placement.wire()
-        self.evals = Evaluator.ready(self.spec, self.workers, self.reporter, self.flat_actors())
-        self.data_digest = self.placement.check_data(self._resume and self._resume.data_digest)
-        if not self.spec.ray.links_emulated:  # emulated links are the YAML's by construction
-            probed, self.links_measured = probe_links(
-                self.workers, self.spec, self.plan, self.placement, self.reporter.say
-            )
-            self.ctx = self.ctx.measured(probed)
-            if not self.plan.heterogeneous:  # a mix keeps its own prediction
-                self.predicted = plan_run(
-                    self.ctx.spec, self.ctx.measurements, replace(self.overrides, plan=self.plan)
-                ).predicted
-                self.ctx = self.ctx.planned(self.plan, self.predicted)
-        self._opened_events()
-        sites = self.plan.stage_sites
-        self.checkpoints.check_storage(self.placement.first_actor_per_site())
-        if self._resume is not None:
-            self.checkpoints.load_into(self._resume, self.actors, list(sites))
-        from geopipe.optimizer.templates import build_templates
-
-        priced = self.ctx.priced
-        if self.outer_run is not None:  # theta_global from the weights every group now holds
-            self.outer = OuterRounds(
-                priced, self.outer_run, self.workers, self.reporter.say, self.reporter.event
-            )
-            sites = [site for _, site in self.placement.actor_sites()]
-            self.outer.begin([a for a, _ in self.placement.actor_sites()], sites)
-            self.checkpoints.begin_outer(self.outer, self._resume)
-        # Pipeline templates for every device count are ready before anything fails (an
-        # outer-loop run drops a lost group instead: runtime.control.outerfail).
-        templates = None if self.outer is not None else build_templates(priced, plan=self.plan)
-        self.recovery = Recovery(
-            priced,
-            self.placement,
-            self.checkpoints,
-            self.reporter,
-            priced.health,
-            self.history,
-            templates,
-            self.workers,
-        )
-        predicted_s, fixed = self.predicted.iteration_time_s, self.opts.plan is not None
-        self.calibrator = Calibrator(priced, fixed, predicted_s, self.links_measured, self.outer)
-        if self._resume is not None:
-            self.reporter.event("resumed", path=self._resume.path, step=self.start_step)
-        self._status(self.start_step)  # `geopipe status` works from the first step on
-        return Running(self.start_step)
-
-    def _opened_events(self) -> None:
-        """Open the metrics and write the launch's security and plan events."""
-        metrics = Path(self.opts.metrics_out or self.run_dir / "metrics.jsonl")
-        self.reporter.open(metrics, self.workers.ray_metrics, self.spec)
-        said = self.creds.protection(outer_groups=self.plan.num_groups)  # outer: signed
-        self.reporter.event("security", **said, listen=self.spec.security.listen)
-        skew, line = measure_clock_skew(self.workers, self.placement.roles(), CERT_TOLERANCE_S)
-        self.reporter.event("clock_skew", **skew)
-        if line:
-            self.reporter.say(line)
-        outer = self.outer_run.to_dict() if self.outer_run else None
-        links = [m.to_dict() for m in self.links_measured]
-        fields = self.ctx.plan_event(self.plan, self.predicted, self.planned_with, links, outer)
-        self.reporter.event("plan", **fields)
-
     def _status_early(self) -> None:
         """status.json during Planning and Launching (once there is a plan to show)."""
         if self.plan is not None:
@@ -410,7 +319,7 @@ class Controller:
         if isinstance(state, Planning):
             return self._plan()
         if isinstance(state, Launching):
-            return self._launch()
+            return launch_components(self)
         if isinstance(state, Recovering):
             if self.outer is not None:  # the other groups go on (runtime.control.outerfail)
                 return recover_groups(self, state)

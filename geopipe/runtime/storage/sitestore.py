@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from geopipe.checkpoint.restore import SiteCopy
+from geopipe.checkpoint.rootdir import step_dirname
 from geopipe.checkpoint.store import (
     _RESERVED,
     MANIFEST,
@@ -56,7 +57,6 @@ from geopipe.checkpoint.store import (
     load_checkpoint,
     move_aside,
     prune,
-    step_dirname,
 )
 from geopipe.checkpoint.verify import signature
 from geopipe.checkpoint.writer import CheckpointWriter
