@@ -342,7 +342,8 @@ class PlanSpec(Spec):
     max_loss_penalty: PROB | None = Field(
         None,
         description="an outer-loop candidate whose predicted loss penalty (relative gap to "
-        "synchronous training) exceeds this is never chosen",
+        "synchronous training) exceeds this, at its measured mean plus its standard error, is "
+        "never chosen",
     )
 
 

@@ -45,6 +45,19 @@ The model, and why:
   4 at ``H >= 25``) and are still one curve in ``H``;
 * rows of fewer than 2 replicas are not an outer loop and are skipped.
 
+[Note: a bound on a noisy measure]
+One run's gap is the mean's estimate with a spread of its own: on the shipped table's model
+the same setting measured at three seeds spans up to 8 points, a pooled standard deviation of
+~2.4 points per run, more than the 1.5 % a user may bound the penalty at. A planner that
+checked ``plan.max_loss_penalty`` against the mean alone chose a setting measured at 1.06 %
+(three seeds) whose gap through the runtime then measured 2.96 % (three other runs). So
+each price carries its standard error (``spread``: the pooled per-run deviation over the
+square root of the seeds averaged; an interpolated price takes its less measured end's;
+the table's ``sync_noise`` stands for the deviation where no setting has several seeds),
+and the bound is checked at the mean plus it (:attr:`Penalty.upper`): a setting passes a
+bound only when its measurement is good enough to say so. The score, time per token x
+(1 + penalty), uses the mean: the expected cost. Measuring more seeds narrows the spread.
+
 Without a table (not measured yet) every outer candidate is unpriced and ``geopipe plan``
 says so. ``GEOPIPE_LOSS_PENALTY`` names another table (a file outside the package, for a
 trial); :func:`load_penalty` reads it only when the caller passes no path.
@@ -94,6 +107,14 @@ class Penalty:
 
     value: float | None  # None: not priced
     basis: str  # how the value was obtained, or why there is none
+    # the value's standard error: one run's spread over the square root of the seeds the
+    # value averages ([Note: a bound on a noisy measure])
+    spread: float = 0.0
+
+    @property
+    def upper(self) -> float | None:
+        """The value a bound is checked at: the mean plus its standard error."""
+        return None if self.value is None else self.value + self.spread
 
     @property
     def priced(self) -> bool:
@@ -113,6 +134,9 @@ class PenaltyTable:
     # (H, mean gap, rows averaged) sorted by H
     points: Mapping[Key, tuple[tuple[int, float, int], ...]] = field(default_factory=dict)
     overlaps: Mapping[Key, int] = field(default_factory=dict)  # the largest measured per key
+    # one run's gap spread (standard deviation): pooled over the settings measured at
+    # several seeds, else ``sync_noise`` ([Note: a bound on a noisy measure])
+    run_sd: float = 0.0
 
     def predict(
         self,
@@ -147,14 +171,16 @@ class PenaltyTable:
             )
         i = bisect_left(hs, h)
         if hs[i] == h:
-            return Penalty(max(0.0, pts[i][1]), f"measured at H={h}{_seeds(pts[i])} ({where})")
-        (h0, g0, _), (h1, g1, _) = pts[i - 1], pts[i]
+            se = self.run_sd / math.sqrt(pts[i][2])
+            return Penalty(max(0.0, pts[i][1]), f"measured at H={h}{_seeds(pts[i])} ({where})", se)
+        (h0, g0, n0), (h1, g1, n1) = pts[i - 1], pts[i]
         w = (math.log(h) - math.log(h0)) / (math.log(h1) - math.log(h0))
         gap = g0 + w * (g1 - g0)
         return Penalty(
             max(0.0, gap),
             f"interpolated in log H between H={h0} ({g0:.2%}{_seeds(pts[i - 1])}) and "
             f"H={h1} ({g1:.2%}{_seeds(pts[i])}) ({where})",
+            self.run_sd / math.sqrt(min(n0, n1)),  # the less measured end's
         )
 
     def _missing(
@@ -192,7 +218,16 @@ class PenaltyTable:
             "steps": self.steps,
             "tokens_per_step": self.tokens_per_step,
             "sync_noise": self.sync_noise,
+            "run_sd": self.run_sd,
         }
+
+
+def _pooled_sd(samples: list[list[float]], fallback: float) -> float:
+    """One run's standard deviation, pooled over every setting measured at two seeds or
+    more (each setting's own mean removed); ``fallback`` where none is."""
+    dev = sum(sum((x - sum(g) / len(g)) ** 2 for x in g) for g in samples if len(g) > 1)
+    dof = sum(len(g) - 1 for g in samples if len(g) > 1)
+    return math.sqrt(dev / dof) if dof else fallback
 
 
 def _seeds(point: tuple[int, float, int]) -> str:
@@ -294,15 +329,17 @@ def parse_table(doc: Any, path: str = "<table>") -> PenaltyTable:
             k: tuple((h, sum(g) / len(g), len(g)) for h, g in sorted(v.items()))
             for k, v in sums.items()
         }
+        noise = float(doc.get("sync_noise") or 0.0)
         return PenaltyTable(
             path,
             str(doc.get("source", "")),
             str(doc.get("model", "")),
             int(doc.get("steps") or 0),
             int(doc.get("tokens_per_step") or 0),
-            float(doc.get("sync_noise") or 0.0),
+            noise,
             points,
             overlaps,
+            run_sd=_pooled_sd([g for v in sums.values() for g in v.values()], noise),
         )
     except (ValueError, TypeError) as exc:
         raise PenaltyTableError(f"loss-penalty table {path}: {exc}") from None

@@ -198,6 +198,7 @@ class StrategyOption:
             "device_utilization": self.device_utilization,
             "loss_penalty": self.penalty.value,
             "loss_penalty_basis": self.penalty.basis,
+            "loss_penalty_spread": self.penalty.spread,  # its standard error
             "priced": self.penalty.priced,
             "feasible": self.feasible,
             "reason": self.reason,
@@ -372,8 +373,11 @@ def _price(
             (setting.lr, setting.momentum),
         )
         reason = "" if p.priced else f"loss penalty not priced: {p.basis}"
-        if p.priced and bound is not None and p.value > bound:
-            reason = f"loss penalty {p.value:.2%} above plan.max_loss_penalty ({bound:.2%})"
+        if p.priced and bound is not None and p.upper > bound:
+            reason = (
+                f"loss penalty {p.value:.2%} ± {p.spread:.2%} above plan.max_loss_penalty "
+                f"({bound:.2%}; checked at the mean plus its standard error)"
+            )
         if stuck:
             reason = f"launch cannot run it: {stuck}"
         out.append(

@@ -236,3 +236,30 @@ def test_outer_lr_and_momentum_lists_are_planner_knobs() -> None:
     doc["training"]["checkpoint"] = {"every_steps": 10}
     got = {(s.lr, s.momentum) for s in outer_settings(parse_cluster(doc, "t"))}
     assert got == {(0.7, 0.9), (0.7, 0.0), (1.0, 0.9), (1.0, 0.0)}
+
+
+def test_a_price_carries_its_standard_error_from_the_pooled_seed_spread() -> None:
+    """[Note: a bound on a noisy measure]: one run's deviation is pooled over every setting
+    measured at several seeds (each about its own mean); a price's spread is it over the
+    square root of its seeds, an interpolated price takes its less measured end's, and a
+    table without repeated settings falls back to its sync noise."""
+    rows = [
+        _row(2, 10, 0.00, seed=0),
+        _row(2, 10, 0.02, seed=1),
+        _row(2, 10, 0.04, seed=2),  # mean 0.02, squared deviations 4e-4 + 0 + 4e-4
+        _row(2, 50, 0.05, seed=0),
+        _row(2, 50, 0.07, seed=1),  # mean 0.06, squared deviations 1e-4 + 1e-4
+        _row(2, 100, 0.09),  # one seed: no deviation of its own
+    ]
+    t = parse_table(_table(rows))
+    sd = math.sqrt((8e-4 + 2e-4) / (2 + 1))  # pooled over 3 degrees of freedom
+    assert t.run_sd == pytest.approx(sd)
+    at10 = t.predict(2, 10, 1, "none")
+    assert at10.value == pytest.approx(0.02) and at10.spread == pytest.approx(sd / math.sqrt(3))
+    assert at10.upper == pytest.approx(0.02 + sd / math.sqrt(3))
+    assert t.predict(2, 50, 1, "none").spread == pytest.approx(sd / math.sqrt(2))
+    between = t.predict(2, 70, 1, "none")  # between H=50 (2 seeds) and H=100 (1 seed)
+    assert between.spread == pytest.approx(sd)
+    single = parse_table(_table([_row(2, 10, 0.004), _row(2, 20, 0.006)]))
+    assert single.run_sd == pytest.approx(0.001)  # _table's sync_noise
+    assert single.predict(2, 10, 1, "none").spread == pytest.approx(0.001)

@@ -81,9 +81,12 @@ def _two_sites(gbps: float = 0.1, **plan: Any) -> ClusterSpec:
     return parse_cluster(_doc([_site("a"), _site("b", 0.025)], [link], **plan))
 
 
-def _table(rows: list[tuple[int, int, float]], codec: str = "none") -> PenaltyModel:
+def _table(rows: list[tuple], codec: str = "none") -> PenaltyModel:
+    """A table of ``(M, H, gap)`` rows, or ``(M, H, gap, seed)``."""
     listed = [
-        {"replicas": m, "h": h, "fragments": 1, "codec": codec, "rel_gap": g} for m, h, g in rows
+        {"replicas": r[0], "h": r[1], "fragments": 1, "codec": codec, "rel_gap": r[2]}
+        | ({"seed": r[3]} if len(r) > 3 else {})
+        for r in rows
     ]
     doc = {
         "source": "test",
@@ -230,6 +233,30 @@ def test_max_loss_penalty_excludes_candidates() -> None:
     spec = _two_sites(gbps=0.01, strategy="outer", outer={"h": [10, 20]}, max_loss_penalty=0.001)
     with pytest.raises(ConfigError, match=r"t\.yaml: plan\.max_loss_penalty: no outer"):
         _strategy(spec, _table([(2, 10, 0.01), (2, 20, 0.02)]))
+
+
+def test_max_loss_penalty_holds_at_the_mean_plus_its_standard_error() -> None:
+    """A setting whose mean is within the bound but whose measurement is too noisy to say so
+    (mean + standard error above it) is not chosen; measured at more seeds, it is."""
+    plan = {"outer": {"h": [10, 20]}, "max_loss_penalty": 0.015}
+    spec = _two_sites(gbps=0.01, strategy="outer", **plan)
+
+    def seeds(gaps10: list[float]) -> PenaltyModel:
+        rows = [(2, 10, g, i) for i, g in enumerate(gaps10)] + [(2, 20, 0.05, 0), (2, 20, 0.07, 1)]
+        return _table(rows)
+
+    # H=10: mean 1 %, per-run deviation pooled with H=20's: sqrt((2e-4 + 2e-4) / 2) = 1.41 %
+    noisy = seeds([0.0, 0.02])
+    with pytest.raises(ConfigError, match=r"plan\.max_loss_penalty: no outer candidate"):
+        _strategy(spec, noisy)
+    auto = _strategy(_two_sites(gbps=0.01, strategy="auto", **plan), noisy)
+    h10 = next(c for c in auto.candidates if c.setting and c.setting.h == 10)
+    assert "1.00% ± 1.00% above plan.max_loss_penalty" in h10.reason
+    assert auto.chosen.kind == "pipeline"
+    # the same mean and deviation over 8 seeds: a standard error of 0.5 %, within the bound
+    report = _strategy(spec, seeds([0.0, 0.02] * 4))
+    assert report.chosen.setting.h == 10 and report.chosen.penalty.value == pytest.approx(0.01)
+    assert report.chosen.penalty.upper <= 0.015
 
 
 def test_without_a_table_auto_keeps_the_pipeline_and_outer_says_the_penalty_is_unknown() -> None:
