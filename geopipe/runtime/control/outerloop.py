@@ -146,6 +146,9 @@ class OuterRounds:
             weights=shares(run.plan),
         )
         self.say, self.event = say, event
+        # The gather's clock (its slices, ``health.wan_outage_s``): the unit tests drive a
+        # virtual one that their scripted workers advance, so no count of slices rides on load.
+        self.clock: Callable[[], float] = time.monotonic
         self.rounds: list[dict] = []  # what each applied fragment cost (the run's record)
         self._sent: dict[int, tuple[float, list[dict]]] = {}  # fragment -> (sent at, results)
         self._part: dict[int, tuple[int, int]] = {}  # id(actor) -> its (stage, partition)
@@ -321,13 +324,13 @@ class OuterRounds:
         for i, a in enumerate(actors):
             if i not in pending:
                 pending[i] = w.call(a, "outer_gather", f, slice_s)
-        deadline = time.monotonic() + slice_s + h.unresponsive_s
+        deadline = self.clock() + slice_s + h.unresponsive_s
         answered: list[tuple[Any, dict]] = []
         dead, mute = set(), set()
         for i, ref in list(pending.items()):
             g = self.group_of[id(actors[i])]
             try:
-                ans = w.get([ref], timeout=max(0.0, deadline - time.monotonic()))[0]
+                ans = w.get([ref], timeout=max(0.0, deadline - self.clock()))[0]
             except WorkerLost:
                 dead.add(g)
                 continue
@@ -377,7 +380,7 @@ class OuterRounds:
         Raises :class:`GroupsLost` (an actor died; silent groups past
         ``health.wan_outage_s``)."""
         h = self.spec.health
-        t0 = said = time.monotonic()
+        t0 = said = self.clock()
         pending: dict[int, Any] = {}  # actor index -> its gather call still in flight
         if first is not None:
             have = self._holding(list(zip(actors, first, strict=True)))
@@ -385,12 +388,13 @@ class OuterRounds:
             if all(have[g] >= self.live for g in self.live):
                 return sorted(self.live), max(a.get("wait_s", 0.0) for a in first)
         while True:
-            left = h.wan_outage_s - (time.monotonic() - t0)
+            left = h.wan_outage_s - (self.clock() - t0)
             have = self._heard(f, actors, pending, max(0.05, min(h.heartbeat_s, left)))
             if all(have[g] >= self.live for g in self.live):
-                return sorted(self.live), time.monotonic() - t0
-            waited = time.monotonic() - t0
-            silent = sorted({(a, b) for a in have for b in self.live - have[a]})
+                return sorted(self.live), self.clock() - t0
+            waited = self.clock() - t0
+            # a mute group hears no one, itself included (it is never kept): not a link
+            silent = sorted({(a, b) for a in have for b in self.live - have[a] if a != b})
             links = ", ".join(
                 f"group {a} <- {b} (sites {self.site_of[a]} <-> {self.site_of[b]})"
                 for a, b in silent
@@ -405,8 +409,8 @@ class OuterRounds:
             # first after a while: with spans a group may simply reach the apply later than
             # another (its steps ran slower), which is no silence yet
             first = min(_SAY_EVERY_S, h.wan_outage_s / 2)
-            if time.monotonic() - said >= (first if said == t0 else _SAY_EVERY_S):
-                said = time.monotonic()
+            if self.clock() - said >= (first if said == t0 else _SAY_EVERY_S):
+                said = self.clock()
                 self.say(
                     f"outer round of fragment {f} waits on {links}: silent {waited:.0f} s "
                     f"of {h.wan_outage_s:g} s (health.wan_outage_s); the apply waits, "
