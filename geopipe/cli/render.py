@@ -227,6 +227,11 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x:.2%}"
 
 
+def _penalty(p: Any) -> str:
+    """A loss penalty and its standard error (what plan.max_loss_penalty is checked at)."""
+    return f"{_pct(p.value)} ± {p.spread:.2%}" if p.priced and p.spread else _pct(p.value)
+
+
 def print_strategy(report: Any, console: Any) -> None:
     """The strategy table (``plan.strategy`` outer or auto): every candidate, the chosen one
     marked, why it won and the loss penalty it assumes, and its groups' plans."""
@@ -257,7 +262,7 @@ def print_strategy(report: Any, console: Any) -> None:
             s.codec if s else "-",
             f"{c.tokens_per_s:,.0f}" if c.feasible else "-",
             f"{c.device_utilization:.0%}" if c.feasible else "-",
-            _pct(c.penalty.value),
+            _penalty(c.penalty),
             f"{c.effective_tokens_per_s:,.0f}" if c.score < math.inf else "-",
             c.reason or c.bound,
         )
@@ -269,9 +274,9 @@ def print_strategy(report: Any, console: Any) -> None:
     if table:
         source = (
             f"{table.path}: measured on {table.model}, {table.steps} steps, "
-            f"synchronous noise {table.sync_noise:.2%}"
+            f"synchronous noise {table.sync_noise:.2%}, one run's gap spread {table.run_sd:.2%}"
         )
-    value = _pct(c.penalty.value) if c.penalty.priced else "unknown"
+    value = _penalty(c.penalty) if c.penalty.priced else "unknown"
     console.print(
         f"assumed loss penalty: {value} ({c.penalty.basis}); {source}",
         soft_wrap=True,

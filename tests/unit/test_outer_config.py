@@ -153,6 +153,11 @@ def test_plan_prints_the_strategy_table_and_json(tmp_path: Path, capsys, monkeyp
     assert main(["plan", str(path)]) == 0
     out = capsys.readouterr().out
     assert "strategies compared" in out and "chosen: " in out and "assumed loss penalty" in out
+    # each price with its standard error: the 5 rows of each H (its overlaps) agree, so the
+    # pooled spread is 0 and no "±" is printed
+    assert "one run's gap spread 0.00%" in out and "± " not in out
+    h10 = [c for c in st["candidates"] if c["h"] == 10 and c["priced"]]
+    assert h10 and all(c["loss_penalty_spread"] == 0.0 for c in h10)
 
 
 def test_a_pipeline_cluster_prints_no_strategy(capsys) -> None:
