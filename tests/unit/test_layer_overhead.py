@@ -76,3 +76,34 @@ def test_a_measured_overhead_reaches_the_cost_model_and_the_planner_batches_up()
     assert Measurements.from_dict(fixed.to_dict()) == fixed  # as the plan event carries it
     assert plan_run(spec, flat).plan.micro_batch_size == 1
     assert plan_run(spec, fixed).plan.micro_batch_size == 8
+
+
+def test_the_fit_charges_a_hugging_face_models_own_layers(tmp_path, monkeypatch) -> None:
+    """A Llama from a save_pretrained directory is timed as built (its embedding, blocks and
+    head: what the evaluator charges a fixed cost per layer for): two forwards on a line
+    ``layers x c + size x s`` give back ``c`` and ``s`` exactly."""
+    from _hfdoc import LLAMA, two_site_hf_doc
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from geopipe.runtime.control import calibration
+    from geopipe.runtime.control.models import model_desc
+
+    AutoModelForCausalLM.from_config(
+        LlamaConfig(**{**LLAMA, "num_hidden_layers": 3})
+    ).save_pretrained(tmp_path / "llama")
+    spec = parse_cluster(two_site_hf_doc("t", tmp_path / "llama"), "t")
+    layers = model_desc(spec.model).num_layers
+    assert layers == 3 + 2 and spec.model.family == "llama"  # embedding, 3 blocks, head
+    c, per = 0.4e-3, 2e-3
+    sizes: list[int] = []
+
+    def timed(spec, micro_batch, seq_len, reps=5):
+        sizes.append(micro_batch)
+        return layers * c + micro_batch * per, 2 * (layers * c + micro_batch * per)
+
+    monkeypatch.setattr(calibration, "_measure", timed)
+    got = calibration.profile_machine(spec, 1, 32, largest=8)
+    assert sizes == [1, 8]
+    dev = got.devices["east"]
+    assert dev.layer_overhead_s == pytest.approx(c)
+    assert got.devices["west"].layer_overhead_s == pytest.approx(c)

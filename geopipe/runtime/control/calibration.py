@@ -116,7 +116,11 @@ def profile_machine(
     other = min(largest or 0, max(8, micro_batch) * 8)
     if other > micro_batch:
         f2, _ = _measure(spec, other, seq_len)
-        per_sample, overhead = fit_forward((micro_batch, f), (other, f2), spec.model.n_layer + 2)
+        from geopipe.runtime.control.models import model_desc
+
+        # the layers the timed model was built of (what the evaluator charges per layer)
+        layers = model_desc(spec.model).num_layers
+        per_sample, overhead = fit_forward((micro_batch, f), (other, f2), layers)
     speeds = measure_speeds(searched_codecs(spec), (micro_batch, seq_len, spec.model.n_embd))
     flops = sum(layer_forward_flops(spec.model, seq_len)) * seq_len  # per sample
     devices = {}
