@@ -23,7 +23,8 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from geopipe.model.prepare import InputFile, OutputExistsError, write_dataset
+from geopipe.model.inputs import InputFile
+from geopipe.model.prepare import OutputExistsError, write_dataset
 from geopipe.model.stdlib import stdlib_files
 from geopipe.model.tokens import MANIFEST
 

@@ -26,19 +26,17 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from geopipe.model.inputs import InputFile, collect_inputs
 from geopipe.model.tokens import FORMAT, MANIFEST, DatasetError, choose_dtype, file_sha256
 
 __all__ = [
     "DEFAULT_SHARD_TOKENS",
-    "InputFile",
     "OutputExistsError",
-    "collect_inputs",
     "default_processes",
     "load_tokenizer",
     "prepare_data",
@@ -47,23 +45,12 @@ __all__ = [
 
 DEFAULT_SHARD_TOKENS = 1 << 26  # 128 MiB of uint16 per shard
 _TASK_BYTES = 1 << 22  # input bytes per task: progress granularity and worker memory
-_JSONL = frozenset({".jsonl", ".json"})
-_PARQUET = frozenset({".parquet"})
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-_SNIFF = 8192
 _PARALLELISM = "TOKENIZERS_PARALLELISM"
 
 
 class OutputExistsError(DatasetError):
     """The output directory exists and overwriting was not asked for."""
-
-
-@dataclass(frozen=True)
-class InputFile:
-    """One input file and how to read it: ``text`` (one document), ``jsonl`` or ``parquet``."""
-
-    path: Path
-    kind: str
 
 
 class _Piece(NamedTuple):
@@ -82,56 +69,6 @@ def default_processes() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not Linux
         return max(1, os.cpu_count() or 1)
-
-
-# ---- inputs -------------------------------------------------------------------------------
-
-
-def _kind(path: Path, explicit: bool) -> str | None:
-    """How to read ``path``; None skips a binary file found in a directory."""
-    suffix = path.suffix.lower()
-    if suffix in _JSONL:
-        return "jsonl"
-    if suffix in _PARQUET:
-        return "parquet"
-    with path.open("rb") as f:
-        if b"\0" not in f.read(_SNIFF):
-            return "text"
-    if explicit:
-        raise DatasetError(f"{path}: not a text, JSONL or Parquet file (binary content)")
-    return None
-
-
-def _walk(root: Path, exclude: Path | None) -> list[Path]:
-    """Files under ``root`` sorted by relative path; hidden names and ``exclude`` skipped."""
-    found: list[Path] = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        here = Path(dirpath)
-        dirnames[:] = [
-            d for d in dirnames if not d.startswith(".") and (here / d).resolve() != exclude
-        ]
-        found.extend(here / f for f in filenames if not f.startswith("."))
-    return sorted(found, key=lambda p: p.relative_to(root).as_posix())
-
-
-def collect_inputs(inputs: Sequence[str | Path], exclude: Path | None = None) -> list[InputFile]:
-    """The input files in a deterministic order: inputs in the order given, directories
-    recursed and sorted by relative path (binary files in them skipped)."""
-    if not inputs:
-        raise DatasetError("no inputs given")
-    files: list[InputFile] = []
-    for given in inputs:
-        path = Path(given)
-        if path.is_dir():
-            for p in _walk(path, exclude):
-                kind = _kind(p, explicit=False)
-                if kind is not None:
-                    files.append(InputFile(p, kind))
-        elif path.is_file():
-            files.append(InputFile(path, _kind(path, explicit=True) or "text"))
-        else:
-            raise DatasetError(f"{path}: no such file or directory")
-    return files
 
 
 # ---- tokenizer ----------------------------------------------------------------------------

@@ -101,7 +101,7 @@ def plan_like(spec: ClusterSpec, like: Plan) -> Evaluation | str:
 
 def _speed(evals: Sequence[Evaluation]) -> float:
     """The groups' sequences per second, each at its own pace: what shares in proportion to
-    speed make of them (:func:`~geopipe.optimizer.strategy.balanced_shares` follows), not
+    speed make of them (:func:`~geopipe.optimizer.groups.balanced_shares` follows), not
     the pace of the slowest at these shares."""
     return sum(e.tokens_per_iteration / e.plan.seq_len / e.iteration_time_s for e in evals)
 

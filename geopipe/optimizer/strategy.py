@@ -10,17 +10,17 @@ Options (``plan.strategy: outer`` or ``auto``):
   inner steps; **hybrid**: groups that span a contiguous run of sites. Groupings are the
   site order the pipeline uses (:func:`~geopipe.optimizer.shapes.site_order`, Held–Karp)
   cut into ``M`` contiguous runs of equal length (``n // M`` or one more; at most
-  :data:`MAX_ARRANGEMENTS` ways to place the longer runs), for every ``M`` that divides
+  :data:`~.groups.MAX_ARRANGEMENTS` ways to place the longer runs), for every ``M`` that divides
   the global batch — one group per site is ``M = n``. Each group is planned by today's
   search on a spec of its own sites and links and its share of the global batch
-  (:func:`group_spec`, whose memory model holds the outer state: [Note: a replica group's
+  (:func:`~.groups.group_spec`, whose memory model holds the outer state: [Note: a replica group's
   spec] in :mod:`geopipe.optimizer.memory`); every ``(H, F, tau, codec)`` of
   ``plan.outer``'s grid (:func:`geopipe.config.outer_settings`) is priced by
   :mod:`.outer_cost`, its loss penalty comes from the measured table (:mod:`.penalty`), and
   each ``(H, F, codec)`` row keeps its best overlap ``tau`` (ties: the smaller).
 
 [Note: batch shares] A grouping is planned with equal shares (``global_batch / M``), then
-with shares in proportion to the groups' speeds (:func:`balanced_shares`), and each row
+with shares in proportion to the groups' speeds (:func:`~.groups.balanced_shares`), and each row
 keeps the faster. Every group waits for the slowest at each exchange, so with equal shares a
 region of 3× the FLOP/s computes a third of the time (worldwide-64: at most ~68 % of the
 devices' time, whatever H). Unequal shares ask two things of the runtime: group ``g`` takes
@@ -39,7 +39,7 @@ again in one common layout (:mod:`.grouplayout`: every layout they chose is trie
 fastest that fits every group is kept), at every share policy, and the balanced shares are
 multiples of pipelines × micro-batch so that the common layout divides them. A group
 forced out of its own layout is slower at the share it was given, and only the next
-re-balancing moves share away from it: hence :data:`BALANCE_PASSES` of 3 (worldwide-64's
+re-balancing moves share away from it: hence :data:`~.groups.BALANCE_PASSES` of 3 (worldwide-64's
 chosen candidate keeps 79 % of its devices' time computing with 2 passes, 82 % with 3, as
 its groups planned apart and unlaunchable did). A candidate whose groups fit no common
 layout is listed with the reason (``launchable`` false in ``--json``) and never chosen: the
@@ -57,37 +57,29 @@ one, saying the penalty is unknown. A strategy that leaves nothing to choose is 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import combinations, islice
 
 from geopipe.config import ClusterSpec, ConfigError, OuterSetting, outer_settings
-from geopipe.optimizer.errors import PlanningError
 from geopipe.optimizer.evaluate import Evaluation
-from geopipe.optimizer.grouplayout import common_layout, layout_key, plan_like
+from geopipe.optimizer.groups import (
+    Grouping,
+    GroupPlanner,
+    group_plans,
+    site_groupings,
+)
 from geopipe.optimizer.outer_cost import RoundCost, price_round
-from geopipe.optimizer.outerplan import split_tie
 from geopipe.optimizer.penalty import Penalty, PenaltyModel
-from geopipe.optimizer.planner import PlanReport, plan_cluster
+from geopipe.optimizer.planner import PlanReport
 from geopipe.optimizer.shapes import site_order
-from geopipe.plan import Plan
 
 __all__ = [
-    "BALANCE_PASSES",
-    "MAX_ARRANGEMENTS",
     "StrategyOption",
     "StrategyReport",
     "as_pipeline",
-    "balanced_shares",
-    "group_spec",
     "plan_strategy",
-    "site_groupings",
 ]
 
-MAX_ARRANGEMENTS = 8  # ways to place the longer runs when M does not divide the site count
-BALANCE_PASSES = 3  # re-balancings of the groups' batch shares (_group_plans)
 
-Grouping = tuple[tuple[str, ...], ...]
 _NO_GROUPING = "one site, or no number of groups M >= 2 divides the global batch"
 
 
@@ -96,40 +88,6 @@ def as_pipeline(spec: ClusterSpec) -> ClusterSpec:
     if spec.plan.strategy == "pipeline":
         return spec
     return spec.model_copy(update={"plan": spec.plan.model_copy(update={"strategy": "pipeline"})})
-
-
-def group_spec(spec: ClusterSpec, sites: Sequence[str], batch: int) -> ClusterSpec:
-    """The spec one replica group is planned on: its sites and the links between them,
-    ``batch`` sequences per inner step (its share of the global batch), strategy ``outer``
-    (so its memory holds the outer state)."""
-    keep = set(sites)
-    training = spec.training.model_copy(update={"global_batch_size": batch})
-    return spec.model_copy(
-        update={
-            "sites": [s for s in spec.sites if s.name in keep],
-            "links": [lk for lk in spec.links if lk.src in keep and lk.dst in keep],
-            "training": training,
-            "plan": spec.plan.model_copy(update={"strategy": "outer"}),
-        }
-    )
-
-
-def site_groupings(order: Sequence[str], global_batch: int) -> list[Grouping]:
-    """``order`` cut into ``M >= 2`` contiguous runs of near-equal length, for every ``M``
-    dividing ``global_batch`` (module docstring)."""
-    n, out = len(order), []
-    for m in range(2, n + 1):
-        if global_batch % m:
-            continue
-        q, r = divmod(n, m)
-        for longer in islice(combinations(range(m), r), MAX_ARRANGEMENTS):
-            runs, at = [], 0
-            for g in range(m):
-                size = q + (g in longer)
-                runs.append(tuple(order[at : at + size]))
-                at += size
-            out.append(tuple(runs))
-    return out
 
 
 @dataclass
@@ -240,116 +198,6 @@ class StrategyReport:
         }
 
 
-class _Groups:
-    """Each group's best plan for a share of the global batch, memoised by (sites, batch),
-    and in a given layout ([Note: one layout]), memoised by (sites, batch, layout)."""
-
-    def __init__(self, spec: ClusterSpec) -> None:
-        self.spec = spec
-        self._plans: dict[tuple[tuple[str, ...], int], Evaluation | str] = {}
-        self._like: dict[tuple, Evaluation | str] = {}
-
-    def plan(self, sites: tuple[str, ...], batch: int) -> Evaluation | str:
-        """The group's plan, or why it has none."""
-        key = (sites, batch)
-        if key not in self._plans:
-            try:
-                best = plan_cluster(group_spec(self.spec, sites, batch)).best
-                self._plans[key] = best if best.feasible else best.reason
-            except PlanningError as exc:
-                self._plans[key] = str(exc)
-        return self._plans[key]
-
-    def like(self, sites: tuple[str, ...], batch: int, like: Plan) -> Evaluation | str:
-        """The group's plan in ``like``'s layout, or why it has none."""
-        key = (sites, batch, layout_key(like))
-        if key not in self._like:
-            self._like[key] = plan_like(group_spec(self.spec, sites, batch), like)
-        return self._like[key]
-
-    def plans(self, grouping: Grouping, shares: Sequence[int]) -> tuple[list[Evaluation], str, str]:
-        """Every group's plan, in one layout where launch needs it: ``(evaluations, why
-        none, why launch cannot run them)``; ``([], why, "")`` names the first group that
-        has no plan."""
-        out = []
-        for sites, batch in zip(grouping, shares, strict=True):
-            e = self.plan(sites, batch)
-            if isinstance(e, str):
-                return [], f"group {'+'.join(sites)} ({batch} sequences per step): {e}", ""
-            out.append(e)
-
-        def replan(g: int, like: Plan) -> Evaluation | str:
-            e = self.like(grouping[g], shares[g], like)
-            name = "+".join(grouping[g])
-            return (
-                f"group {name} ({shares[g]} sequences per step): {e}" if isinstance(e, str) else e
-            )
-
-        out, stuck = common_layout(out, replan)
-        return out, "", stuck or split_tie(self.spec, [e.plan for e in out])
-
-
-def balanced_shares(
-    global_batch: int, speeds: Sequence[float], grains: Sequence[int]
-) -> tuple[int, ...] | None:
-    """Shares of ``global_batch`` in proportion to the groups' ``speeds`` (sequences per
-    second), each a positive multiple of its ``grain`` (the group's pipelines, so it keeps
-    a divisible batch), summing to ``global_batch``; None if the grains cannot make it.
-
-    Equal shares leave the fast groups waiting for the slowest at every exchange (a site of
-    3× the FLOP/s idles two thirds of the time); shares in proportion to speed make the
-    groups' inner steps equally long. Greedy: round every ideal share down to its grain, then
-    give a grain at a time to the group whose step stays shortest with it.
-    """
-    total = sum(speeds)
-    shares = [
-        max(g, int(global_batch * v / total) // g * g) for v, g in zip(speeds, grains, strict=True)
-    ]
-    for _ in range(len(shares) * global_batch):  # bounded: each pass moves one grain
-        rest = global_batch - sum(shares)
-        if rest == 0:
-            return tuple(shares)
-        if rest > 0:
-            options = [i for i, g in enumerate(grains) if g <= rest]
-            if not options:
-                return None
-            i = min(options, key=lambda i: (shares[i] + grains[i]) / speeds[i])
-            shares[i] += grains[i]
-        else:
-            options = [i for i, g in enumerate(grains) if shares[i] > g]
-            if not options:
-                return None
-            i = max(options, key=lambda i: shares[i] / speeds[i])
-            shares[i] -= grains[i]
-    return None
-
-
-def _group_plans(
-    spec: ClusterSpec, grouping: Grouping, groups: _Groups
-) -> list[tuple[list[Evaluation], str, str]]:
-    """The groups' plans with equal shares (``global_batch / M``), then with shares in
-    proportion to their speed (re-balanced from the plans they give, up to
-    :data:`BALANCE_PASSES` times: a group's speed moves with its share, its optimizer step
-    being paid once per step whatever the share), each share a multiple of its group's
-    pipelines × micro-batch ([Note: one layout]): ``(evaluations, why not, why launch
-    cannot run them)`` each."""
-    gbs, m = spec.training.global_batch_size, len(grouping)
-    plans, why, stuck = groups.plans(grouping, [gbs // m] * m)
-    out, seen = [(plans, why, stuck)], {(gbs // m,) * m}
-    for _ in range(BALANCE_PASSES):
-        if why:
-            break
-        speeds = [e.tokens_per_iteration / e.plan.seq_len / e.iteration_time_s for e in plans]
-        grains = [e.plan.pipelines * e.plan.micro_batch_size for e in plans]
-        shares = balanced_shares(gbs, speeds, grains)
-        if shares is None or shares in seen:
-            break
-        seen.add(shares)
-        plans, why, stuck = groups.plans(grouping, shares)
-        out.append((plans, why, stuck))
-    return out
-
-
 def _price(
     spec: ClusterSpec,
     grouping: Grouping,
@@ -427,12 +275,12 @@ def _options(
 ) -> list[StrategyOption]:
     """The pipeline, then per grouping the best of its share policies for each setting."""
     out = [_pipeline_option(pipeline)]
-    groups = _Groups(spec)
+    groups = GroupPlanner(spec)
     for grouping in site_groupings(site_order(spec), spec.training.global_batch_size):
         kind = "outer" if all(len(g) == 1 for g in grouping) else "hybrid"
         best: dict[tuple, StrategyOption] = {}
         whys = []
-        for evals, why, stuck in _group_plans(spec, grouping, groups):
+        for evals, why, stuck in group_plans(spec, grouping, groups):
             whys.append(why)
             for c in [] if why else _price(spec, grouping, evals, penalty, stuck):
                 key = (c.setting.h, c.setting.fragments, c.setting.codec)

@@ -13,10 +13,10 @@ import yaml
 
 from geopipe.cli import main
 from geopipe.config import ConfigError, load_cluster, outer_settings
+from geopipe.optimizer.groups import group_spec
 from geopipe.optimizer.outerplan import unlaunchable
 from geopipe.optimizer.penalty import ENV_VAR
 from geopipe.optimizer.planner import plan_cluster
-from geopipe.optimizer.strategy import group_spec
 from geopipe.plan import Plan
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 from geopipe.config import OuterSetting, parse_cluster
+from geopipe.optimizer.groups import group_spec
 from geopipe.optimizer.outer_cost import (
     CALL_OVERHEAD_S,
     MAX_SPAN,
@@ -37,7 +38,6 @@ from geopipe.optimizer.outer_cost import (
 from geopipe.optimizer.penalty import PenaltyModel, parse_table
 from geopipe.optimizer.planner import plan_cluster
 from geopipe.optimizer.runplan import plan_run
-from geopipe.optimizer.strategy import group_spec
 from geopipe.outer.fragments import StreamingSchedule
 from geopipe.runtime.control.calibration import CALIBRATION_STEPS, Calibrator
 from geopipe.runtime.control.outercal import RECORDED

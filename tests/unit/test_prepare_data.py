@@ -25,6 +25,7 @@ from geopipe.model.builtin import (
     ensure_stdlib_bpe,
     stdlib_bpe_files,
 )
+from geopipe.model.inputs import collect_inputs
 from geopipe.model.prepare import OutputExistsError, prepare_data
 from geopipe.model.tokens import DatasetError, TokenDataset, choose_dtype
 
@@ -143,7 +144,7 @@ def test_byte_identical_whatever_the_process_count(
     rows = [{"text": p.read_text(encoding="utf-8", errors="replace")[:3000]} for p in files]
     jsonl = write_jsonl(tmp_path / "rows.jsonl", rows)
     inputs = [*files, jsonl]
-    assert len(prepare._plan(prepare.collect_inputs(inputs), "text")) >= 6
+    assert len(prepare._plan(collect_inputs(inputs), "text")) >= 6
     pools: list[int] = []
 
     class Spy(prepare.ProcessPoolExecutor):

@@ -16,6 +16,7 @@ from geopipe.config import ClusterSpec, ConfigError, OuterSetting, parse_cluster
 from geopipe.model.sizes import param_totals, stage_param_count
 from geopipe.optimizer.evaluate import plan_peak_memory
 from geopipe.optimizer.grouplayout import plan_like, with_partition
+from geopipe.optimizer.groups import balanced_shares, group_spec, site_groupings
 from geopipe.optimizer.memory import outer_state_bytes_per_param, stage_memory
 from geopipe.optimizer.outer_cost import (
     CALL_OVERHEAD_S,
@@ -29,13 +30,7 @@ from geopipe.optimizer.outerplan import outer_run, unlaunchable
 from geopipe.optimizer.penalty import PenaltyModel, parse_table
 from geopipe.optimizer.planner import plan_cluster
 from geopipe.optimizer.shapes import build_plan
-from geopipe.optimizer.strategy import (
-    as_pipeline,
-    balanced_shares,
-    group_spec,
-    plan_strategy,
-    site_groupings,
-)
+from geopipe.optimizer.strategy import as_pipeline, plan_strategy
 from geopipe.plan import PipelineLayout, Plan
 
 MODEL = {"n_layer": 4, "n_embd": 128, "n_head": 4, "vocab_size": 256, "max_seq_len": 128}
