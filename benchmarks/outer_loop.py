@@ -232,10 +232,13 @@ def part_loss(a, star: dict, bounded: dict | None, tmp: Path) -> dict:
         if name == "bounded":  # the key: the mean of --seeds paired gaps
             row["seeds"] = a.seeds
     runs = [r for r in rows if a.steps % r["h"] == 0]
-    reuse = None
-    if a.loss_reuse:
-        reuse = json.loads(Path(a.loss_reuse).read_text().strip().splitlines()[-1])["loss"]
+    reuse = earlier_loss(a.loss_reuse) if a.loss_reuse else None
     return loss_gaps(a.steps, runs, tmp, say, seeds=a.seeds, reuse=reuse)
+
+
+def earlier_loss(path: str) -> dict:
+    """The loss part of an earlier run of this benchmark (its output's last line)."""
+    return json.loads(Path(path).read_text().strip().splitlines()[-1])["loss"]
 
 
 def part_siteloss(tmp: Path) -> dict:
@@ -552,7 +555,7 @@ def main() -> None:
     say(f"planner: outer {star}; streaming {stream}; under the loss bound {bounded}")
     tmp = Path(tempfile.mkdtemp(prefix="geopipe-outerloop-"))
     if a.loss_from:  # an earlier run's loss part (its figures do not move with load)
-        loss = json.loads(Path(a.loss_from).read_text().strip().splitlines()[-1])["loss"]
+        loss = earlier_loss(a.loss_from)
     else:
         loss = part_loss(a, star, bounded, tmp) if "loss" in a.parts else None
     site = part_siteloss(tmp) if "siteloss" in a.parts else None

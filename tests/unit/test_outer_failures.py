@@ -48,13 +48,17 @@ def test_the_largest_set_that_heard_each_other_is_kept() -> None:
     assert kept_groups({0: {0, 1, 2}, 1: {0, 1, 2}, 2: {0, 1, 2}}) == [0, 1, 2]
 
 
-def _plan(groups: int) -> Plan:
+def _plan(groups: int, per_group: int = 2) -> Plan:
+    """``groups`` replica groups of ``per_group`` pipelines of two stages, group ``g`` in
+    the ``g``-th of east, west, south."""
     sites = ["east", "west", "south"][:groups]
     mix = tuple(
-        PipelineLayout((s, s), ((0, 1), (1, 2)), 2, (0,), ("none",)) for s in sites for _ in (0, 1)
+        PipelineLayout((s, s), ((0, 1), (1, 2)), 2, (0,), ("none",))
+        for s in sites
+        for _ in range(per_group)
     )
     return Plan(
-        pipelines=2 * groups,
+        pipelines=per_group * groups,
         stage_sites=mix[0].stage_sites,
         partition=mix[0].partition,
         micro_batch_size=1,
@@ -64,7 +68,7 @@ def _plan(groups: int) -> Plan:
         delta_n=(0,),
         codecs=("none",),
         mix=mix,
-        groups=tuple(g for g in range(groups) for _ in (0, 1)),
+        groups=tuple(g for g in range(groups) for _ in range(per_group)),
     )
 
 

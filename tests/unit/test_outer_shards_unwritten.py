@@ -23,14 +23,14 @@ import torch
 
 from geopipe.checkpoint.store import list_checkpoints, load_checkpoint
 from geopipe.checkpoint.writer import write_shard_file
-from geopipe.plan import PipelineLayout, Plan
+from geopipe.plan import Plan
 from geopipe.runtime.control.checkpointing import CheckpointCoordinator
 from geopipe.runtime.control.health import ShardsUnwritten
 from geopipe.runtime.control.outerfail import recover_groups
 from geopipe.runtime.control.placement import Placement
 from geopipe.runtime.control.states import Checkpointing, Recovering
 from geopipe.runtime.control.workers import CallTimeout, WorkerLost
-from tests.unit.test_outer_failures import FROZEN, Script, _rounds
+from tests.unit.test_outer_failures import FROZEN, Script, _plan, _rounds
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -137,27 +137,6 @@ class Ctl:
         return [self.workers.call(a, "ping") for a in self.placement.flat()]
 
 
-def _plan() -> Plan:
-    """Three replica groups, one pipeline of two stages each, group ``g`` in ``sites[g]``."""
-    mix = tuple(
-        PipelineLayout((s, s), ((0, 1), (1, 2)), 2, (0,), ("none",))
-        for s in ("east", "west", "south")
-    )
-    return Plan(
-        pipelines=3,
-        stage_sites=mix[0].stage_sites,
-        partition=mix[0].partition,
-        micro_batch_size=1,
-        seq_len=8,
-        num_microbatches=2,
-        schedule="1f1b",
-        delta_n=(0,),
-        codecs=("none",),
-        mix=mix,
-        groups=(0, 1, 2),
-    )
-
-
 def test_a_wedged_writer_loses_its_group_and_the_others_go_on(tmp_path: Path) -> None:
     health = {"hang_floor_uncalibrated_s": 0.2, "unresponsive_s": 0.5, "hang_floor_s": 1.0}
     rounds, _, _, _ = _rounds(3, health)  # H = 2: an apply every 2 steps
@@ -165,7 +144,7 @@ def test_a_wedged_writer_loses_its_group_and_the_others_go_on(tmp_path: Path) ->
     rounds.workers = seam
     spec = rounds.spec
     pl = Placement(spec, 60, 0.0, None, seam)
-    pl.plan, pl.rows = _plan(), [[0, 2, 4], [1, 3, 5]]  # rows[stage][pipeline]
+    pl.plan, pl.rows = _plan(3, per_group=1), [[0, 2, 4], [1, 3, 5]]  # rows[stage][pipeline]
     ckpt = CheckpointCoordinator(
         spec,
         tmp_path,
