@@ -9,8 +9,9 @@ Group 1 (west) is lost inside round 2 in three ways:
 * ``mid``: killed after three inner steps (its call of step 3, counted from 0, fails: the
   step-failure path); its device is free at once, so at the checkpoint boundary after six
   steps it grows back, from the survivor's snapshot and outer state; eight steps;
-* ``send``: killed as round 2's send starts (the driver's outer call fails: the
-  between-steps path); six steps;
+* ``send``: killed right after the call that made round 2's send and apply (inside its
+  span: [Note: applies decided inside a span] in geopipe.runtime.actor.inner_run), so the
+  next call meets a dead actor (the between-calls path); six steps;
 * ``stall``: its outer connections cut before round 2 (a WAN link between the groups that
   stalls while both processes live): round 2 waits ``health.wan_outage_s``, naming the
   link, then writes group 1 off; six steps.
@@ -78,12 +79,12 @@ def _run(tmp: Path, when: str | None) -> tuple[list[dict], Controller]:
         ctl.launch()
         assert ctl.plan.num_groups == 2 and ctl.plan.site_of(0, 1) == "west"
         victim = ctl.placement.rows[0][0 if when == "first" else 1]
-        after_step = ctl.outer.after_step
+        after_step = ctl.evals.after_step  # what the driver does after each call's steps
 
-        def hooked(done: int, actors: list, *rest) -> None:
+        def hooked(done: int, *rest) -> None:
+            after_step(done, *rest)
             if when == "send" and done == 4:
-                _kill(victim)  # round 2's send and apply meet a dead peer
-            after_step(done, actors, *rest)
+                _kill(victim)  # after round 2: the next call meets a dead actor
             if when in ("mid", "first") and done == 3:
                 _kill(victim)  # the next inner step meets a dead actor
             if when == "stall" and done == 3:
@@ -91,7 +92,7 @@ def _run(tmp: Path, when: str | None) -> tuple[list[dict], Controller]:
                 # process lives and trains
                 ray.get(victim.outer_connect.remote([]))
 
-        ctl.outer.after_step = hooked
+        ctl.evals.after_step = hooked
         ctl.train()
     finally:
         ctl.close()
@@ -153,9 +154,8 @@ def test_a_lost_group_leaves_the_other_training_without_losing_a_step(runs, tmp_
     # group 1) train exactly as without it
     assert m[:3] == s[:3]
     assert m[3] != s[3]  # step 3 of "mid" is group 0's alone (group 1 died in it)
-    # "send": group 1 dies once round 2's payloads are whole at every replica (the spans'
-    # gathers said so), before the apply the next span makes: the survivor averages over
-    # both, as every survivor does (they all hold it); "mid": group 1 died before its send
+    # "send": group 1 dies after round 2, which averaged over both; "mid": group 1 died
+    # before its send, so round 2 averages over the survivor alone
     _lost(mid, 3, grown=True)
     _lost(send, 4, round2=2)
     assert m[4:6] != s[4:6]
@@ -166,14 +166,16 @@ def test_a_lost_group_leaves_the_other_training_without_losing_a_step(runs, tmp_
 def test_a_stalled_link_between_groups_is_named_then_the_silent_group_written_off(runs, capsys):
     """West's outer connections are cut before round 2, its process alive and training: round 2
     waits ``health.wan_outage_s`` (3 s) naming the link, then goes on without group 1:
-    both groups' steps up to round 2 (as "send"), group 0's alone after it, round 2 over
-    group 0 alone (as "mid", where group 1 died before its send)."""
+    both groups' steps before the call whose span holds round 2 (as "send"); that span's
+    step (3) and every later one recorded as group 0's alone (group 1's answer to that
+    call never comes: it waits at the apply group 1 is written off in), round 2 over group
+    0 alone: bit-identical to "mid", where group 1 died in step 3."""
     (stall, _), (send, _), (mid, _) = runs("stall"), runs("send"), runs("mid")
     out = capsys.readouterr().err  # the console: geopipe's lines go to stderr
     assert "waits on group 0 <- 1 (sites east <-> west)" in out
-    assert _losses(stall, 6)[:4] == _losses(send, 6)[:4]
-    assert _losses(stall, 6)[4:] == _losses(mid, 8)[4:6]
-    _lost(stall, 4)
+    assert _losses(stall, 6)[:3] == _losses(send, 6)[:3]
+    assert _losses(stall, 6)[3:] == _losses(mid, 8)[3:6]
+    _lost(stall, 3)  # the call of step 3, whose span holds round 2
     (fail,) = _events(stall, "failure")
     assert "no outer payload over group 0 <- 1" in fail["error"]
 

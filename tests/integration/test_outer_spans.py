@@ -9,11 +9,12 @@ applied after 6 and 12, so every send falls inside a span and is the actors' own
 reference is the same run with the driver's per-step path (``OuterRounds.max_span = 0``: one
 ``run_iteration`` per step, the driver's ``outer_send``): the losses, the rounds and the
 final weights must be bit-identical, and the spans must take fewer than one step call per
-inner step, with the applies after 3 and 9 riding on the next span's call (no gather or
-apply call of their own; those after 6 and 12 precede a checkpoint, so the driver makes
-them). A third run, with spans of at most 2 steps (each interval's second span queued behind
-its first), loses group 1 as a span starts: the survivor runs that span and the one queued
-behind it, every step is recorded once, and no step is lost.
+inner step, with every apply made inside a span ([Note: applies decided inside a span] in
+geopipe.runtime.actor.inner_run: no apply call, and no span ends at an apply). A third run,
+with spans of at most 2 steps (each interval's second span queued behind its first), loses
+group 1 as a span starts: the survivor runs that span and the one queued behind it (whose
+apply after 9 steps the recovery decides over the survivor alone), every step is recorded
+once, and no step is lost.
 """
 
 from __future__ import annotations
@@ -139,14 +140,16 @@ def test_spans_train_bit_identically_to_one_call_per_step(runs) -> None:
 def test_spans_take_fewer_driver_calls_than_inner_steps(runs) -> None:
     actors = 2
     spans, per_step = runs("spans"), runs("per_step")
-    # steps 0-2 one a call (calibration records them), then 3-5, 6-8, 9-11: 6 calls
+    # steps 0-2 one a call (calibration records them), then 3-5 (a checkpoint after 6) and
+    # 6-11: 5 calls; the applies after 3, 6, 9 and 12 are made inside them
     got = spans["counts"]
     assert got["run_iteration"] == 0 and got["outer_send"] == 0  # the actors send
-    assert got["run_iterations"] == 6 * actors
-    assert got["outer_gather"] == 0  # each span's own gather found every payload
-    assert got["outer_apply"] == 2 * actors  # after 6 and 12 (a checkpoint next)
-    calls = sum(got[m] for m in ("run_iterations", "outer_send", "outer_gather", "outer_apply"))
-    assert calls == 8 * actors  # 6 spans and 2 applies each, for 12 inner steps
+    assert got["run_iterations"] == 5 * actors
+    assert got["outer_apply"] == 0  # every apply made inside a span
+    assert got["outer_decide"] == 4 * actors  # the driver named the groups of each
+    assert got["outer_gather"] >= 4 * actors  # asked beside the spans
+    calls = sum(got[m] for m in ("run_iterations", "outer_send", "outer_apply"))
+    assert calls == 5 * actors  # the calls the actors wait on, for 12 inner steps
     old = per_step["counts"]
     assert old["run_iteration"] == STEPS * actors and old["outer_send"] == 4 * actors
     assert old["outer_apply"] == 4 * actors and old["outer_gather"] >= 4 * actors
@@ -159,12 +162,12 @@ def test_a_group_lost_as_a_span_starts_costs_the_survivor_no_step(runs) -> None:
     assert [x["step"] for x in rows] == list(range(STEPS))  # each step once: none lost
     assert lost["losses"][:6] == spans["losses"][:6]  # undisturbed before the loss
     (rec,) = _events(lost["lines"], "recovered")
-    assert rec["failed_step"] == 6 and rec["lost_steps"] == 0 and rec["step"] == 9
+    assert rec["failed_step"] == 6 and rec["lost_steps"] == 0 and rec["step"] == 10
     assert rec["lost_groups"] == [1] and rec["source"] == "surviving groups"
     assert not _events(lost["lines"], "resumed")  # no checkpoint read
-    # 0, 1, 2 alone; 3-4 and 5 queued; 6-7 (the victim's call fails) and 8 queued; after
-    # the recovery 9, 10, 11 alone on the survivor (the new layout's calibration records them)
-    assert lost["counts"]["run_iterations"] == 3 * 2 + 2 * 2 + 2 * 2 + 3
-    # the survivor ran the span 6-7 and 8 queued; the round after 9 averages over it alone
+    # 0, 1, 2 alone; 3-4 and 5 queued; 6-7 (the victim's call fails) and 8-9 queued; after
+    # the recovery 10, 11 alone on the survivor (the new layout's calibration records them)
+    assert lost["counts"]["run_iterations"] == 3 * 2 + 2 * 2 + 2 * 2 + 2
+    # the survivor ran the span 6-7 and 8-9 queued; the round after 9 averages over it alone
     assert [(r[0], r[2]) for r in _rounds(lost["lines"])] == [(3, 2), (6, 2), (9, 1), (12, 1)]
     assert all(r[4] for r in _rounds(lost["lines"]))

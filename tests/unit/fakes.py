@@ -555,7 +555,7 @@ class FakeStage:
         self._last_save: int | None = None
         self._written: dict[int, Any] = {}  # step -> the writer's ShardInfo
         self.sent: list[tuple[int, int]] = []  # outer sends a span made (steps done, fragment)
-        self.outer_calls: list[tuple] = []  # a span's apply and gather ((kind, steps done, args))
+        self.outer_calls: list[tuple] = []  # a span's applies ((kind, steps done, fragment))
         self.configure(spec)
 
     def configure(self, spec: StageSpec) -> None:
@@ -648,26 +648,20 @@ class FakeStage:
         return self._result(step, record)
 
     def run_iterations(
-        self, start: int, count: int, record: list, sends: dict, *outer: Any
+        self, start: int, count: int, record: list, sends: dict, applies: dict | None = None
     ) -> list:
         """A span of steps (:mod:`geopipe.runtime.actor.inner_run`); the fake has no outer
-        state, so a send, an apply (``outer``: (fragment, groups) or None first) and a gather
-        are only noted (``sent``: (steps done, fragment); ``outer_calls``)."""
-        apply, gather = (*outer, None, None)[:2]
-        if apply:
-            self.outer_calls.append(("apply", start, apply))
+        state, so a send and an apply are only noted (``sent``: (steps done, fragment);
+        ``outer_calls``: ("apply", steps done, fragment))."""
         out = []
         for step in range(start, start + count):
             res = self.run_iteration(step, step in record)
-            if apply and step == start:
-                res.outer_applied = {"fragment": apply[0], "groups": len(apply[1]), "digest": ""}
             if step + 1 in sends:
                 self.sent.append((step + 1, sends[step + 1]))
                 res.outer_sent = {"fragment": sends[step + 1], "payload_bytes": 0}
+            if applies and step + 1 in applies:
+                self.outer_calls.append(("apply", step + 1, applies[step + 1]))
             out.append(res)
-        if gather:
-            self.outer_calls.append(("gather", start + count, gather))
-            out[-1].outer_gathered = {"fragment": gather[0], "have": [], "wait_s": 0.0}
         return out
 
     def _result(self, step: int, record: bool) -> IterationResult:

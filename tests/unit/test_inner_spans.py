@@ -11,6 +11,7 @@ import pytest
 from geopipe.outer.fragments import StreamingSchedule
 from geopipe.runtime.actor.inner_run import run_span
 from geopipe.runtime.control.innerrun import MAX_SPAN, SPAN_S, span_of
+from geopipe.runtime.control.outerdecide import points_of
 from tests.unit.test_outer_rounds import _rounds
 
 
@@ -30,12 +31,16 @@ def _spans(total: int, schedule: StreamingSchedule, **kw) -> list[tuple[int, int
     return out
 
 
-def test_a_span_ends_at_every_apply_and_covers_each_step_once() -> None:
-    sched = StreamingSchedule(8, 2, 1)  # applies after 4, 8, 12, 16
-    spans = _spans(16, sched)
-    assert spans == [(0, 4), (4, 4), (8, 4), (12, 4)]
-    # the sends (after 3, 7, 11, 15) fall inside the spans: the actors make them
-    assert all(sched.applies_at(s + n) is not None for s, n in spans)
+def test_applies_fall_inside_a_span_which_covers_each_step_once() -> None:
+    """[Note: applies decided inside a span]: an apply no longer ends a span; the span's
+    apply points are the schedule's, each with the step its round was sent after."""
+    sched = StreamingSchedule(8, 2, 1)  # applies after 4, 8, 12, 16; sends after 3, 7, ...
+    assert _spans(16, sched) == [(0, 16)]
+    assert _spans(16, sched, max_span=6) == [(0, 6), (6, 6), (12, 4)]
+    points = points_of(sched, 6, 6)  # steps 6..11: the applies after 8 and 12
+    assert [(p.done, p.fragment, p.sent_done) for p in points] == [(8, 1, 7), (12, 0, 11)]
+    whole = [p for s, n in _spans(16, sched, max_span=6) for p in points_of(sched, s, n)]
+    assert [p.done for p in whole] == [4, 8, 12, 16]  # each once, whatever the spans
 
 
 def test_recorded_steps_checkpoints_evals_and_the_end_cut_a_span() -> None:
@@ -47,20 +52,9 @@ def test_recorded_steps_checkpoints_evals_and_the_end_cut_a_span() -> None:
         eval_due=lambda d: d % 4 == 0,
         every=12,
     )
-    # recorded 0-2, then ends at the eval after 4, the applies after 6, 12, 18, the evals
-    # after 8, 16 and the end (20)
-    assert spans == [
-        (0, 1),
-        (1, 1),
-        (2, 1),
-        (3, 1),
-        (4, 2),
-        (6, 2),
-        (8, 4),
-        (12, 4),
-        (16, 2),
-        (18, 2),
-    ]
+    # recorded 0-2, then ends at the evals after 4, 8, 16, the checkpoint after 12 and the
+    # end (20); the applies after 6, 12 and 18 end none
+    assert spans == [(0, 1), (1, 1), (2, 1), (3, 1), (4, 4), (8, 4), (12, 4), (16, 4)]
 
 
 def test_a_span_lasts_a_few_predicted_seconds_at_most() -> None:
@@ -73,48 +67,46 @@ def test_a_span_lasts_a_few_predicted_seconds_at_most() -> None:
 
 
 class _Worker:
-    """A stage replica's two methods a span calls, recording their order."""
+    """A stage replica's methods a span calls, recording their order."""
 
     def __init__(self) -> None:
         self.calls: list[tuple] = []
 
     def run_iteration(self, step: int, record: bool = False) -> SimpleNamespace:
         self.calls.append(("step", step, record))
-        return SimpleNamespace(step=step, outer_sent=None)
+        return SimpleNamespace(step=step, outer_sent=None, outer_applied=None)
 
-    def outer_send(self, fragment: int) -> dict:
-        self.calls.append(("send", fragment))
+    def outer_send(self, fragment: int, done: int) -> dict:
+        self.calls.append(("send", fragment, done))
         return {"fragment": fragment, "payload_bytes": 7}
+
+    def outer_decision(self, done: int, wait_s: float) -> list[int]:
+        self.calls.append(("decision", done))
+        return [0, 1]
 
     def outer_apply(self, fragment: int, groups: list[int]) -> dict:
         self.calls.append(("apply", fragment, groups))
-        return {"fragment": fragment, "round": 0, "wait_s": 0.0, "digest": "d"}
-
-    def outer_gather(self, fragment: int, timeout_s: float) -> dict:
-        self.calls.append(("gather", fragment, timeout_s))
-        return {"fragment": fragment, "have": [0, 1], "missing": {}, "wait_s": 0.25}
+        return {"fragment": fragment, "round": 0, "apply_s": 0.0, "digest": "d"}
 
 
-def test_the_apply_rides_on_the_next_span_and_the_gather_closes_this_one() -> None:
-    """Where the driver's own calls used to land: the apply after the last span's send and
-    step, before this span's first step; the gather after the span's last step (and its
-    send), so the weights and the round are those of the per-step driver's order."""
+def test_an_apply_is_made_inside_the_span_after_its_send_and_step() -> None:
+    """Where the driver's own calls used to land: the send after the step that calls for
+    it, then (overlap 0) the apply over the groups the driver named, before the next step,
+    so the weights and the round are those of the per-step driver's order."""
     w = _Worker()
-    out = run_span(w, 8, 4, sends={12: 0}, apply=(1, [0, 1]), gather=(0, 2.5))
+    out = run_span(w, 8, 4, sends={10: 1}, applies={10: 1})
     assert w.calls == [
-        ("apply", 1, [0, 1]),
         ("step", 8, False),
         ("step", 9, False),
+        ("send", 1, 10),
+        ("decision", 10),
+        ("apply", 1, [0, 1]),
         ("step", 10, False),
         ("step", 11, False),
-        ("send", 0),
-        ("gather", 0, 2.5),
     ]
-    assert out[0].outer_applied["fragment"] == 1
-    assert all(getattr(r, "outer_applied", None) is None for r in out[1:])
-    assert out[-1].outer_gathered["have"] == [0, 1]
-    assert all(getattr(r, "outer_gathered", None) is None for r in out[:-1])
-    assert out[-1].outer_sent["before_end_s"] >= 0  # dated from the end, after the gather
+    assert out[1].outer_applied["fragment"] == 1 and out[1].outer_applied["decide_wait_s"] >= 0
+    assert all(r.outer_applied is None for i, r in enumerate(out) if i != 1)
+    assert out[1].outer_sent["before_end_s"] >= 0
 
 
 def test_the_actor_sends_right_after_the_step_that_calls_for_it() -> None:
@@ -123,7 +115,7 @@ def test_the_actor_sends_right_after_the_step_that_calls_for_it() -> None:
     assert w.calls == [
         ("step", 4, False),
         ("step", 5, True),
-        ("send", 1),  # after 6 steps done, before step 6 starts
+        ("send", 1, 6),  # after 6 steps done, before step 6 starts
         ("step", 6, False),
         ("step", 7, False),
     ]
@@ -153,56 +145,124 @@ def test_sends_the_actors_made_are_not_made_again_and_are_counted_in_the_round()
     assert all(r["bytes"] == 300 and r["digests_equal"] for r in rows)
 
 
-def test_an_apply_decided_from_the_spans_gathers_is_made_by_the_next_span() -> None:
-    """The driver's half: a span's closing gathers that show every payload everywhere make
-    no gather or apply call; the apply is handed to the next span and recorded from its
-    answers; one the driver must make itself (a checkpoint next) is flushed as a call."""
+class _Ref:
+    """A pending call of :class:`_Seam`: its answer, already known."""
+
+    def __init__(self, value) -> None:
+        self.value = value
+
+
+class _Seam:
+    """The worker seam for :class:`Decisions`: each actor answers ``outer_gather`` from
+    ``gather(actor, call number)``; every call is recorded."""
+
+    def __init__(self, rec, gather) -> None:
+        self.rec, self.gather, self.asked = rec, gather, {}
+        self.calls: list[tuple] = []
+
+    def call(self, actor: int, method: str, *args):
+        self.calls.append((actor, method, args))
+        if method == "outer_gather":
+            n = self.asked[actor] = self.asked.get(actor, 0) + 1
+            return _Ref(self.gather(actor, n))
+        return _Ref(self.rec.call(actor, method, *args))
+
+    def get(self, pendings, timeout=None):
+        return [p.value for p in pendings]
+
+
+def _walk(d) -> None:
+    """Answer the walk's gathers until it has none in flight."""
+    while d.refs():
+        d.ready(d.refs()[0])
+
+
+def test_the_driver_names_the_groups_once_every_replica_holds_every_payload() -> None:
+    """The driver's half: each apply point's gathers (which wait for the span's send) are
+    asked of every replica; a replica whose span has not sent yet is asked again, with no
+    silence counted; once all hold all, every replica is told the groups and the walk goes
+    to the next point. The apply the span then makes is recorded with its wait."""
+    from geopipe.runtime.control.outerdecide import Decisions
+
     rounds, rec, events = _rounds(h=8, fragments=2, overlap=1)
     actors = list(range(6))
     rounds.begin(actors, ["east"] * 3 + ["west"] * 3)
-    rec.calls.clear()
-    everyone = [{"have": [0, 1], "wait_s": 0.1} for _ in actors]
+    late = {5}  # actor 5's span sends later than the others
+    seam = _Seam(
+        rec,
+        lambda a, n: (
+            {"sent": False, "have": []} if a in late and n == 1 else {"have": [0, 1], "wait_s": 0.2}
+        ),
+    )
+    rounds.workers = seam
+    d = Decisions(rounds, actors, points_of(rounds.schedule, 0, 8), send_wait_s=5.0)
+    _walk(d)
+    told = [(a, args) for a, m, args in seam.calls if m == "outer_decide"]
+    assert told == [(a, (4, [0, 1])) for a in actors] + [(a, (8, [0, 1])) for a in actors]
+    gathers = [(a, args) for a, m, args in seam.calls if m == "outer_gather"]
+    assert gathers[:6] == [(a, (0, 1.0, 3, 5.0)) for a in actors]  # fragment 0, sent after 3
+    assert sum(1 for a, _ in gathers if a == 5) == 3 and not d.stalled()  # asked again once
+    assert rounds.decided[4] == ([0, 1], 0.2) and d.points == []
+    # the span's apply after 4 steps, recorded from its results
     rounds.note_sends(
         3, [SimpleNamespace(outer_sent={"fragment": 0, "payload_bytes": 50})] * 6, 1.0
     )
-    rounds.after_step(4, actors, everyone, defer=True)
-    assert rec.calls == [] and rounds.span_apply() == (0, [0, 1])
-    assert not [f for kind, f in events if kind == "outer_round"]
-    applied = {"fragment": 0, "round": 0, "wait_s": 0.0, "digest": "x"}
-    answers = [[SimpleNamespace(outer_applied=applied)] for _ in actors]
-    rounds.note_applied(answers, actors)
-    assert rounds.deferred is None and rounds.span_apply() is None
+    applied = {"fragment": 0, "round": 0, "apply_s": 0.1, "since_send_s": 0.5, "digest": "x"}
+    results = [SimpleNamespace(outer_applied={**applied, "decide_wait_s": 0.05})] * 6
+    rounds.note_applied(4, results, actors)
     rows = [f for kind, f in events if kind == "outer_round"]
     assert [(r["step"], r["fragment"], r["bytes"]) for r in rows] == [(4, 0, 300)]
-    assert rows[0]["exposed_s"] == 0.1  # the spans' gathers waited that long
-    # a gather that misses a payload goes on in the driver's slices; the next deferred
-    # apply is made by a call when the driver must act first (flush)
-    short = [{"have": [0] if a < 3 else [0, 1], "wait_s": 2.0} for a in actors]
-    rounds.note_sends(
-        7, [SimpleNamespace(outer_sent={"fragment": 1, "payload_bytes": 50})] * 6, 2.0
-    )
-    rounds.after_step(8, actors, short, defer=True)
-    assert [m for _, m, _ in rec.calls] == ["outer_gather"] * 6
-    rounds.flush(actors)
-    assert [m for _, m, _ in rec.calls][6:] == ["outer_apply"] * 6
-    assert rounds.deferred is None
-    assert [r["step"] for kind, r in events if kind == "outer_round"] == [4, 8]
-    rounds.after_step(8, actors)  # asked again: nothing is made twice
-    assert len(rec.calls) == 12
+    assert rows[0]["exposed_s"] == 0.05 and rows[0]["overlapped_s"] == 0.45
+    assert 4 not in rounds.decided
+
+
+def test_a_missing_payload_stalls_the_point_names_the_link_and_loses_the_group() -> None:
+    """A payload that does not come: the point stalls (the hang clock pauses), its
+    gathers are asked again of the replicas missing it, the console names the link, and
+    past health.wan_outage_s the group the kept set leaves out is lost."""
+    from geopipe.runtime.control.outerdecide import Decisions
+    from geopipe.runtime.control.outerloop import GroupsLost
+
+    rounds, rec, _ = _rounds(h=4, fragments=1, overlap=0)
+    said: list[str] = []
+    rounds.say = said.append
+    actors = list(range(6))
+    rounds.begin(actors, ["east"] * 3 + ["west"] * 3)
+    now = [0.0]
+    rounds.clock = lambda: now[0]
+
+    def gather(a, n):
+        now[0] += 1.0  # each answer a second later on the virtual clock
+        return {"have": [0] if a < 3 else [0, 1], "wait_s": 1.0}  # group 0 never hears 1
+
+    rounds.workers = _Seam(rec, gather)
+    d = Decisions(rounds, actors, points_of(rounds.schedule, 0, 4), send_wait_s=5.0)
+    with pytest.raises(GroupsLost) as lost:
+        _walk(d)
+    assert lost.value.groups == [1] and lost.value.silent  # group 0's side stays
+    assert d.stalled() and "group 0 <- 1 (sites east <-> west)" in said[0]
+    decided = [c for c in rounds.workers.calls if c[1] == "outer_decide"]
+    assert decided == []  # no replica was told to apply
 
 
 def test_a_group_whose_frames_were_refused_is_lost_at_once() -> None:
     """A replica that refused a group's frames (NaN, a frame off the plan) says so in its
     gather: the driver writes that group off there, not after health.wan_outage_s."""
+    from geopipe.runtime.control.outerdecide import Decisions
     from geopipe.runtime.control.outerloop import GroupsLost
 
     rounds, rec, _ = _rounds(h=4, fragments=1, overlap=0)
     actors = list(range(6))
     rounds.begin(actors, ["east"] * 3 + ["west"] * 3)
-    rec.calls.clear()
-    answers = [{"have": [0], "wait_s": 0.0} for _ in actors]
-    answers[0] = {"have": [0], "wait_s": 0.0, "refused": {1: "refused: NaN in the payload"}}
+
+    def gather(a, n):
+        if a == 0:
+            return {"have": [0], "wait_s": 0.0, "refused": {1: "refused: NaN in the payload"}}
+        return {"have": [0, 1], "wait_s": 0.0}
+
+    rounds.workers = _Seam(rec, gather)
+    d = Decisions(rounds, actors, points_of(rounds.schedule, 0, 4), send_wait_s=5.0)
     with pytest.raises(GroupsLost, match="refused") as lost:
-        rounds.after_step(4, actors, answers, defer=True)
+        _walk(d)
     assert lost.value.groups == [1] and not lost.value.silent
-    assert [m for _, m, _ in rec.calls] == ["outer_send"] * 6  # no gather, no apply
+    assert not [c for c in rounds.workers.calls if c[1] == "outer_decide"]

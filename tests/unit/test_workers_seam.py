@@ -31,6 +31,7 @@ NOT_FAKED = {
     "outer_connect",
     "outer_send",
     "outer_gather",
+    "outer_decide",
     "outer_drop",
     "outer_apply",
     "outer_state",

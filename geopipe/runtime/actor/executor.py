@@ -64,10 +64,9 @@ class IterationResult:
     # an outer-loop run's send this replica made itself after the step (the answer of
     # ``OuterLoop.send``; :mod:`geopipe.runtime.actor.inner_run`), else None
     outer_sent: dict[str, Any] | None = None
-    # the outer apply this replica made before the step, at the start of its span (the answer
-    # of ``OuterLoop.apply``), and the gather it made after the step, at the span's end
+    # the outer apply this replica made after the step, inside its span (the answer of
+    # ``OuterLoop.apply``: [Note: applies decided inside a span] in .inner_run)
     outer_applied: dict[str, Any] | None = None
-    outer_gathered: dict[str, Any] | None = None
 
 
 # The step-time breakdown. On the compute thread, adding up to ``duration_s``: forward,

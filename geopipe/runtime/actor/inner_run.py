@@ -16,17 +16,24 @@ the replica makes each itself right after the step that calls for it, exactly wh
 driver's ``outer_send`` call used to land (after that step's optimizer step and boundary
 snapshot, before the next step), so the pseudo-gradient taken is the same, bit for bit.
 
+[Note: applies decided inside a span]
 Applies stay driver-coordinated, since the driver owns the set of live groups each apply
-averages over ([Note: a round over the survivors] in :mod:`geopipe.runtime.actor.outer`), but
-they ride on the span calls instead of costing calls of their own: a span ends at an apply
-point with the replica's gather (``gather``: wait up to a slice for the peers' payloads of
-that fragment and say whose it holds), and when every replica of every live group holds
-every live group's payload, the driver names the groups in the *next* span's call
-(``apply``), which the replica makes before its first step -- where the driver's
-``outer_apply`` call used to land (after the send and the last step, before the next step),
-so the weights are the same, bit for bit. One call per apply point instead of three: a far
-group pays one control round trip there, not three. A gather that finds a payload missing
-goes on as the driver's own slices (:mod:`geopipe.runtime.control.outerloop`).
+averages over ([Note: a round over the survivors] in :mod:`geopipe.runtime.actor.outer`),
+but they no longer end a span. The driver names the apply points of a span (``applies``:
+inner steps done -> fragment) and, while the span runs, asks each replica on another of its
+threads for its gather of the round (which first waits for the span to make the send); once
+every replica of every live group holds every live group's payload it names the groups
+(``outer_decide``), and the span's thread, reaching the apply point, waits for that decision
+if it has not come yet and makes the apply there -- where the driver's ``outer_apply`` call
+used to land (after the send and the step, before the next step), so the weights are the
+same, bit for bit. The wait is the only cost an apply adds to the span: the transfer compute
+did not hide, and the gathers' and decision's round trip to the driver's site (both start as
+soon as the payloads are in, so ``overlap`` inner steps hide them too). Before, each apply
+ended a span and a far group paid a control round trip there (1.26x the no-WAN step time at
+five applies per 50 steps on the test bed). A payload still missing is waited for in the
+driver's slices as before (:mod:`geopipe.runtime.control.outerdecide`); a replica group lost
+meanwhile is dropped and the survivors' apply decided over the others
+(:mod:`geopipe.runtime.control.outerfail`).
 
 A span may be called while the one before it still runs (the driver queues the next span
 when it has nothing to do between them: [Note: the driver's control calls] in
@@ -86,24 +93,22 @@ def run_span(
     count: int,
     record: Collection[int] = (),
     sends: Mapping[int, int] | None = None,
-    apply: tuple[int, list[int]] | None = None,
-    gather: tuple[int, float] | None = None,
+    applies: Mapping[int, int] | None = None,
 ) -> list[IterationResult]:
     """Run optimizer steps ``start .. start + count - 1`` on ``worker`` (a
     :class:`~geopipe.runtime.actor.stage.StageWorker`), recording the events of the steps in
     ``record``; after the step that completes ``d`` inner steps, send fragment
-    ``sends[d]`` of the outer loop. ``apply`` (fragment, groups): the outer apply to make
-    before the first step (its answer: the first result's ``outer_applied``); ``gather``
-    (fragment, seconds): after the last step, wait that long at most for the peers'
-    payloads of the fragment (the answer: the last result's ``outer_gathered``). An error
-    in any step ends the span with that error, as it would have ended that step's own
-    call."""
+    ``sends[d]`` of the outer loop, then apply fragment ``applies[d]`` over the groups the
+    driver names ([Note: applies decided inside a span]; the answer: that step's
+    ``outer_applied``, with ``decide_wait_s``, the seconds this replica waited for the
+    decision). An error in any step ends the span with that error, as it would have ended
+    that step's own call."""
     if count < 1:
         raise ValueError(f"a span runs at least one step, got count={count}")
     turn = worker.__dict__.setdefault("_span_turn", _Turn())
     turn.take(start)
     try:
-        out = _run(worker, start, count, record, sends, apply, gather)
+        out = _run(worker, start, count, record, sends, applies)
     except BaseException:
         turn.give(None)
         raise
@@ -117,25 +122,26 @@ def _run(
     count: int,
     record: Collection[int],
     sends: Mapping[int, int] | None,
-    apply: tuple[int, list[int]] | None,
-    gather: tuple[int, float] | None,
+    applies: Mapping[int, int] | None,
 ) -> list[IterationResult]:
     """:func:`run_span`'s steps, once it is the span's turn."""
-    recorded, sends = set(record), dict(sends or {})
+    recorded, sends, applies = set(record), dict(sends or {}), dict(applies or {})
     out: list[IterationResult] = []
     sent_at: list[tuple[IterationResult, float]] = []
-    applied = dict(worker.outer_apply(apply[0], list(apply[1]))) if apply else None
     for step in range(start, start + count):
         res = worker.run_iteration(step, step in recorded)
-        if applied is not None:
-            res.outer_applied, applied = applied, None
-        fragment = sends.get(step + 1)
+        done = step + 1
+        fragment = sends.get(done)
         if fragment is not None:
-            res.outer_sent = dict(worker.outer_send(fragment))
+            res.outer_sent = dict(worker.outer_send(fragment, done))
             sent_at.append((res, time.monotonic()))
+        fragment = applies.get(done)
+        if fragment is not None:
+            t0 = time.monotonic()
+            groups = worker.outer_decision(done, TURN_WAIT_S)
+            waited = time.monotonic() - t0
+            res.outer_applied = {**worker.outer_apply(fragment, groups), "decide_wait_s": waited}
         out.append(res)
-    if gather is not None:
-        out[-1].outer_gathered = dict(worker.outer_gather(gather[0], gather[1]))
     end = time.monotonic()
     for res, t in sent_at:
         res.outer_sent["before_end_s"] = end - t

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -262,6 +263,12 @@ class OuterLoop:
         self._got: dict[int, dict[int, list[Encoded]]] = {}
         self._told: dict[int, set[int]] = {}  # fragment -> refused groups a gather reported
         self._sent_bytes: dict[int, int] = {}
+        # [Note: applies decided inside a span]: the span's thread makes the sends and the
+        # applies; the driver's gathers and decisions come on other threads of the actor
+        self._sync = threading.Condition()
+        self._sent_done: dict[int, int | None] = {}  # fragment -> inner steps done at its send
+        self._decided: dict[int, list[int]] = {}  # apply point (steps done) -> the groups
+        self._sent_clock: dict[int, float] = {}  # fragment -> when its pending round was sent
 
     def endpoint(self) -> dict[str, Any]:
         """What the driver needs to pair peers: (stage, partition) and the listener."""
@@ -290,10 +297,11 @@ class OuterLoop:
     def _tag(self, fragment: int, round_: int) -> tuple:
         return ("O", self.state.stage, self.state.partition, fragment, round_)
 
-    def send(self, fragment: int) -> dict[str, Any]:
-        """Encode this replica's pseudo-gradient of ``fragment`` and start sending it. Asked
-        again before the apply (the driver retrying a round a failure interrupted), it
-        answers what the first send did and sends nothing twice."""
+    def send(self, fragment: int, done: int | None = None) -> dict[str, Any]:
+        """Encode this replica's pseudo-gradient of ``fragment`` and start sending it
+        (``done``: the inner steps done, which a gather may name). Asked again before the
+        apply (the driver retrying a round a failure interrupted), it answers what the first
+        send did and sends nothing twice."""
         if fragment in self._pending:
             return self._pending[fragment][2]
         t0 = time.perf_counter()
@@ -309,10 +317,47 @@ class OuterLoop:
             "encode_s": encode_s,
             "codec_error": err,
         }
-        self._pending[fragment] = (round_, chunks, out)
+        with self._sync:
+            self._pending[fragment] = (round_, chunks, out)
+            self._sent_done[fragment] = done
+            self._sent_clock[fragment] = time.monotonic()
+            self._sync.notify_all()
         return out
 
-    def gather(self, fragment: int, timeout_s: float | None = None) -> dict[str, Any]:
+    def sent(self, fragment: int, done: int, wait_s: float) -> bool:
+        """Whether the round of ``fragment`` sent after ``done`` inner steps is pending (its
+        apply not made yet), waiting up to ``wait_s`` for the span to send it."""
+        with self._sync:
+            return self._sync.wait_for(
+                lambda: fragment in self._pending and self._sent_done.get(fragment) == done,
+                timeout=wait_s,
+            )
+
+    def decide(self, done: int, groups: Sequence[int]) -> None:
+        """The driver's decision for the apply after ``done`` inner steps: average over
+        ``groups`` (answered on another thread than the span's; made by :meth:`decision`)."""
+        with self._sync:
+            self._decided[done] = sorted(groups)
+            self._sync.notify_all()
+
+    def decision(self, done: int, wait_s: float) -> list[int]:
+        """The groups the driver named for the apply after ``done`` inner steps, waiting up
+        to ``wait_s`` for them (the span's thread, at the apply point)."""
+        with self._sync:
+            if not self._sync.wait_for(lambda: done in self._decided, timeout=wait_s):
+                raise TimeoutError(
+                    f"no decision from the driver for the outer apply after {done} inner steps "
+                    f"in {wait_s:.0f} s"
+                )
+            return self._decided.pop(done)
+
+    def gather(
+        self,
+        fragment: int,
+        timeout_s: float | None = None,
+        sent_done: int | None = None,
+        send_wait_s: float = 0.0,
+    ) -> dict[str, Any]:
         """Wait (up to ``timeout_s``, by default ``settings.timeout_s``) for the peers'
         payloads of the sent ``fragment``; returns the groups whose payloads this replica
         holds (its own among them), why each other one is missing and, among those, the
@@ -325,10 +370,18 @@ class OuterLoop:
         once; asked again with nothing new to say, it answers after ``timeout_s`` like a
         gather that waited: the driver asks in slices of that length until
         ``health.wan_outage_s``, and an answer it already had must not come back at once
-        each time, or its loop would spin for that long."""
-        if fragment not in self._pending:
-            raise RuntimeError(f"fragment {fragment} has not been sent")
-        round_, own, _ = self._pending[fragment]
+        each time, or its loop would spin for that long.
+
+        ``sent_done``: the gather of the round sent after that many inner steps, asked while
+        a span runs ([Note: applies decided inside a span]): it first waits up to
+        ``send_wait_s`` for the span to make that send, and answers ``sent: False`` if it
+        has not."""
+        if sent_done is not None and not self.sent(fragment, sent_done, send_wait_s):
+            return {"fragment": fragment, "group": self.group, "sent": False, "have": []}
+        with self._sync:
+            if fragment not in self._pending:
+                raise RuntimeError(f"fragment {fragment} has not been sent")
+            round_, own, _ = self._pending[fragment]
         have = self._got.setdefault(fragment, {})
         t0 = time.perf_counter()
         wait = self.settings.timeout_s if timeout_s is None else timeout_s
@@ -382,9 +435,12 @@ class OuterLoop:
         payloads = [have[g] for g in sorted(groups)]
         w = self.settings.weights
         weights = [w[g] for g in sorted(groups)] if w else None
-        del self._pending[fragment]  # only now: a failed apply can be asked again
-        self._got.pop(fragment, None)
-        self._told.pop(fragment, None)
+        with self._sync:
+            del self._pending[fragment]  # only now: a failed apply can be asked again
+            self._got.pop(fragment, None)
+            self._told.pop(fragment, None)
+            self._sent_done.pop(fragment, None)
+            since_send_s = time.monotonic() - self._sent_clock.pop(fragment, time.monotonic())
         t0 = time.perf_counter()
         self.state.apply(fragment, payloads, weights)
         # after the step: the plan's window has moved on, so nothing of the round comes after
@@ -396,6 +452,7 @@ class OuterLoop:
             "bytes_sent": self._sent_bytes.pop(fragment, 0),
             "wait_s": wait_s,
             "apply_s": time.perf_counter() - t0,
+            "since_send_s": since_send_s,
             "digest": self.state.digest(),
         }
 

@@ -54,13 +54,30 @@ class OuterCalls:
         """Connect to this replica's peers: same (stage, partition) in the other groups."""
         self._outer.connect(peers)
 
-    def outer_send(self, fragment: int) -> dict[str, Any]:
+    def outer_send(self, fragment: int, done: int | None = None) -> dict[str, Any]:
         """Encode this replica's pseudo-gradient of ``fragment``; its sends run on."""
-        return self._outer.send(fragment)
+        return self._outer.send(fragment, done)
 
-    def outer_gather(self, fragment: int, timeout_s: float | None = None) -> dict[str, Any]:
-        """Wait for the peers' payloads of ``fragment``: the groups held, the ones missing."""
-        return self._outer.gather(fragment, timeout_s)
+    def outer_gather(
+        self,
+        fragment: int,
+        timeout_s: float | None = None,
+        sent_done: int | None = None,
+        send_wait_s: float = 0.0,
+    ) -> dict[str, Any]:
+        """Wait for the peers' payloads of ``fragment``: the groups held, the ones missing
+        (``sent_done``: of the round a span sends after that many steps, once sent)."""
+        return self._outer.gather(fragment, timeout_s, sent_done, send_wait_s)
+
+    def outer_decide(self, done: int, groups: list[int]) -> None:
+        """The driver's groups for the apply after ``done`` inner steps, which the span
+        running on this replica makes when it gets there; answered beside the span."""
+        self._outer.decide(done, groups)
+
+    def outer_decision(self, done: int, wait_s: float) -> list[int]:
+        """The groups :meth:`outer_decide` named for the apply after ``done`` inner steps,
+        awaited (the span's own thread, at that apply: :mod:`.inner_run`)."""
+        return self._outer.decision(done, wait_s)
 
     def outer_drop(self, groups: list[int]) -> None:
         """Write ``groups`` off (a gather waiting on them stops); answered beside a gather."""

@@ -294,10 +294,12 @@ class StageWorker(OuterCalls):
         collect_transport(self.links.inbox, res, step)
         return res
 
-    def run_iterations(self, start: int, count: int, record: list, sends: dict, *outer: Any):
-        """Steps ``start ..`` ``start + count - 1`` in one call, with the outer loop's sends,
-        apply and gather (:mod:`.inner_run`: [Note: many inner steps per driver call])."""
-        return run_span(self, start, count, record, sends, *outer)
+    def run_iterations(
+        self, start: int, count: int, record: list, sends: dict, applies: dict | None = None
+    ):
+        """Steps ``start ..`` ``start + count - 1`` in one call, with the outer loop's sends
+        and applies (:mod:`.inner_run`: [Note: many inner steps per driver call])."""
+        return run_span(self, start, count, record, sends, applies)
 
     # -- state ---------------------------------------------------------------------------------
     def full_state(self) -> dict:

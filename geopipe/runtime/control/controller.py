@@ -380,10 +380,13 @@ class Controller:
             return Recovering(nxt, exc, self._pings())
         return next_state(self, nxt)
 
-    def _await(self, step: int, flat: list, refs: list, hang_s: float) -> list | Recovering:
+    def _await(
+        self, step: int, flat: list, refs: list, hang_s: float, side: Any = None
+    ) -> list | Recovering:
         """The answers to the calls ``refs`` (one per actor of ``flat``) that run from
         ``step`` on, or the Recovering state their failure calls for (a model error ends the
-        run instead): one step's calls here, a span's in runtime.control.innerrun."""
+        run instead): one step's calls here, a span's in runtime.control.innerrun (with its
+        outer applies' decisions as ``side`` work: :func:`await_step`)."""
         site_of = {id(a): s for a, s in self.placement.actor_sites()}
         sites = [site_of.get(id(a), "?") for a in flat]
         try:
@@ -395,6 +398,7 @@ class Controller:
                 self.spec.health,
                 sites,
                 lambda *e: self._silence(step, sites, *e),
+                side,
             )
         except (WorkerLost, WorkerFailed, StepHung, ActorsUnresponsive) as exc:
             raise_model_error(exc)  # the model's own exception: no recovery

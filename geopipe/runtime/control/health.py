@@ -148,6 +148,25 @@ def silent_sites(stale: list[int], pending: list[int], sites: list[str]) -> set[
     }
 
 
+def _same(a: Any, b: Any) -> bool:
+    """Whether two pending calls are one (a Ray ref may come back as an equal object)."""
+    return a is b or a == b
+
+
+def _take(workers: Workers, pending: list[Pending], wait_s: float, side: Any) -> list[Pending]:
+    """Wait up to ``wait_s`` for one of ``pending`` or of ``side``'s calls; an answered
+    step call's error raises at once (not when the others finish), an answered side call
+    goes to ``side.ready``. Returns the step calls still pending."""
+    extra = side.refs() if side is not None else []
+    ready, _ = workers.wait(pending + extra, num_returns=1, timeout=wait_s)
+    mine = [r for r in ready if any(_same(r, p) for p in pending)]
+    workers.get(mine)
+    for r in ready:
+        if not any(_same(r, m) for m in mine):
+            side.ready(r)
+    return [p for p in pending if not any(_same(p, r) for r in mine)]
+
+
 def await_step(
     workers: Workers,
     actors: list[Actor],
@@ -156,13 +175,17 @@ def await_step(
     cfg: HealthSpec,
     sites: list[str] | None = None,
     on_silence: OnSilence | None = None,
+    side: Any = None,
 ) -> list:
     """The step's results (``refs[i]`` is ``actors[i]``'s call, in site ``sites[i]``), failing
     fast: an actor error (:class:`~geopipe.runtime.control.workers.WorkerLost`,
     :class:`~geopipe.runtime.control.workers.WorkerFailed`) as soon as one is known,
     :class:`ActorsUnresponsive` after ``cfg.unresponsive_s`` of unanswered heartbeats (a
     whole silent site: after ``cfg.wan_outage_s``), :class:`StepHung` after ``hang_s`` (not
-    counting outages)."""
+    counting outages, nor the time ``side`` is stalled). ``side``: work the step needs from
+    the driver meanwhile, awaited beside it (an outer run's
+    :class:`~geopipe.runtime.control.outerdecide.Decisions`: its ``refs()`` are awaited
+    with the step's, each answered one handed to its ``ready``, which may raise)."""
     deadline = time.monotonic() + hang_s
     index = {ref: i for i, ref in enumerate(refs)}
     pending = list(refs)
@@ -171,10 +194,11 @@ def await_step(
     outage_s = cfg.wan_outage_s
     beat = time.monotonic() + cfg.heartbeat_s
     while pending:
-        wait_s = max(0.0, beat - time.monotonic())
-        ready, pending = workers.wait(pending, num_returns=1, timeout=wait_s)
-        workers.get(ready)  # an actor error surfaces at once, not when the others finish
+        t0 = time.monotonic()
+        pending = _take(workers, pending, max(0.0, beat - t0), side)
         now = time.monotonic()
+        if side is not None and side.stalled():  # the WAN's wait, not a hang
+            deadline += now - t0
         if now < beat or not pending:
             continue
         if silent_since:  # an outage pauses the hang clock

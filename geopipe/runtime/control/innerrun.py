@@ -8,8 +8,6 @@ group pay a control round trip to the driver's site and a barrier with every oth
 each inner step (1.93x the no-WAN step time on the test bed). Here the driver asks every
 actor for a *span* of steps (:func:`span_of`), up to the next point where it must act:
 
-* an outer apply (the driver names the groups it averages over: [Note: losing a replica
-  group] in :mod:`.outerloop`); the sends inside the span are made by the actors;
 * a checkpoint boundary (``training.checkpoint.every_steps``: also where a lost group may
   grow back), an evaluation (``training.eval``), the end of training;
 * a step whose events are recorded (calibration's first steps, ``--trace``'s last), after
@@ -17,16 +15,13 @@ actor for a *span* of steps (:func:`span_of`), up to the next point where it mus
 * :data:`SPAN_S` seconds of predicted steps, so that the progress line moves and a Ctrl-C
   is honoured (after the span, then the checkpoint) within seconds.
 
-The outer loop's apply costs no call of its own: a span ending at an apply ends with each
-actor's gather of that fragment (:data:`GATHER_SLICE_S` at most; a payload still missing
-then is waited for in the driver's slices), and once every replica holds every live group's
-payload the driver hands the apply to the next span, which makes it before its first step
-(:class:`~geopipe.runtime.control.outerloop.Deferred`); before a checkpoint, an evaluation,
-a grow-back or the end the driver makes it itself. And a span that ends only for its length
-(the driver has nothing to do after it) has the next span called at once, queued behind it
-on every actor (:class:`Span`; the actors take them in turn), so the actors do not wait for
-the driver's round trip there; a Ctrl-C then waits for the queued span too. A group lost
-while a span is queued: the survivors run it as well, and the recovery records it
+The outer loop's sends and applies are made inside the spans by the actors; the driver only
+decides each apply's groups while the span runs ([Note: applies decided inside a span] in
+:mod:`geopipe.runtime.actor.inner_run`; :mod:`.outerdecide`). A span that ends only for its
+length (the driver has nothing to do after it) has the next span called at once, queued
+behind it on every actor (:class:`Span`; the actors take them in turn), so the actors do not
+wait for the driver's round trip there; a Ctrl-C then waits for the queued span too. A
+group lost while a span is queued: the survivors run it as well, and the recovery records it
 (:mod:`.outerfail`).
 
 Every step's results come back in order and are recorded one by one exactly as a per-step
@@ -58,11 +53,11 @@ from geopipe.optimizer.outer_cost import queues_spans
 from geopipe.optimizer.policies import GrowBack
 from geopipe.outer.fragments import StreamingSchedule
 from geopipe.runtime.control.health import hang_timeout_s, raise_model_error
+from geopipe.runtime.control.outerdecide import Decisions, Point, points_of
 from geopipe.runtime.control.states import Checkpointing, Growing, Recovering, Running, State
 from geopipe.runtime.control.workers import WorkerFailed, WorkerLost, call_all
 
 __all__ = [
-    "GATHER_SLICE_S",
     "MAX_SPAN",
     "SPAN_S",
     "Span",
@@ -73,9 +68,6 @@ __all__ = [
 ]
 
 SPAN_S = 5.0  # predicted seconds of steps per call at most: the progress line's lag
-# Seconds a span's closing gather waits at most for the peers' payloads (at most
-# ``health.heartbeat_s``): a transfer still running then goes on in the driver's slices.
-GATHER_SLICE_S = 10.0
 MAX_SPAN = 1000  # steps per call at most (a prediction of ~0 s: a run of tiny steps)
 
 
@@ -90,19 +82,15 @@ def span_of(
     max_span: int | None = None,
 ) -> int:
     """How many steps from ``start`` one call runs: up to and including the first step after
-    which the driver must act (an apply of ``schedule``, a checkpoint every ``every`` steps,
-    an evaluation ``eval_due(done)``, a recorded step ``recorded(step)``, ``total``), at most
-    ``max_span`` steps (None: :data:`SPAN_S` seconds of ``predicted_s`` steps)."""
+    which the driver must act (a checkpoint every ``every`` steps, an evaluation
+    ``eval_due(done)``, a recorded step ``recorded(step)``, ``total``), at most ``max_span``
+    steps (None: :data:`SPAN_S` seconds of ``predicted_s`` steps). ``schedule``'s applies
+    are made inside the span ([Note: applies decided inside a span])."""
     cap = max_span or max(1, min(MAX_SPAN, int(SPAN_S / predicted_s) if predicted_s > 0 else 1))
     end = min(total, start + max(1, cap))
     for step in range(start, end):
         done = step + 1
-        if (
-            recorded(step)
-            or schedule.applies_at(done) is not None
-            or (every and done % every == 0)
-            or eval_due(done)
-        ):
+        if recorded(step) or (every and done % every == 0) or eval_due(done):
             return done - start
     return max(1, end - start)
 
@@ -110,52 +98,63 @@ def span_of(
 @dataclass
 class Span:
     """A span's call on every actor: steps ``start .. start + count - 1``, the call's
-    ``refs`` (one per actor of ``flat``), and the seconds its closing gather may wait."""
+    ``refs`` (one per actor of ``flat``), and its apply points (:mod:`.outerdecide`)."""
 
     start: int
     count: int
     flat: list
     refs: list
-    gather_s: float
+    points: list[Point]
 
     @property
     def end(self) -> int:
         return self.start + self.count
 
 
-def _start(ctl: Any, step: int, recorded: Callable[[int], bool], apply: Any = None) -> Span:
-    """Call a span from ``step`` on every actor (its length: :func:`span_of`), with
-    ``apply`` (the apply decided at the last span's end) and the gather of the apply at this
-    one's end."""
+def _start(ctl: Any, step: int, recorded: Callable[[int], bool]) -> Span:
+    """Call a span from ``step`` on every actor (its length: :func:`span_of`), with the
+    sends and applies the schedule puts inside it."""
     total, outer, cal = ctl.spec.training.steps, ctl.outer, ctl.calibrator
     every = ctl.spec.training.checkpoint.every_steps
     due = lambda d: ctl.evals.due(d, total)  # noqa: E731
     count = span_of(
         step, total, cal.predicted_s, outer.schedule, every, due, recorded, outer.max_span
     )
-    steps, nxt = range(step, step + count), step + count
+    steps = range(step, step + count)
     record = [s for s in steps if recorded(s)]
     sends = {s + 1: f for s in steps if (f := outer.schedule.sends_at(s + 1)) is not None}
-    ends_at = outer.schedule.applies_at(nxt)
-    slice_s = min(ctl.spec.health.heartbeat_s, GATHER_SLICE_S) if ends_at is not None else 0.0
-    gather = (ends_at, slice_s) if ends_at is not None else None
+    points = points_of(outer.schedule, step, count)
+    applies = {p.done: p.fragment for p in points}
     flat = ctl.flat_actors()
-    refs = call_all(ctl.workers, flat, "run_iterations", step, count, record, sends, apply, gather)
-    return Span(step, count, flat, refs, slice_s)
+    refs = call_all(ctl.workers, flat, "run_iterations", step, count, record, sends, applies)
+    return Span(step, count, flat, refs, points)
+
+
+def decisions_for(ctl: Any, span: Span, hang_s: float) -> Decisions:
+    """The walk over ``span``'s apply points (and the queued span's after them), over the
+    actors of the live groups: the one in flight if it is over these actors, else a new
+    one."""
+    outer = ctl.outer
+    points = span.points + (outer.queued.points if outer.queued is not None else [])
+    d = outer.decisions
+    if d is None or [id(a) for a in d.actors] != [id(a) for a in span.flat]:
+        d = outer.decisions = Decisions(outer, span.flat, points, hang_s)
+    else:
+        d.add(points)
+    return d
 
 
 def _queues_after(ctl: Any, span: Span, recorded: Callable[[int], bool]) -> bool:
     """Whether the driver need not act after ``span`` (it ended only for its length), so the
     next span can be called at once, queued behind it on every actor ([Note: the driver's
     control calls] in :mod:`geopipe.optimizer.outer_cost`)."""
-    total, outer = ctl.spec.training.steps, ctl.outer
+    total = ctl.spec.training.steps
     every = ctl.spec.training.checkpoint.every_steps
     nxt = span.end
     return queues_spans([ctl.plan]) and not (
         nxt >= total
         or ctl.stop.requested
         or recorded(nxt - 1)
-        or outer.schedule.applies_at(nxt) is not None
         or (every and nxt % every == 0)
         or ctl.evals.due(nxt, total)
     )
@@ -174,41 +173,29 @@ def run_span(ctl: Any, step: int) -> State:
 
     span = outer.queued
     if span is None or span.start != step:
-        span = _start(ctl, step, recorded, outer.span_apply())
+        span = _start(ctl, step, recorded)
     outer.queued = _start(ctl, span.end, recorded) if _queues_after(ctl, span, recorded) else None
     outer.span = (step, span.count)  # what a recovery finds in flight
     for s in range(step, span.end):  # --chaos-kill-every: 40 % into step s, as per-step calls
         ctl.chaos.maybe_strike(s, ctl._rows(), cal.predicted_s * (s - step + 0.4) / 0.4)
     hang_s = hang_timeout_s(cal.predicted_s * span.count, cal.calibrated, ctl.spec.health)
-    answers = ctl._await(step, span.flat, span.refs, hang_s + span.gather_s)
+    side = decisions_for(ctl, span, hang_s)
+    answers = ctl._await(step, span.flat, span.refs, hang_s, side)
     if isinstance(answers, Recovering):
         return answers
     outer.span, nxt = None, span.end
+    if outer.queued is None:
+        outer.decisions = None
     try:
         record_span(ctl, step, answers, span.flat)
-        actors = [a for a, _ in ctl.placement.actor_sites()]
-        gathered = [a[-1].outer_gathered for a in answers] if span.gather_s else None
-        # an evaluation reads the weights after the apply: the driver makes that one itself
-        defer = nxt < total and not ctl.evals.due(nxt, total)
-        outer.after_step(nxt, actors, _in_order(gathered, span.flat, actors), defer)
         ctl.evals.after_step(nxt, total, ctl.flat_actors())  # training.eval
         state = next_state(ctl, nxt)
         if outer.queued is not None:  # called already: it runs first (a Ctrl-C waits for it)
             state = Running(nxt)
-        elif not isinstance(state, Running):  # a checkpoint, a grow-back, the end: applied
-            outer.flush(actors)
     except (WorkerLost, WorkerFailed) as exc:  # an actor died between spans
         raise_model_error(exc)  # a diverged pseudo-gradient (an apply made here): no recovery
         return Recovering(nxt, exc, ctl._pings())
     return state
-
-
-def _in_order(answers: list | None, flat: list, actors: list) -> list | None:
-    """``answers`` (one per actor of ``flat``) in the order of ``actors``."""
-    if answers is None:
-        return None
-    by_actor = {id(a): x for a, x in zip(flat, answers, strict=True)}
-    return [by_actor[id(a)] for a in actors]
 
 
 def record_span(ctl: Any, start: int, answers: list[list], actors: list) -> int:
@@ -219,7 +206,6 @@ def record_span(ctl: Any, start: int, answers: list[list], actors: list) -> int:
     received = time.perf_counter()
     codecs = ctl.plan.codecs
     count = min(len(a) for a in answers)
-    ctl.outer.note_applied(answers, actors)
     failed: BaseException | None = None
     for i in range(count):
         results = [a[i] for a in answers]
@@ -231,6 +217,8 @@ def record_span(ctl: Any, start: int, answers: list[list], actors: list) -> int:
         except (WorkerLost, WorkerFailed) as exc:
             failed = failed or exc
         ctl.outer.note_sends(start + i + 1, results, received)
+        ctl.outer.note_applied(start + i + 1, results, actors)
+    ctl.outer.done_through = max(ctl.outer.done_through, start + count)  # made in the span
     if failed is not None:
         raise failed
     return start + count

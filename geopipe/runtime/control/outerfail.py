@@ -51,6 +51,7 @@ grow back only all at once (the launch's plan), never some of them.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import replace
 from typing import Any
@@ -60,6 +61,7 @@ from geopipe.plan import Plan
 from geopipe.runtime.control.cluster import LaunchError, site_resource
 from geopipe.runtime.control.health import ActorsUnresponsive, StepHung, alive, hang_timeout_s
 from geopipe.runtime.control.innerrun import record_span
+from geopipe.runtime.control.outerdecide import wait_deciding
 from geopipe.runtime.control.outerloop import GroupsLost
 from geopipe.runtime.control.states import Checkpointing, Recovering, Running, State
 from geopipe.runtime.control.workers import WorkerLost
@@ -122,16 +124,50 @@ def _lost_groups(ctl: Any, state: Recovering, actors: list[Any]) -> tuple[set[in
     if outer.span is not None:  # a span's survivors may have steps to go: as long as they may
         cal = ctl.calibrator
         wait_s = hang_timeout_s(cal.predicted_s * outer.span[1], cal.calibrated, ctl.spec.health)
-    for a, ref in zip(actors, state.refs, strict=True):
-        if group[id(a)] in lost:
-            continue
-        timeout = 0.0 if isinstance(exc, StepHung) else wait_s
-        try:
-            answers[id(a)] = w.get([ref], timeout=timeout)[0]
-        except Exception:  # died, raised or hung since: its group goes too
-            lost.add(group[id(a)])
+    timeout = 0.0 if isinstance(exc, StepHung) else wait_s
+    _finish(ctl, actors, state.refs, timeout, lost, answers)
     _drain_queued(ctl, lost, answers)
+    outer.decisions = None
     return lost, answers
+
+
+def _finish(
+    ctl: Any, actors: list[Any], refs: list, timeout: float, lost: set[int], answers: dict
+) -> None:
+    """Each survivor's answer to its call ``refs[i]`` into ``answers`` (a span's steps go on
+    after them), its span's outer applies decided over the survivors meanwhile
+    (:func:`~geopipe.runtime.control.outerdecide.wait_deciding`); a group whose actor dies,
+    raises or hangs since, or that the decisions lose, joins ``lost``."""
+    outer, group = ctl.outer, ctl.outer.group_of
+    while True:
+        decisions = _over_survivors(ctl, actors, lost)
+        current = None
+        try:
+            for a, ref in zip(actors, refs, strict=True):
+                if group[id(a)] in lost or id(a) in answers:
+                    continue
+                current = a
+                answers[id(a)] = wait_deciding(ctl.workers, ref, timeout, decisions)
+            return
+        except GroupsLost as more:  # the decisions lost them (silent past the outage)
+            lost |= set(more.groups)
+        except Exception:  # died, raised or hung since: its group goes too
+            lost.add(group[id(current)])
+        if not outer.live - lost:
+            return
+
+
+def _over_survivors(ctl: Any, actors: list[Any], lost: set[int]) -> Any:
+    """The walk over the outer applies of the spans in flight, over the actors of the groups
+    not ``lost`` (told to drop those), or None when no span is in flight."""
+    outer = ctl.outer
+    if outer.decisions is None:
+        return None
+    survivors = [a for a in actors if outer.group_of[id(a)] not in lost]
+    if lost - (set(outer.group_of.values()) - outer.live):
+        with contextlib.suppress(WorkerLost):  # a survivor died too: its call surfaces it
+            outer.drop(lost & outer.live, survivors)
+    return outer.decisions.over(survivors)
 
 
 def _drain_queued(ctl: Any, lost: set[int], answers: dict) -> None:
@@ -144,17 +180,14 @@ def _drain_queued(ctl: Any, lost: set[int], answers: dict) -> None:
         return
     cal = ctl.calibrator
     wait_s = hang_timeout_s(cal.predicted_s * q.count, cal.calibrated, ctl.spec.health)
-    for a, ref in zip(q.flat, q.refs, strict=True):
-        g = outer.group_of.get(id(a))
-        if g is None or g in lost:
-            continue
-        try:
-            got = ctl.workers.get([ref], timeout=wait_s + q.gather_s)[0]
-        except Exception:  # died, raised or hung since: its group goes too
-            lost.add(g)
-            continue
-        before = answers.get(id(a))
-        answers[id(a)] = (before if isinstance(before, list) else []) + list(got)
+    mine = {id(a): answers.pop(id(a), None) for a in q.flat}
+    _finish(ctl, q.flat, q.refs, wait_s, lost, answers)
+    for a in q.flat:
+        before, got = mine.get(id(a)), answers.get(id(a))
+        if isinstance(before, list) and isinstance(got, list):
+            answers[id(a)] = before + got
+        elif before is not None and got is None:
+            answers[id(a)] = before
 
 
 def recover_groups(ctl: Any, state: Recovering) -> State:

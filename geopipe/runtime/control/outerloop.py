@@ -33,7 +33,6 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -45,7 +44,7 @@ from geopipe.runtime.control.placement import emulated_link
 from geopipe.runtime.control.workers import CallTimeout, WorkerLost, Workers, ask, call_all
 from geopipe.transport.link import LinkParams
 
-__all__ = ["Deferred", "GroupsLost", "OuterRounds", "kept_groups", "peers_of", "shares"]
+__all__ = ["GroupsLost", "OuterRounds", "kept_groups", "peers_of", "shares"]
 
 _SAY_EVERY_S = 10.0  # how often the console repeats that a round waits on a silent link
 
@@ -67,19 +66,6 @@ def peers_of(
             ]
         )
     return out
-
-
-@dataclass(frozen=True)
-class Deferred:
-    """An apply the driver decided after ``done`` inner steps (fragment ``fragment`` over
-    ``groups``, decided at ``decided`` on the driver's clock after a gather of ``wait_s``)
-    and left to the replicas to make at the start of their next span."""
-
-    done: int
-    fragment: int
-    groups: list[int]
-    decided: float
-    wait_s: float
 
 
 def _field(result: Any, name: str) -> Any:
@@ -161,10 +147,12 @@ class OuterRounds:
         # step with the sends made by the driver (the path before spans; tests compare them).
         self.max_span: int | None = None
         self.span: tuple[int, int] | None = None  # (first step, steps) of the call in flight
-        # An apply decided but not made: the next span's call makes it (:mod:`.innerrun`).
-        self.deferred: Deferred | None = None
         # The span called behind the one in flight (:mod:`.innerrun`: an innerrun.Span)
         self.queued: Any = None
+        # The walk over the apply points of the spans in flight (:mod:`.outerdecide`), and
+        # what it decided: apply point -> (groups, the gathers' longest wait)
+        self.decisions: Any = None
+        self.decided: dict[int, tuple[list[int], float]] = {}
 
     def begin(self, actors: list[Any], sites: list[str]) -> None:
         """theta_global from every replica's masters now (all groups hold the same weights:
@@ -180,29 +168,20 @@ class OuterRounds:
         w = self.workers
         w.get([w.call(a, "outer_connect", p) for a, p in zip(actors, peers, strict=True)])
 
-    def after_step(
-        self, done: int, actors: list[Any], gathered: list[dict] | None = None, defer: bool = False
-    ) -> None:
-        """``done`` inner steps have run: start the send and do the apply they call for
-        (first an apply still deferred: a recovery's survivors make it now). ``gathered``:
-        each actor's gather at the end of its span (the first slice of the wait); ``defer``:
-        the apply, once every group holds every payload, is left to the next span's call
-        (:attr:`deferred`). Raises :class:`GroupsLost` ([Note: losing a replica group])."""
-        self.flush(actors)
+    def after_step(self, done: int, actors: list[Any]) -> None:
+        """``done`` inner steps have run (one call per step, or a recovery between spans):
+        start the send and do the apply they call for. Raises :class:`GroupsLost` ([Note:
+        losing a replica group])."""
         if done <= self.done_through:
-            return  # asked again after a failure that came later
+            return  # made already: by a span, or asked again after a failure that came later
         f = self.schedule.sends_at(done)
         if f is not None and f not in self._sent:
-            sends = call_all(self.workers, actors, "outer_send", f)
+            sends = call_all(self.workers, actors, "outer_send", f, done)
             self._sent[f] = (time.perf_counter(), self._each(actors, sends, "outer_send"))
         f = self.schedule.applies_at(done)
         if f is not None:
             t0 = time.perf_counter()
-            groups, wait_s = self._gather(f, actors, gathered)
-            if defer:
-                self.deferred = Deferred(done, f, groups, t0, wait_s)
-                self.done_through = done
-                return
+            groups, wait_s = self._gather(f, actors)
             try:
                 self._apply(done, f, groups, actors, t0, wait_s)
             except GroupsLost:
@@ -210,38 +189,21 @@ class OuterRounds:
                 raise
         self.done_through = done
 
-    def span_apply(self) -> tuple[int, list[int]] | None:
-        """The apply the next span makes before its first step: (fragment, groups)."""
-        d = self.deferred
-        return (d.fragment, [g for g in d.groups if g in self.live]) if d else None
-
-    def flush(self, actors: list[Any]) -> None:
-        """Make the deferred apply now (a checkpoint, an evaluation or a recovery comes
-        before the next span), over the groups still live."""
-        d = self.deferred
-        if d is None:
+    def note_applied(self, done: int, results: list, actors: list[Any]) -> None:
+        """The apply ``actors`` made inside a span after ``done`` inner steps (``results``:
+        each one's result of that step, whose ``outer_applied`` is its apply's answer),
+        recorded as :meth:`after_step` records an apply it makes ([Note: applies decided
+        inside a span] in :mod:`geopipe.runtime.actor.inner_run`)."""
+        applied = [_field(r, "outer_applied") for r in results]
+        if not applied or any(a is None for a in applied):
             return
-        self.deferred = None  # made here (by the survivors, if a group is lost meanwhile)
-        groups = [g for g in d.groups if g in self.live]
-        self._apply(d.done, d.fragment, groups, actors, d.decided, d.wait_s)
-
-    def note_applied(self, answers: list[list], actors: list[Any]) -> None:
-        """The deferred apply, made by ``actors`` (``answers[i][0]``: actor ``i``'s first
-        result of its span, whose ``outer_applied`` is its apply's answer), recorded as
-        :meth:`after_step` records an apply it makes."""
-        d = self.deferred
-        if d is None:
-            return
-        applied = [_field(a[0], "outer_applied") for a in answers]
-        if any(a is None for a in applied):
-            return  # the span made no apply (it started before the apply was decided)
-        self.deferred = None
-        sent_at, sent = self._sent.pop(d.fragment, (d.decided, []))
-        wait_s = d.wait_s + max(a.get("wait_s", 0.0) for a in applied)
-        # the gather's wait and the actors' own apply (the span that made it ran on after it)
+        f = applied[0]["fragment"]
+        self.decided.pop(done, None)
+        _, sent = self._sent.pop(f, (0.0, []))
+        wait_s = max(a.get("decide_wait_s", 0.0) for a in applied)  # what the span waited
         apply_s = wait_s + max(a.get("apply_s", 0.0) for a in applied)
-        took = (apply_s, d.decided - sent_at, wait_s)
-        self._record(d.done, d.fragment, actors, took, sent, applied)
+        since = max(a.get("since_send_s", 0.0) for a in applied)
+        self._record(done, f, actors, (apply_s, max(0.0, since - wait_s), wait_s), sent, applied)
 
     def note_sends(self, done: int, results: list, received: float) -> None:
         """The sends the actors made themselves after ``done`` inner steps (``results``: each
@@ -370,52 +332,54 @@ class OuterRounds:
             g, why = sorted(refused.items())[0]
             raise GroupsLost(refused, f"its outer frames were refused (group {g}: {why[:200]})")
 
-    def _gather(
-        self, f: int, actors: list[Any], first: list[dict] | None = None
-    ) -> tuple[list[int], float]:
+    def _gather(self, f: int, actors: list[Any]) -> tuple[list[int], float]:
         """Wait for every replica to hold every live group's payload of fragment ``f``, in
         slices of ``health.heartbeat_s`` (the console names a silent link every 10 s); the
-        groups the apply averages over, and the wait. ``first``: each actor's answer to a
-        gather already made (at the end of its span); the slices go on if it is short.
-        Raises :class:`GroupsLost` (an actor died; silent groups past
-        ``health.wan_outage_s``)."""
+        groups the apply averages over, and the wait. Raises :class:`GroupsLost` (an actor
+        died; silent groups past ``health.wan_outage_s``)."""
         h = self.spec.health
         t0 = said = self.clock()
         pending: dict[int, Any] = {}  # actor index -> its gather call still in flight
-        if first is not None:
-            have = self._holding(list(zip(actors, first, strict=True)))
-            self._refused(first)
-            if all(have[g] >= self.live for g in self.live):
-                return sorted(self.live), max(a.get("wait_s", 0.0) for a in first)
         while True:
             left = h.wan_outage_s - (self.clock() - t0)
             have = self._heard(f, actors, pending, max(0.05, min(h.heartbeat_s, left)))
             if all(have[g] >= self.live for g in self.live):
                 return sorted(self.live), self.clock() - t0
-            waited = self.clock() - t0
-            # a mute group hears no one, itself included (it is never kept): not a link
-            silent = sorted({(a, b) for a in have for b in self.live - have[a] if a != b})
-            links = ", ".join(
-                f"group {a} <- {b} (sites {self.site_of[a]} <-> {self.site_of[b]})"
-                for a, b in silent
-            )
-            if waited >= h.wan_outage_s:
-                keep = kept_groups(have)
-                raise GroupsLost(
-                    self.live - set(keep),
-                    f"no outer payload over {links} in {h.wan_outage_s:g} s",
-                    silent=True,
-                )
-            # first after a while: with spans a group may simply reach the apply later than
-            # another (its steps ran slower), which is no silence yet
-            first = min(_SAY_EVERY_S, h.wan_outage_s / 2)
-            if self.clock() - said >= (first if said == t0 else _SAY_EVERY_S):
+            if self.silent_round(f, have, self.clock() - t0, said - t0 if said > t0 else None):
                 said = self.clock()
-                self.say(
-                    f"outer round of fragment {f} waits on {links}: silent {waited:.0f} s "
-                    f"of {h.wan_outage_s:g} s (health.wan_outage_s); the apply waits, "
-                    "the inner steps before it are done"
-                )
+
+    def silent_round(
+        self, f: int, have: dict[int, set[int]], waited: float, said: float | None
+    ) -> bool:
+        """A gather of fragment ``f`` waited ``waited`` seconds and some group lacks a payload
+        (``have``: per live group, whose it holds): past ``health.wan_outage_s`` raise
+        :class:`GroupsLost` for the groups :func:`kept_groups` leaves out; else name the
+        silent links on the console when due (``said``: at what wait it last did, None:
+        never) and say whether it did."""
+        h = self.spec.health
+        # a mute group hears no one, itself included (it is never kept): not a link
+        silent = sorted({(a, b) for a in have for b in self.live - have[a] if a != b})
+        links = ", ".join(
+            f"group {a} <- {b} (sites {self.site_of[a]} <-> {self.site_of[b]})" for a, b in silent
+        )
+        if waited >= h.wan_outage_s:
+            keep = kept_groups(have)
+            raise GroupsLost(
+                self.live - set(keep),
+                f"no outer payload over {links} in {h.wan_outage_s:g} s",
+                silent=True,
+            )
+        # first after a while: a group may simply reach the apply later than another (its
+        # steps ran slower), which is no silence yet
+        first = min(_SAY_EVERY_S, h.wan_outage_s / 2)
+        if waited - (said or 0.0) < (first if said is None else _SAY_EVERY_S):
+            return False
+        self.say(
+            f"outer round of fragment {f} waits on {links}: silent {waited:.0f} s "
+            f"of {h.wan_outage_s:g} s (health.wan_outage_s); the apply waits, "
+            "the inner steps before it are done"
+        )
+        return True
 
     def _record(
         self,
