@@ -45,30 +45,35 @@ outer step.
 [Note: the driver's control calls]
 The driver starts every inner step's work with a call to every actor and waits for the answers
 (:mod:`geopipe.runtime.control.innerrun`): an outer run calls each actor once per *span* of
-inner steps, up to the next point where the driver acts (an outer apply, every ``H / F``
-steps; a checkpoint; an evaluation), at most :data:`SPAN_S` seconds of steps. The outer
-loop's own work rides on those calls (:data:`OUTER_CALLS_PER_FRAGMENT` is 0): the actors make
-the sends themselves, a span ending at an apply ends with the actors' gather, and the apply
-the driver decides from it is made at the start of the next span (one made between spans, before
-a checkpoint or an evaluation, is rare enough to leave out). Every call waits for the farthest
-group's answer, so each costs the round trip from the driver to it plus a per-call overhead
-(Ray's call and the driver's own work on the answers, which the actors wait through)::
+inner steps, up to the next point where the driver acts (a checkpoint, an evaluation), at
+most :data:`SPAN_S` seconds of steps. The outer loop's own work rides inside the spans
+(:data:`OUTER_CALLS_PER_FRAGMENT` is 0): the actors make the sends and the applies
+themselves, and the driver names each apply's groups while the span runs ([Note: applies
+decided inside a span] in :mod:`geopipe.runtime.actor.inner_run`). Every call waits for the
+farthest group's answer, so each costs the round trip from the driver to it plus a per-call
+overhead (Ray's call and the driver's own work on the answers, which the actors wait
+through)::
 
     t_control = (H / steps_per_call) · overhead + (H / steps_per_wait) · RTT
 
 A span that ends only because it is long (at :data:`SPAN_S` seconds of steps, not at a point
 where the driver acts) has the next one queued behind it as soon as it is called, so the
 actors go on without waiting for the driver: of the calls, only the first after each
-boundary (an apply, a checkpoint, an evaluation) costs its round trip (``steps_per_wait``
-steps per such call), every call its overhead. :func:`steps_per_call` counts the spans
-exactly over one period of the boundaries (with ``cap`` = :data:`_HORIZON`, the boundaries
-alone). The driver
-is taken to sit in the first site listed (where the test bed, and usually a cluster, starts
-Ray's head): the RTT is the shortest-latency path there and back to the farthest site of any
-group. On emulated links the control plane is not emulated (every actor answers on this
-machine), so the RTT is 0 there; the overhead is the nominal :data:`CALL_OVERHEAD_S` until a
-run measures it (:mod:`geopipe.runtime.control.outercal` feeds this same function with the
-measured figures).
+boundary (a checkpoint, an evaluation) costs its round trip (``steps_per_wait`` steps per such
+call), every call its overhead. :func:`steps_per_call` counts the spans exactly over one
+period of the boundaries (with ``cap`` = :data:`_HORIZON`, the boundaries alone).
+
+An apply waits inside its span for the driver's decision, which comes once every replica
+holds every payload: the replicas' gathers reach the driver and its decision comes back, one
+call's round trip (``call_s``) after the exchange ends. So the overlap must hide that too:
+each fragment exposes ``max(0, T_x + call_s − tau · t)``.
+
+The driver is taken to sit in the first site listed (where the test bed, and usually a
+cluster, starts Ray's head): the RTT is the shortest-latency path there and back to the
+farthest site of any group. On emulated links the control plane is not emulated (every actor
+answers on this machine), so the RTT is 0 there; the overhead is the nominal
+:data:`CALL_OVERHEAD_S` until a run measures it (:mod:`geopipe.runtime.control.outercal`
+feeds this same function with the measured figures).
 """
 
 from __future__ import annotations
@@ -113,7 +118,7 @@ _BINDS_FROM = 0.05
 # (geopipe.runtime.control.innerrun, which imports Ray; a unit test holds them equal).
 SPAN_S = 5.0  # predicted seconds of inner steps per driver call at most
 MAX_SPAN = 1000  # inner steps per driver call at most
-OUTER_CALLS_PER_FRAGMENT = 0  # the send, gather and apply ride on the span calls
+OUTER_CALLS_PER_FRAGMENT = 0  # the send and the apply ride inside the span calls
 # Nominal seconds of one driver call beyond the round trip (Ray's call, the driver's work on
 # the answers) until a run measures it: the order of what a call to a local actor takes.
 CALL_OVERHEAD_S = 0.005
@@ -218,14 +223,14 @@ def _outer_step_s(spec: ClusterSpec, plan: Plan, m: int, fragments: int) -> floa
 
 
 @lru_cache(maxsize=4096)
-def steps_per_call(period: int, *intervals: int, cap: int = MAX_SPAN) -> float:
+def steps_per_call(*intervals: int, cap: int = MAX_SPAN) -> float:
     """Inner steps per driver call on average when each call runs up to the next multiple of
-    ``period`` (an outer apply: ``H / F``) or of any of ``intervals`` (checkpoints,
-    evaluations; 0 = none), at most ``cap`` steps: the spans counted exactly over one period
-    of all the boundaries (their least common multiple, at most :data:`_HORIZON` steps)."""
-    every = sorted({int(i) for i in (period, *intervals) if i and i > 0})
-    if not every or cap < 1:
-        raise ValueError(f"steps_per_call needs a period >= 1 and cap >= 1, got {every}, {cap}")
+    any of ``intervals`` (checkpoints, evaluations; 0 = none), at most ``cap`` steps: the
+    spans counted exactly over one period of all the boundaries (their least common
+    multiple, at most :data:`_HORIZON` steps; none: spans of ``cap``)."""
+    every = sorted({int(i) for i in intervals if i and i > 0}) or [_HORIZON]
+    if cap < 1:
+        raise ValueError(f"steps_per_call needs cap >= 1, got {cap}")
     span = min(math.lcm(*every), _HORIZON)
     ends = sorted({k for i in every for k in range(i, span + 1, i)} | {span})
     calls = sum(-(-(b - a) // cap) for a, b in pairwise([0, *ends]))
@@ -323,16 +328,13 @@ def planned_control(
     queued: bool = True,
 ) -> Control:
     """The control calls of ``setting`` between ``groups`` with inner steps of ``step_s``:
-    the runtime's spans (apply, checkpoint and evaluation boundaries, at most ``cap`` steps:
+    the runtime's spans (checkpoint and evaluation boundaries, at most ``cap`` steps:
     default :data:`SPAN_S` seconds of steps; ``queued``: see :func:`queues_spans`), the
     links' round trip, ``overhead_s``."""
     t = spec.training
     ev = t.eval.every_steps if t.eval is not None else 0
-    period = setting.h // setting.fragments
-    per_call = steps_per_call(
-        period, t.checkpoint.every_steps, ev, cap=cap if cap else span_cap(step_s)
-    )
-    per_wait = steps_per_call(period, t.checkpoint.every_steps, ev, cap=_HORIZON)
+    per_call = steps_per_call(t.checkpoint.every_steps, ev, cap=cap if cap else span_cap(step_s))
+    per_wait = steps_per_call(t.checkpoint.every_steps, ev, cap=_HORIZON)
     rtt = driver_rtt_s(spec, [s for g in groups for s in g])
     queued = queued and (cap or span_cap(step_s)) > 1  # one a call: the per-step driver
     return Control(rtt, overhead_s, per_call, steps_per_wait=per_wait if queued else None)
@@ -415,7 +417,10 @@ def price_round(
     blocks = [block_bytes(spec, p, setting) for p in plans]
     # One group left (the others lost): nothing to exchange.
     exchange, slowest_hop = _all_gather_s(ring_hops(spec, groups), blocks) if m > 1 else (0, "")
-    exposed = f * max(0.0, exchange - setting.overlap * step)
+    # each apply waits for the driver's decision: a call's round trip after the exchange
+    # ([Note: the driver's control calls])
+    decide = control.call_s if m > 1 else 0.0
+    exposed = f * max(0.0, exchange + decide - setting.overlap * step)
     codec = f * max(_codec_s(spec, p, setting, m) for p in plans)
     outer = max(_outer_step_s(spec, p, m, f) for p in plans)
     devices = [p.pipelines * p.num_stages for p in plans]

@@ -3,17 +3,17 @@ an outer run's calibrated forecast from measured figures (geopipe.optimizer.oute
 [Note: the driver's control calls], geopipe.runtime.control.outercal).
 
 The calibration test drives :class:`OuterCalibrator` with a fake run whose timeline is built
-the way the runtime spends time (a call per span, recorded steps alone, the gather and the
-apply after each span that ends at an apply point, each call costing a known round trip
-plus a known overhead): the calibrator must recover that overhead from the timeline alone
-and forecast the wall time per inner step the timeline shows."""
+the way the runtime spends time (a call per span, recorded steps alone, spans ending at
+checkpoints or for their length, the applies inside them, each call costing a known
+overhead and, unless queued behind the span before, a known round trip): the calibrator
+must recover that overhead from the timeline alone and forecast the wall time per inner step
+the timeline shows."""
 
 from __future__ import annotations
 
 import copy
 import math
 from dataclasses import replace
-from itertools import pairwise
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -68,13 +68,15 @@ def _table() -> PenaltyModel:
 # -- the pricing function -------------------------------------------------------------------
 def test_steps_per_call_counts_the_spans_exactly() -> None:
     assert steps_per_call(10) == 10 == steps_per_call(10, 0, 0)
-    # applies every 10, checkpoints every 25: over 50 steps calls end at 10 20 25 30 40 50
+    # checkpoints every 10, evaluations every 25: over 50 steps calls end at 10 20 25 30 40 50
     assert steps_per_call(10, 25) == pytest.approx(50 / 6)
     # ... at most 4 steps a call: gaps 10 10 5 5 10 10 take 3 3 2 2 3 3 calls
     assert steps_per_call(10, 25, cap=4) == pytest.approx(50 / 16)
     assert steps_per_call(10, 20, 5) == 5  # an evaluation every 5 bounds every call
     assert steps_per_call(10, cap=3) == 2.5  # 3 + 3 + 3 + 1
     assert steps_per_call(10, cap=1) == 1  # one call per step: the old driver
+    # no boundary at all: spans of the cap (the applies fall inside them)
+    assert steps_per_call(cap=12) == pytest.approx(12, rel=1e-3) and steps_per_call(0) > 999
     assert span_cap(0.3) == 16 and span_cap(0.0) == 1 and span_cap(1e-9) == MAX_SPAN
     with pytest.raises(ValueError, match="cap >= 1"):
         steps_per_call(10, cap=0)
@@ -102,9 +104,10 @@ def test_the_round_trip_is_to_the_farthest_site_over_the_fastest_path() -> None:
 
 def test_an_outer_round_matches_the_analytic_formula_with_its_control_calls() -> None:
     """H = 10, F = 2, overlap 1, codec none over one 25 ms, 0.2 Gbit/s link: the round is
-    H·t + F·max(0, T_x − tau·t) + t_outer + (H / steps_per_call)·overhead
-    + (H / steps_per_wait)·RTT (the apply and its gather ride on the span calls; a span
-    queued behind another hides its round trip)."""
+    H·t + F·max(0, T_x + call_s − tau·t) + t_outer + (H / steps_per_call)·overhead
+    + (H / steps_per_wait)·RTT (the applies are made inside the span calls, each once the
+    driver's decision is back: a call's round trip after the exchange; a span queued behind
+    another hides its round trip)."""
     spec = parse_cluster(_doc(), "t")
     groups = (("east",), ("west",))
     evals = [plan_cluster(group_spec(spec, g, 16)).best for g in groups]
@@ -112,13 +115,14 @@ def test_an_outer_round_matches_the_analytic_formula_with_its_control_calls() ->
     t = max(e.iteration_time_s for e in evals)
     payload = block_bytes(spec, evals[0].plan, s)
     exchange = LATENCY_S + math.ceil(payload) * 8 / 0.2e9  # M = 2: one ring step
-    exposed = 2 * max(0.0, exchange - 1 * t)
     assert OUTER_CALLS_PER_FRAGMENT == 0
     cases = ((0.05, 0.003, 5.0, None), (0.05, 0.003, 1.0, None), (0.2, 0.0, 2.5, 5.0))
     for rtt, overhead, per_call, per_wait in cases:
         control_ = Control(rtt, overhead, per_call, steps_per_wait=per_wait)
         cost = price_round(spec, groups, evals, s, control_)
         control = 10 / per_call * overhead + 10 / (per_wait or per_call) * rtt
+        exposed = 2 * max(0.0, exchange + rtt + overhead - 1 * t)
+        assert cost.exposed_s == pytest.approx(exposed)
         assert cost.exchange_s == pytest.approx(exchange)
         assert cost.control_s == pytest.approx(control)
         expected = 10 * t + exposed + cost.codec_s + cost.outer_step_s + control
@@ -126,17 +130,22 @@ def test_an_outer_round_matches_the_analytic_formula_with_its_control_calls() ->
         assert cost.to_json()["control_s"] == pytest.approx(control)
     alone = price_round(spec, groups[:1], evals[:1], s, Control(0.05, 0.0, 5.0))
     assert alone.exchange_s == 0 and alone.control_s == pytest.approx(2 * 0.05)
-    # The default is the runtime's: spans up to each apply (H / F = 5 steps, fewer than
-    # SPAN_S seconds here), the links' round trip, the nominal overhead.
-    assert 5 * t < SPAN_S
+    assert alone.exposed_s == 0  # one group: nothing to exchange, no decision to wait for
+    # The default is the runtime's: spans up to each checkpoint (every 20 steps) or of
+    # SPAN_S seconds of steps, whichever comes first; the applies ride inside them; the
+    # links' round trip once per checkpoint interval (the later spans are queued).
+    spec = parse_cluster(_doc(every=20), "t")
     cost = price_round(spec, groups, evals, s)
-    assert cost.control.steps_per_call == 5 and cost.control.rtt_s == pytest.approx(0.05)
-    assert cost.control_s == pytest.approx(10 / 5 * (0.05 + CALL_OVERHEAD_S))
-    # Spans capped below the apply interval: the second of each interval is queued.
+    cap = span_cap(t)
+    assert cost.control.rtt_s == pytest.approx(0.05)
+    assert cost.control.steps_per_call == pytest.approx(20 / -(-20 // cap))
+    assert cost.control.steps_per_wait == 20
+    per_call = cost.control.steps_per_call
+    assert cost.control_s == pytest.approx(10 / per_call * CALL_OVERHEAD_S + 10 / 20 * 0.05)
+    # Spans capped at 2 steps: ten calls per checkpoint interval, one of them waited on.
     capped = price_round(spec, groups, evals, s, planned_control(spec, groups, s, t, cap=2))
-    assert capped.control.steps_per_call == pytest.approx(10 / 6)  # 2 + 2 + 1, twice
-    assert capped.control.steps_per_wait == 5
-    assert capped.control_s == pytest.approx(6 * CALL_OVERHEAD_S + 2 * 0.05)
+    assert capped.control.steps_per_call == 2 and capped.control.steps_per_wait == 20
+    assert capped.control_s == pytest.approx(5 * CALL_OVERHEAD_S + 0.5 * 0.05)
 
 
 def test_the_launch_forecast_of_an_outer_run_carries_its_control_calls() -> None:
@@ -147,9 +156,8 @@ def test_the_launch_forecast_of_an_outer_run_carries_its_control_calls() -> None
     cost = rp.strategy.chosen.round
     assert run.control_s == cost.control_s > 0 and run.to_dict()["control_s"] == cost.control_s
     assert rp.predicted.iteration_time_s == pytest.approx(run.round_s / run.h)
-    period = run.h // run.setting.fragments
     cap = span_cap(cost.step_s)
-    assert cost.control.steps_per_call == pytest.approx(steps_per_call(period, 20, cap=cap))
+    assert cost.control.steps_per_call == pytest.approx(steps_per_call(20, cap=cap))
     emulated = plan_run(parse_cluster(_doc(real_links=False, every=20), "t"), penalty=_table())
     assert emulated.outer.control_s < run.control_s  # no round trip to price
 
@@ -186,31 +194,28 @@ def _results(plan, step: int, jitter: bool = False) -> list:
 
 def _timeline(
     run, spec, steps: int, cap: int, every: int, jitter: bool, exposed: float = 0.0
-) -> list[tuple[int, float]]:
-    """``(step, when the driver recorded it)`` of a run that spends time as the runtime
-    does ([Note: the driver's control calls]); a checkpoint costs 1 s more; each apply waits
-    ``exposed`` seconds for the payloads, which the link model does not foresee (a real
-    network's slow start after idle)."""
+) -> list[tuple[int, float, tuple[int, int, bool]]]:
+    """``(step, when the driver recorded it, its span (first step, end, queued))`` of a run
+    that spends time as the runtime does ([Note: the driver's control calls]): spans end at
+    checkpoints (which cost 1 s more) or for their length, a layout's first steps alone;
+    each apply inside a span waits ``exposed`` seconds for the payloads and the decision,
+    which the link model does not foresee (a real network's slow start after idle)."""
     sched = StreamingSchedule(run.h, run.setting.fragments, run.setting.overlap)
     call_s = 2 * LATENCY_S + OVERHEAD_S
     out, t, step, queued = [], 0.0, 0, False
     while step < steps:
-        n = 1 if step < RECORDED else min(cap, sched.period - step % sched.period)
+        n = 1 if step < RECORDED else min(cap, every - step % every if every else cap)
         # the groups run the span side by side; the driver waits for the slower; a span
         # queued behind one that ended for its length waits for no round trip
         span = range(step, step + n)
         t += (OVERHEAD_S if queued else call_s) + max(
             sum(_step_s(g, s, jitter) for s in span) for g in (0, 1)
         )
-        queued = (
-            step >= RECORDED
-            and (step + n) % sched.period != 0
-            and not (every and (step + n) % every == 0)
-        )
-        out += [(s, t) for s in span]
+        applies = sum(1 for s in span if sched.applies_at(s + 1) is not None)
+        t += applies * (OUTER_CALLS_PER_FRAGMENT * call_s + _apply_s(run, spec) + exposed)
+        out += [(s, t, (step, step + n, queued)) for s in span]
         step += n
-        if sched.applies_at(step) is not None:  # the apply's price at the measured step
-            t += OUTER_CALLS_PER_FRAGMENT * call_s + _apply_s(run, spec) + exposed
+        queued = step > RECORDED and not (every and step % every == 0)
         if every and step % every == 0:
             t += 1.0
     return out
@@ -231,7 +236,7 @@ def _apply_s(run, spec) -> float:
         (0, False, False, 0.0),
         (20, False, False, 0.0),
         (0, True, False, 0.0),
-        (0, False, True, 0.0),
+        (20, False, True, 0.0),
         (0, False, False, 0.35),
     ],
 )
@@ -240,43 +245,42 @@ def test_calibration_recovers_the_call_overhead_and_forecasts_the_wall_time(
 ) -> None:
     spec = parse_cluster(_doc(every=every), "t")
     run = plan_run(spec, penalty=_table()).outer
-    rounds = SimpleNamespace(run=run, max_span=None, rounds=[])  # rounds: OuterRounds' rows
+    rounds = SimpleNamespace(run=run, max_span=4 if short else None, rounds=[], recording=None)
     cal = Calibrator(spec, False, 1.0, [], rounds)
-    period = run.h // run.setting.fragments
-    # the cap the runtime derives from it: 12 steps, more than a period; or (``short``)
-    # half a period, so every interval's second span is queued behind its first
-    predicted = SPAN_S / (period // 2 + 0.5) if short else 0.4
-    cap = span_cap(predicted)
-    assert cap > period or (short and 1 < cap < period)
-    seen = _timeline(run, spec, 60, cap, every, jitter, exposed)
+    predicted = 0.4
+    cap = 4 if short else span_cap(predicted)  # 12 steps: two or three applies a span
+    assert cal.outer._cap(predicted) == cap
+    steps = 140  # from step 20 on, two whole periods of the spans' pattern
+    seen = _timeline(run, spec, steps, cap, every, jitter, exposed)
     sched = StreamingSchedule(run.h, run.setting.fragments, run.setting.overlap)
     forecasts, events = {}, []
-    for step, at in seen:
+    for step, at, span in seen:
         if step and sched.applies_at(step) is not None:  # applied before this step ran
             rounds.rounds.append({"exposed_s": exposed, "groups": 2})
+        rounds.recording = span
         got = cal.outer.observe(step, run.plan, _results(run.plan, step, jitter), predicted, at)
         if got is not None:
             forecasts[step] = got[0]
             events.append(got[1])
     assert 0 not in forecasts  # the first step runs cold
-    # Before a stretch is measured: the measured steps, the planner's calls.
+    # Each span is a stretch: the first warm step (alone, as calibration records it) is
+    # measured already.
     c1 = events[0]["round"]
     assert c1["inner_step_s"] == max(_step_s(g, 1, jitter) for g in (0, 1))
-    assert c1["control_overhead_s"] == CALL_OVERHEAD_S
+    assert c1["control_overhead_s"] == pytest.approx(OVERHEAD_S)
     # After: the overhead the timeline holds, and the wall time per step it shows.
     control = cal.outer.cost.control
     assert control.rtt_s == pytest.approx(2 * LATENCY_S)
     assert control.overhead_s == pytest.approx(OVERHEAD_S)
-    ends = [at for step, at in seen if (step + 1) % period == 0]
-    walls = [(b - a) / period for a, b in pairwise(ends)]
-    plain = min(walls)  # a period without a checkpoint's second
+    at = dict((step, t) for step, t, _ in seen)
+    checkpoints = sum(1 for d in range(21, steps + 1) if every and d % every == 0)
+    plain = (at[steps - 1] - at[19] - 1.0 * checkpoints) / (steps - 20)
     if not jitter:
-        assert max(walls[1:]) == pytest.approx(plain + 1.0 / period if every else plain)
-        assert events[-1]["group_step_s"] == [STEP_S[0], STEP_S[1]]
-    else:  # the slower group as the exchanges see it, not the larger mean (0.25 s)
-        assert max(walls[1:]) == pytest.approx(plain)
-        assert events[-1]["group_step_s"] == [pytest.approx(0.35), pytest.approx(0.25)]
-    assert forecasts[seen[-1][0]] == pytest.approx(plain, rel=1e-9)
+        assert events[-1]["group_step_s"] == pytest.approx([STEP_S[0], STEP_S[1]])
+        assert forecasts[steps - 1] == pytest.approx(plain, rel=1e-5)  # a wait in 1e5 steps
+    else:  # the slower group as a span sees it (the larger sum), not the mean (0.25 s)
+        assert forecasts[steps - 1] == pytest.approx(plain, rel=0.02)
+        assert 0.26 < max(events[-1]["group_step_s"]) < 0.35
 
 
 def test_the_calibrator_hands_an_outer_run_its_plan_and_forecast() -> None:

@@ -25,6 +25,8 @@ from geopipe.optimizer.outer_cost import (
     block_bytes,
     price_round,
     ring_hops,
+    span_cap,
+    steps_per_call,
 )
 from geopipe.optimizer.outerplan import outer_run, unlaunchable
 from geopipe.optimizer.penalty import PenaltyModel, parse_table
@@ -128,15 +130,18 @@ def test_the_round_matches_a_hand_computation() -> None:
     t_a, t_b = (e.iteration_time_s for e in evals)
     assert t_b > 1.5 * t_a  # b's device is half as fast: it sets the pace
     assert cost.step_s == t_b and cost.exchange_s == pytest.approx(exchange)
-    exposed = 2 * (exchange - 1 * t_b)
-    assert 0 < exposed < 2 * exchange  # partly hidden behind the overlapped step
+    # each apply also waits for the driver's decision: one call after the exchange
+    exposed = 2 * (exchange + CALL_OVERHEAD_S - 1 * t_b)
+    assert 0 < exposed < 2 * (exchange + CALL_OVERHEAD_S)  # partly hidden by the overlap
     assert cost.exposed_s == pytest.approx(exposed)
     assert cost.codec_s == 0.0  # codec none
     outer = params * (40 + 4 * 2) / 10e9  # elementwise over the fp32 master, one device
     assert cost.outer_step_s == pytest.approx(outer)
-    # The driver's calls: one per span up to each apply (every H / F = 4 steps), then the
-    # gather and the apply, per fragment; emulated links: no round trip, the nominal overhead.
-    control = (8 / 4 + 2 * OUTER_CALLS_PER_FRAGMENT) * (0.0 + CALL_OVERHEAD_S)
+    # The driver's calls: one per span of SPAN_S seconds of steps (up to a checkpoint), the
+    # applies inside them; emulated links: no round trip, the nominal overhead.
+    per_call = steps_per_call(spec.training.checkpoint.every_steps, cap=span_cap(t_b))
+    assert per_call > 8  # longer than a round
+    control = (8 / per_call + 2 * OUTER_CALLS_PER_FRAGMENT) * (0.0 + CALL_OVERHEAD_S)
     assert cost.control_s == pytest.approx(control)
     round_s = 8 * t_b + exposed + outer + control
     assert cost.round_s == pytest.approx(round_s)

@@ -171,9 +171,9 @@ def run_span(ctl: Any, step: int) -> State:
     def recorded(s: int) -> bool:
         return cal.wants(s) or (trace and s == total - 1)
 
-    span = outer.queued
+    span, queued = outer.queued, True
     if span is None or span.start != step:
-        span = _start(ctl, step, recorded)
+        span, queued = _start(ctl, step, recorded), False
     outer.queued = _start(ctl, span.end, recorded) if _queues_after(ctl, span, recorded) else None
     outer.span = (step, span.count)  # what a recovery finds in flight
     for s in range(step, span.end):  # --chaos-kill-every: 40 % into step s, as per-step calls
@@ -187,7 +187,7 @@ def run_span(ctl: Any, step: int) -> State:
     if outer.queued is None:
         outer.decisions = None
     try:
-        record_span(ctl, step, answers, span.flat)
+        record_span(ctl, step, answers, span.flat, queued)
         ctl.evals.after_step(nxt, total, ctl.flat_actors())  # training.eval
         state = next_state(ctl, nxt)
         if outer.queued is not None:  # called already: it runs first (a Ctrl-C waits for it)
@@ -198,15 +198,20 @@ def run_span(ctl: Any, step: int) -> State:
     return state
 
 
-def record_span(ctl: Any, start: int, answers: list[list], actors: list) -> int:
+def record_span(
+    ctl: Any, start: int, answers: list[list], actors: list, queued: bool = False
+) -> int:
     """Record each step of a span (``answers[i]``: actor ``actors[i]``'s results, in step
     order) as a finished step, and note the outer apply and sends the actors made; returns
     the steps done. An actor lost while a step is recorded (a call the guards make) does not
-    keep the later steps from being recorded: the first such error is raised once all are."""
+    keep the later steps from being recorded: the first such error is raised once all are.
+    ``queued``: the span was called before the one ahead of it returned (the calibration's
+    stretch is the span: :mod:`.outercal`)."""
     received = time.perf_counter()
     codecs = ctl.plan.codecs
     count = min(len(a) for a in answers)
     failed: BaseException | None = None
+    ctl.outer.recording = (start, start + count, queued)
     for i in range(count):
         results = [a[i] for a in answers]
         if ctl.plan.codecs != codecs:  # sampled under a codec no longer in force
@@ -219,6 +224,7 @@ def record_span(ctl: Any, start: int, answers: list[list], actors: list) -> int:
         ctl.outer.note_sends(start + i + 1, results, received)
         ctl.outer.note_applied(start + i + 1, results, actors)
     ctl.outer.done_through = max(ctl.outer.done_through, start + count)  # made in the span
+    ctl.outer.recording = None
     if failed is not None:
         raise failed
     return start + count

@@ -14,15 +14,16 @@ test bed). After every inner step :class:`OuterCalibrator` measures
   of the groups' summed steps, over the latest stretches that hold :data:`STEPS` steps (on
   a shared host the groups' steps jitter apart, and the larger of two sums exceeds the
   larger of two means);
-* the driver's seconds per control call: over those stretches, the wall time the driver saw
+* the driver's seconds per control call: over each *stretch*, the wall time the driver saw
   (from recording the stretch's last step to recording the previous one's) less the
-  slowest group's steps, less the price of the apply that opened the stretch (exposed
-  transfer, codec, outer step: modelled, from the measured links and step), less the round
-  trips the steps waited through (what the link model gives for the round trip to the
-  farthest group, once per stretch: its later spans were queued), over the calls the
-  stretch took (its spans; the apply and its gather ride on them). Stretches opened by a
-  checkpoint or an evaluation are left out (the forecast does not price them, as the
-  pipeline's does not).
+  slowest group's steps, less the price of the applies made in it (exposed transfer, codec,
+  outer step: the exposure measured, the rest modelled from the measured links and step),
+  less the round trip its steps waited through (what the link model gives for the round
+  trip to the farthest group: none for a span queued behind the one before), over the calls
+  it took. A stretch is one span (:mod:`.innerrun`: its applies are made inside it); on the
+  per-step path (``max_span`` 0) the steps between two applies, the apply that opened it
+  made by the driver. Stretches opened by a checkpoint or an evaluation are left out (the
+  forecast does not price them, as the pipeline's does not).
 
 * the exposed transfer of an apply: what the appliers waited for the payloads in the latest
   round (OuterRounds' ``outer_round`` rows, ``exposed_s``), once a round of the present
@@ -112,14 +113,24 @@ class OuterCalibrator:
         return span if span else span_cap(predicted_s)
 
     def _acts(self, done: int) -> str | None:
-        """What the driver does after ``done`` inner steps that bounds a stretch."""
+        """What the driver does after ``done`` inner steps that bounds a stretch: a
+        checkpoint or an evaluation (``other``); the end of the span being recorded
+        (``span``); on the per-step path, an apply (``apply``)."""
         t = self.spec.training
         ev = t.eval.every_steps if t.eval is not None else 0
         if (t.checkpoint.every_steps and done % t.checkpoint.every_steps == 0) or (
             ev and done % ev == 0
         ):
             return "other"
+        span = self._span()
+        if span is not None:
+            return "span" if done == span[1] else None
         return "apply" if self.schedule.applies_at(done) is not None else None
+
+    def _span(self) -> tuple[int, int, bool] | None:
+        """The span the driver is recording (first step, end, whether it was queued), or
+        None on the per-step path (``OuterRounds.recording``)."""
+        return getattr(self.rounds, "recording", None)
 
     def _calls(self, first: int, last: int, cap: int) -> tuple[int, int]:
         """The calls that ran steps ``first..last`` (a recorded step alone, the rest in spans
@@ -225,14 +236,23 @@ class OuterCalibrator:
         wall = self._seen[last].at - self._seen[mark].at
         compute = max(sum(w.group_s.get(g, 0.0) for w in steps) for g in steps[-1].group_s)
         calls, waits = self._calls(first, last, cap)
+        span = self._span()
+        if span is not None:  # one call, its applies inside: waited on unless queued
+            calls, waits = 1, 0 if span[2] else 1
+            applies = sum(
+                1 for s in range(first, last + 1) if self.schedule.applies_at(s + 1) is not None
+            )
+        else:
+            applies = 1 if opened == "apply" else 0
         if not queues_spans([e.plan for e in evals]):
             waits = calls
         outer = 0.0
-        if opened == "apply":  # its exposed transfer, codec and outer step, as priced
+        if applies:  # their exposed transfer, codec and outer step, as priced
             c = self._price(groups, evals, Control(0.0, 0.0))
-            outer = (c.exposed_s + c.codec_s + c.outer_step_s) / self.run.setting.fragments
-            calls += OUTER_CALLS_PER_FRAGMENT
-            waits += OUTER_CALLS_PER_FRAGMENT
+            f = self.run.setting.fragments
+            outer = applies * (c.exposed_s + c.codec_s + c.outer_step_s) / f
+            calls += applies * OUTER_CALLS_PER_FRAGMENT
+            waits += applies * OUTER_CALLS_PER_FRAGMENT
         self._units.append((wall - compute - outer, calls, compute, last - mark, waits))
         for s in [s for s in self._seen if s < mark]:
             del self._seen[s]

@@ -153,6 +153,8 @@ class OuterRounds:
         # what it decided: apply point -> (groups, the gathers' longest wait)
         self.decisions: Any = None
         self.decided: dict[int, tuple[list[int], float]] = {}
+        # The span whose steps the driver is recording: (first step, end, queued) (.outercal)
+        self.recording: tuple[int, int, bool] | None = None
 
     def begin(self, actors: list[Any], sites: list[str]) -> None:
         """theta_global from every replica's masters now (all groups hold the same weights:
