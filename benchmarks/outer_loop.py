@@ -77,11 +77,14 @@ def planner_setting(
 ) -> dict:
     """The outer loop the planner chooses for the job over ``link`` (the YAML's figures:
     what ``geopipe plan`` prints), as plan.outer's keys; ``max_loss_penalty``: the YAML's
-    plan.max_loss_penalty."""
+    plan.max_loss_penalty. Planned as the bed runs it, on a real network
+    (``emulate_links: false``): the driver's calls to the far site cross the link, so an
+    apply's decision costs a round trip the overlap must hide."""
     from geopipe.config import parse_cluster
     from geopipe.optimizer.runplan import plan_run
 
     doc = outer_doc("planner", 600, outer, latency_ms=link[0], rate_mbit=link[1])
+    doc["ray"]["emulate_links"] = False
     if max_loss_penalty is not None:
         doc["plan"]["max_loss_penalty"] = max_loss_penalty
     rp = plan_run(parse_cluster(doc, doc["name"]))
