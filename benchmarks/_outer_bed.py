@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from itertools import pairwise
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -45,6 +46,16 @@ def window(n_steps: int, h: int | None) -> tuple[int, int]:
     return a, b
 
 
+def in_spans(steps: list[dict]) -> bool:
+    """Whether the run's steps came back a span at a time (an outer run's calls: every step
+    of a span has its span's ``completed_at``). Then a window cut at whole rounds would cut
+    spans, whose steps all end at once; the window runs from the last of calibration's
+    single steps to the last step instead, every apply made in it counted (at most one
+    round more than its share: a conservative figure)."""
+    done = [s["completed_at"] for s in steps[CALIBRATION_STEPS:]]
+    return any(x == y for x, y in pairwise(done))
+
+
 def steps_for(h: int | None, rounds: int = 2, minimum: int = 12) -> int:
     """Steps that leave ``rounds`` whole rounds after the first (or ``minimum``)."""
     if not h or h <= 1:
@@ -58,6 +69,8 @@ def summary(run_dir: Path, n_steps: int) -> dict:
     outer = plan.get("outer")
     h = outer["h"] if outer else None
     a, b = window(len(steps), h)
+    if in_spans(steps):  # recorded a span at a time: from calibration's last to the end
+        a, b = CALIBRATION_STEPS - 1, len(steps) - 1
     span = [s for s in steps if a <= s["step"] <= b]
     wall = wall_per_step(span, 0) if len(span) >= 2 else None
     rounds = [e for e in events if e["event"] == "outer_round"]

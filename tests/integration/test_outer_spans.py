@@ -150,6 +150,10 @@ def test_spans_take_fewer_driver_calls_than_inner_steps(runs) -> None:
     assert got["outer_gather"] >= 4 * actors  # asked beside the spans
     calls = sum(got[m] for m in ("run_iterations", "outer_send", "outer_apply"))
     assert calls == 5 * actors  # the calls the actors wait on, for 12 inner steps
+    # a span's steps are recorded as done when the span came back: one time each span
+    done = {x["step"]: x["completed_at"] for x in spans["lines"] if "event" not in x}
+    assert len({done[s] for s in range(3)}) == 3
+    assert done[3] == done[4] == done[5] < done[6] == done[11]
     old = per_step["counts"]
     assert old["run_iteration"] == STEPS * actors and old["outer_send"] == 4 * actors
     assert old["outer_apply"] == 4 * actors and old["outer_gather"] >= 4 * actors

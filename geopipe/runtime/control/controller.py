@@ -412,13 +412,15 @@ class Controller:
         hang_s = hang_timeout_s(0.0, False, self.spec.health)
         return await_step(self.workers, flat, refs, hang_s, self.spec.health)
 
-    def _record(self, step: int, results: list) -> None:
-        """Metrics, calibration, status and progress of a finished step."""
+    def _record(self, step: int, results: list, at: float | None = None) -> None:
+        """Metrics, calibration, status and progress of a finished step (``at``: when the
+        driver received it, on the wall clock: a span's steps share their span's; default
+        now)."""
         launched = self.outer_run.plan if self.outer_run else None
         tokens, groups = recorded_shape(self.spec.training.global_batch_size, self.plan, launched)
         m = aggregate(results, self.plan.num_stages, tokens, groups)
         self._result.steps.append(m)
-        self.reporter.step(m, self.calibrator.predicted_s)
+        self.reporter.step(m, self.calibrator.predicted_s, at)
         # The calibration model replays one uniform layout; a mix keeps the planner's
         # prediction (its pipelines' ΔN were chosen with it); an outer run's is re-priced.
         if not self.plan.heterogeneous or self.outer is not None:

@@ -130,15 +130,18 @@ def _start(ctl: Any, step: int, recorded: Callable[[int], bool]) -> Span:
     return Span(step, count, flat, refs, points)
 
 
-def decisions_for(ctl: Any, span: Span, hang_s: float) -> Decisions:
+def decisions_for(ctl: Any, span: Span) -> Decisions:
     """The walk over ``span``'s apply points (and the queued span's after them), over the
     actors of the live groups: the one in flight if it is over these actors, else a new
-    one."""
-    outer = ctl.outer
+    one. A gather waits on its replica for the span's send at most a heartbeat, then is
+    asked again: a walk the driver drops (its spans returned) leaves no call waiting long
+    on an actor's threads."""
+    outer, h = ctl.outer, ctl.spec.health
     points = span.points + (outer.queued.points if outer.queued is not None else [])
     d = outer.decisions
     if d is None or [id(a) for a in d.actors] != [id(a) for a in span.flat]:
-        d = outer.decisions = Decisions(outer, span.flat, points, hang_s)
+        send_wait_s = max(0.05, min(h.heartbeat_s, h.wan_outage_s))
+        d = outer.decisions = Decisions(outer, span.flat, points, send_wait_s)
     else:
         d.add(points)
     return d
@@ -179,7 +182,7 @@ def run_span(ctl: Any, step: int) -> State:
     for s in range(step, span.end):  # --chaos-kill-every: 40 % into step s, as per-step calls
         ctl.chaos.maybe_strike(s, ctl._rows(), cal.predicted_s * (s - step + 0.4) / 0.4)
     hang_s = hang_timeout_s(cal.predicted_s * span.count, cal.calibrated, ctl.spec.health)
-    side = decisions_for(ctl, span, hang_s)
+    side = decisions_for(ctl, span)
     answers = ctl._await(step, span.flat, span.refs, hang_s, side)
     if isinstance(answers, Recovering):
         return answers
@@ -207,7 +210,7 @@ def record_span(
     keep the later steps from being recorded: the first such error is raised once all are.
     ``queued``: the span was called before the one ahead of it returned (the calibration's
     stretch is the span: :mod:`.outercal`)."""
-    received = time.perf_counter()
+    received, wall = time.perf_counter(), time.time()
     codecs = ctl.plan.codecs
     count = min(len(a) for a in answers)
     failed: BaseException | None = None
@@ -218,7 +221,7 @@ def record_span(
             for r in results:
                 r.codec_error = {}
         try:
-            ctl._record(start + i, results)
+            ctl._record(start + i, results, wall)  # completed_at: when the span came back
         except (WorkerLost, WorkerFailed) as exc:
             failed = failed or exc
         ctl.outer.note_sends(start + i + 1, results, received)

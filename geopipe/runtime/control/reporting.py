@@ -211,11 +211,12 @@ class Reporter:
         total = f"/{math.ceil(self.total_steps / self.outer_h)}" if self.outer_h else ""
         self.latest_round = f"round {int(row['round']) + 1}{total}"
 
-    def step(self, m: StepMetrics, predicted_s: float) -> None:
+    def step(self, m: StepMetrics, predicted_s: float, at: float | None = None) -> None:
+        """A finished step's metrics line; ``completed_at`` is ``at`` (when the driver
+        received it: one time for every step of a span) or now."""
         if self.sink is not None:
-            self.sink.write(
-                m, {"predicted_iteration_time_s": predicted_s, "completed_at": time.time()}
-            )
+            done = time.time() if at is None else at
+            self.sink.write(m, {"predicted_iteration_time_s": predicted_s, "completed_at": done})
         if self.progress is not None:
             self.progress.update(m)
 
