@@ -48,12 +48,26 @@ def window(n_steps: int, h: int | None) -> tuple[int, int]:
 
 def in_spans(steps: list[dict]) -> bool:
     """Whether the run's steps came back a span at a time (an outer run's calls: every step
-    of a span has its span's ``completed_at``). Then a window cut at whole rounds would cut
-    spans, whose steps all end at once; the window runs from the last of calibration's
-    single steps to the last step instead, every apply made in it counted (at most one
-    round more than its share: a conservative figure)."""
+    of a span has its span's ``completed_at``), so a window cut at whole rounds would cut
+    spans, whose steps all end at once (:func:`span_window`)."""
     done = [s["completed_at"] for s in steps[CALIBRATION_STEPS:]]
     return any(x == y for x, y in pairwise(done))
+
+
+def span_window(steps: list[dict], start: int) -> tuple[int, int]:
+    """The window of a run recorded in spans: from the first span end at or after ``start``
+    (the first whole round's end: the forecast is judged once the first round is measured)
+    to the last step, every apply made in it counted (a round more than its share at most:
+    a conservative figure); from calibration's last single step when that leaves no
+    span."""
+    last = len(steps) - 1
+    ends = [
+        i
+        for i, (x, y) in enumerate(pairwise(s["completed_at"] for s in steps))
+        if x != y and i >= start
+    ]
+    a = ends[0] if ends and ends[0] < last else CALIBRATION_STEPS - 1
+    return a, last
 
 
 def steps_for(h: int | None, rounds: int = 2, minimum: int = 12) -> int:
@@ -69,8 +83,8 @@ def summary(run_dir: Path, n_steps: int) -> dict:
     outer = plan.get("outer")
     h = outer["h"] if outer else None
     a, b = window(len(steps), h)
-    if in_spans(steps):  # recorded a span at a time: from calibration's last to the end
-        a, b = CALIBRATION_STEPS - 1, len(steps) - 1
+    if in_spans(steps):  # recorded a span at a time: cut at span ends
+        a, b = span_window(steps, a)
     span = [s for s in steps if a <= s["step"] <= b]
     wall = wall_per_step(span, 0) if len(span) >= 2 else None
     rounds = [e for e in events if e["event"] == "outer_round"]

@@ -63,10 +63,10 @@ boundary (a checkpoint, an evaluation) costs its round trip (``steps_per_wait`` 
 call), every call its overhead. :func:`steps_per_call` counts the spans exactly over one
 period of the boundaries (with ``cap`` = :data:`_HORIZON`, the boundaries alone).
 
-An apply waits inside its span for the driver's decision, which comes once every replica
-holds every payload: the replicas' gathers reach the driver and its decision comes back, one
-call's round trip (``call_s``) after the exchange ends. So the overlap must hide that too:
-each fragment exposes ``max(0, T_x + call_s − tau · t)``.
+An apply waits inside its span for nothing but the payloads: the driver names its groups
+as the apply point comes up, long before the payloads arrive, and takes that back only when a
+group is lost ([Note: taking back a decision] in :mod:`geopipe.runtime.control.outerdecide`).
+So each fragment exposes ``max(0, T_x − tau · t)``, no control round trip.
 
 The driver is taken to sit in the first site listed (where the test bed, and usually a
 cluster, starts Ray's head): the RTT is the shortest-latency path there and back to the
@@ -417,10 +417,7 @@ def price_round(
     blocks = [block_bytes(spec, p, setting) for p in plans]
     # One group left (the others lost): nothing to exchange.
     exchange, slowest_hop = _all_gather_s(ring_hops(spec, groups), blocks) if m > 1 else (0, "")
-    # each apply waits for the driver's decision: a call's round trip after the exchange
-    # ([Note: the driver's control calls])
-    decide = control.call_s if m > 1 else 0.0
-    exposed = f * max(0.0, exchange + decide - setting.overlap * step)
+    exposed = f * max(0.0, exchange - setting.overlap * step)
     codec = f * max(_codec_s(spec, p, setting, m) for p in plans)
     outer = max(_outer_step_s(spec, p, m, f) for p in plans)
     devices = [p.pipelines * p.num_stages for p in plans]

@@ -12,7 +12,7 @@ from geopipe.outer.fragments import StreamingSchedule
 from geopipe.runtime.actor.inner_run import run_span
 from geopipe.runtime.control.innerrun import MAX_SPAN, SPAN_S, span_of
 from geopipe.runtime.control.outerdecide import points_of
-from tests.unit.test_outer_rounds import _rounds
+from tests.unit.test_outer_rounds import Recorder, _rounds
 
 
 def _never(_: int) -> bool:
@@ -80,8 +80,8 @@ class _Worker:
         self.calls.append(("send", fragment, done))
         return {"fragment": fragment, "payload_bytes": 7}
 
-    def outer_decision(self, done: int, wait_s: float) -> list[int]:
-        self.calls.append(("decision", done))
+    def outer_decision(self, done: int, fragment: int, wait_s: float) -> list[int]:
+        self.calls.append(("decision", done, fragment))
         return [0, 1]
 
     def outer_apply(self, fragment: int, groups: list[int]) -> dict:
@@ -99,7 +99,7 @@ def test_an_apply_is_made_inside_the_span_after_its_send_and_step() -> None:
         ("step", 8, False),
         ("step", 9, False),
         ("send", 1, 10),
-        ("decision", 10),
+        ("decision", 10, 1),
         ("apply", 1, [0, 1]),
         ("step", 10, False),
         ("step", 11, False),
@@ -154,10 +154,12 @@ class _Ref:
 
 class _Seam:
     """The worker seam for :class:`Decisions`: each actor answers ``outer_gather`` from
-    ``gather(actor, call number)``; every call is recorded."""
+    ``gather(actor, call number)`` and ``outer_decide`` with the groups ``made[actor]`` its
+    apply already used (None: not made); every call is recorded."""
 
-    def __init__(self, rec, gather) -> None:
+    def __init__(self, rec, gather, made=None) -> None:
         self.rec, self.gather, self.asked = rec, gather, {}
+        self.made = made or {}
         self.calls: list[tuple] = []
 
     def call(self, actor: int, method: str, *args):
@@ -165,10 +167,17 @@ class _Seam:
         if method == "outer_gather":
             n = self.asked[actor] = self.asked.get(actor, 0) + 1
             return _Ref(self.gather(actor, n))
+        if method == "outer_decide":
+            return _Ref({"made": self.made.get(actor)})
         return _Ref(self.rec.call(actor, method, *args))
 
     def get(self, pendings, timeout=None):
         return [p.value for p in pendings]
+
+    def decided(self, seq: int) -> list[tuple]:
+        """The ``outer_decide`` calls of word ``seq`` (0: as a point comes up; 1: hold;
+        2: the final groups), as (actor, steps done, groups)."""
+        return [(a, x[0], x[1]) for a, m, x in self.calls if m == "outer_decide" and x[2] == seq]
 
 
 def _walk(d) -> None:
@@ -177,11 +186,13 @@ def _walk(d) -> None:
         d.ready(d.refs()[0])
 
 
-def test_the_driver_names_the_groups_once_every_replica_holds_every_payload() -> None:
-    """The driver's half: each apply point's gathers (which wait for the span's send) are
-    asked of every replica; a replica whose span has not sent yet is asked again, with no
-    silence counted; once all hold all, every replica is told the groups and the walk goes
-    to the next point. The apply the span then makes is recorded with its wait."""
+def test_the_driver_names_the_groups_as_each_point_comes_up() -> None:
+    """The driver's half: as each apply point comes up every replica is told its groups,
+    the live ones (it applies once it holds their payloads: no round trip after they
+    arrive), and asked for its gather of the round (which waits for the span's send); a
+    replica whose span has not sent yet is asked again, with no silence counted; once all
+    hold all, the walk goes to the next point. The apply the span then makes is recorded
+    with its wait."""
     from geopipe.runtime.control.outerdecide import Decisions
 
     rounds, rec, events = _rounds(h=8, fragments=2, overlap=1)
@@ -196,13 +207,14 @@ def test_the_driver_names_the_groups_once_every_replica_holds_every_payload() ->
     )
     rounds.workers = seam
     d = Decisions(rounds, actors, points_of(rounds.schedule, 0, 8), send_wait_s=5.0)
+    assert seam.decided(0) == [(a, 4, [0, 1]) for a in actors]  # at once, before any gather
     _walk(d)
-    told = [(a, args) for a, m, args in seam.calls if m == "outer_decide"]
-    assert told == [(a, (4, [0, 1])) for a in actors] + [(a, (8, [0, 1])) for a in actors]
+    assert seam.decided(0) == [(a, 4, [0, 1]) for a in actors] + [(a, 8, [0, 1]) for a in actors]
+    assert not seam.decided(1) and not seam.decided(2)  # nothing taken back
     gathers = [(a, args) for a, m, args in seam.calls if m == "outer_gather"]
     assert gathers[:6] == [(a, (0, 1.0, 3, 5.0)) for a in actors]  # fragment 0, sent after 3
     assert sum(1 for a, _ in gathers if a == 5) == 3 and not d.stalled()  # asked again once
-    assert rounds.decided[4] == ([0, 1], 0.2) and d.points == []
+    assert d.points == [] and d.made == {4, 8}
     # the span's apply after 4 steps, recorded from its results
     rounds.note_sends(
         3, [SimpleNamespace(outer_sent={"fragment": 0, "payload_bytes": 50})] * 6, 1.0
@@ -213,13 +225,14 @@ def test_the_driver_names_the_groups_once_every_replica_holds_every_payload() ->
     rows = [f for kind, f in events if kind == "outer_round"]
     assert [(r["step"], r["fragment"], r["bytes"]) for r in rows] == [(4, 0, 300)]
     assert rows[0]["exposed_s"] == 0.05 and rows[0]["overlapped_s"] == 0.45
-    assert 4 not in rounds.decided
 
 
 def test_a_missing_payload_stalls_the_point_names_the_link_and_loses_the_group() -> None:
     """A payload that does not come: the point stalls (the hang clock pauses), its
     gathers are asked again of the replicas missing it, the console names the link, and
-    past health.wan_outage_s the group the kept set leaves out is lost."""
+    past health.wan_outage_s the decision is taken back: every replica holds, none had
+    applied (none held every payload), so group 0's side is told its own group alone and
+    group 1 is lost."""
     from geopipe.runtime.control.outerdecide import Decisions
     from geopipe.runtime.control.outerloop import GroupsLost
 
@@ -235,19 +248,54 @@ def test_a_missing_payload_stalls_the_point_names_the_link_and_loses_the_group()
         now[0] += 1.0  # each answer a second later on the virtual clock
         return {"have": [0] if a < 3 else [0, 1], "wait_s": 1.0}  # group 0 never hears 1
 
-    rounds.workers = _Seam(rec, gather)
+    seam = rounds.workers = _Seam(rec, gather)
     d = Decisions(rounds, actors, points_of(rounds.schedule, 0, 4), send_wait_s=5.0)
     with pytest.raises(GroupsLost) as lost:
         _walk(d)
     assert lost.value.groups == [1] and lost.value.silent  # group 0's side stays
-    assert d.stalled() and "group 0 <- 1 (sites east <-> west)" in said[0]
-    decided = [c for c in rounds.workers.calls if c[1] == "outer_decide"]
-    assert decided == []  # no replica was told to apply
+    assert d.stalled() is False and "group 0 <- 1 (sites east <-> west)" in said[0]
+    assert seam.decided(1) == [(a, 4, None) for a in actors]  # held everywhere first
+    assert seam.decided(2) == [(a, 4, [0]) for a in range(3)]  # then group 0 alone
+
+
+def test_a_decision_already_made_binds_the_survivors_of_its_partition() -> None:
+    """[Note: taking back a decision]: three groups of one replica each; group 2 stays
+    silent to group 1 alone. Group 0's replica already applied over all three (it held
+    every payload); group 1's cannot (it lacks group 2's), so it is lost although it heard
+    group 0: the survivors are groups 0 and 2, and group 2 applies over all three too, the
+    same bytes as group 0. Without the hold, kept_groups alone would keep 0 and 1, and
+    theta_global would split."""
+    from geopipe.runtime.control.outerdecide import Decisions
+    from geopipe.runtime.control.outerloop import GroupsLost
+
+    rounds, _, _ = _rounds(h=4, fragments=1, overlap=0)
+    eps = [
+        {"group": g, "stage": 0, "partition": 0, "address": ("h", g), "layout": "0/0"}
+        for g in range(3)
+    ]
+    rec = Recorder(eps)
+    rounds.workers = rec
+    rounds.begin([0, 1, 2], ["east", "west", "west"])
+    now = [0.0]
+    rounds.clock = lambda: now[0]
+    holds = {0: [0, 1, 2], 1: [0, 1], 2: [0, 1, 2]}
+
+    def gather(a, n):
+        now[0] += 1.0
+        return {"have": holds[a], "wait_s": 1.0}
+
+    seam = rounds.workers = _Seam(rec, gather, made={0: [0, 1, 2]})
+    d = Decisions(rounds, [0, 1, 2], points_of(rounds.schedule, 0, 4), send_wait_s=5.0)
+    with pytest.raises(GroupsLost) as lost:
+        _walk(d)
+    assert lost.value.groups == [1]
+    assert seam.decided(2) == [(0, 4, [0, 1, 2]), (2, 4, [0, 1, 2])]
 
 
 def test_a_group_whose_frames_were_refused_is_lost_at_once() -> None:
     """A replica that refused a group's frames (NaN, a frame off the plan) says so in its
-    gather: the driver writes that group off there, not after health.wan_outage_s."""
+    gather: the driver writes that group off there, not after health.wan_outage_s, and
+    tells the others their final groups."""
     from geopipe.runtime.control.outerdecide import Decisions
     from geopipe.runtime.control.outerloop import GroupsLost
 
@@ -260,9 +308,42 @@ def test_a_group_whose_frames_were_refused_is_lost_at_once() -> None:
             return {"have": [0], "wait_s": 0.0, "refused": {1: "refused: NaN in the payload"}}
         return {"have": [0, 1], "wait_s": 0.0}
 
-    rounds.workers = _Seam(rec, gather)
+    seam = rounds.workers = _Seam(rec, gather)
     d = Decisions(rounds, actors, points_of(rounds.schedule, 0, 4), send_wait_s=5.0)
     with pytest.raises(GroupsLost, match="refused") as lost:
         _walk(d)
     assert lost.value.groups == [1] and not lost.value.silent
-    assert not [c for c in rounds.workers.calls if c[1] == "outer_decide"]
+    assert seam.decided(2) == [(a, 4, [0]) for a in range(3)]
+
+
+def test_a_replica_applies_once_it_holds_the_named_payloads_and_a_made_apply_stands() -> None:
+    """The replica's half ([Note: taking back a decision]): the apply waits for the driver's
+    groups *and* their payloads; once it is made, a hold changes nothing and says so; before
+    it, the driver's latest word wins, an older one arriving late changes nothing."""
+    import threading
+
+    from geopipe.runtime.actor.outer import OuterLoop
+
+    o = object.__new__(OuterLoop)  # the decision's state alone: no engine, no exchange
+    o.group, o._sync = 0, threading.Condition()
+    o._decided, o._made, o._seq, o._got = {}, {}, {}, {}
+    o._pending = {3: (0, [], {})}  # fragment 3 sent
+    assert o.decide(10, [0, 1]) == {"made": None}
+    with pytest.raises(TimeoutError):
+        o.decision(10, 3, 0.01)  # group 1's payload not held yet
+
+    def arrives() -> None:
+        with o._sync:
+            o._got.setdefault(3, {})[1] = []
+            o._sync.notify_all()
+
+    threading.Timer(0.05, arrives).start()
+    assert o.decision(10, 3, 5.0) == [0, 1]
+    assert o.decide(10, None, 1) == {"made": [0, 1]}  # made: the hold changes nothing
+    assert o.decide(20, [0, 1], 0) == {"made": None}
+    assert o.decide(20, None, 1) == {"made": None}  # held: no apply until the next word
+    o.decide(20, [0, 1], 0)  # the first word, arriving late: older, ignored
+    with pytest.raises(TimeoutError):
+        o.decision(20, 3, 0.01)
+    o.decide(20, [0], 2)
+    assert o.decision(20, 3, 1.0) == [0]

@@ -104,10 +104,10 @@ def test_the_round_trip_is_to_the_farthest_site_over_the_fastest_path() -> None:
 
 def test_an_outer_round_matches_the_analytic_formula_with_its_control_calls() -> None:
     """H = 10, F = 2, overlap 1, codec none over one 25 ms, 0.2 Gbit/s link: the round is
-    H·t + F·max(0, T_x + call_s − tau·t) + t_outer + (H / steps_per_call)·overhead
-    + (H / steps_per_wait)·RTT (the applies are made inside the span calls, each once the
-    driver's decision is back: a call's round trip after the exchange; a span queued behind
-    another hides its round trip)."""
+    H·t + F·max(0, T_x − tau·t) + t_outer + (H / steps_per_call)·overhead
+    + (H / steps_per_wait)·RTT (the applies are made inside the span calls, their groups
+    named before the payloads arrive; a span queued behind another hides its round
+    trip)."""
     spec = parse_cluster(_doc(), "t")
     groups = (("east",), ("west",))
     evals = [plan_cluster(group_spec(spec, g, 16)).best for g in groups]
@@ -121,7 +121,7 @@ def test_an_outer_round_matches_the_analytic_formula_with_its_control_calls() ->
         control_ = Control(rtt, overhead, per_call, steps_per_wait=per_wait)
         cost = price_round(spec, groups, evals, s, control_)
         control = 10 / per_call * overhead + 10 / (per_wait or per_call) * rtt
-        exposed = 2 * max(0.0, exchange + rtt + overhead - 1 * t)
+        exposed = 2 * max(0.0, exchange - 1 * t)  # no round trip: decided beforehand
         assert cost.exposed_s == pytest.approx(exposed)
         assert cost.exchange_s == pytest.approx(exchange)
         assert cost.control_s == pytest.approx(control)
@@ -315,3 +315,29 @@ def test_the_calibrator_hands_an_outer_run_its_plan_and_forecast() -> None:
     cal.observe(9, west, launch_results)
     lone = cal.observe(10, west, launch_results)
     assert lone.plan is west and lone.event["group_step_s"] == [STEP_S[1]]
+
+
+def test_the_exposed_transfer_is_the_mean_of_the_latest_rounds() -> None:
+    """One round's exposure moves a lot on a real network (a transfer after idle restarts
+    TCP's window): the forecast takes the mean over the latest EXPOSED_ROUNDS rounds of the
+    present layout's applies, per round F of them; before F applies, the link model's."""
+    from geopipe.runtime.control.outercal import EXPOSED_ROUNDS
+
+    spec = parse_cluster(_doc(), "t")
+    run = plan_run(spec, penalty=_table()).outer
+    f = run.setting.fragments
+    rounds = SimpleNamespace(run=run, max_span=None, rounds=[], recording=None)
+    cal = Calibrator(spec, False, 1.0, [], rounds)
+    groups, evals = cal.outer._groups(run.plan)
+    modelled = cal.outer._price(groups, evals, Control(0.0, 0.0)).exposed_s
+    rounds.rounds = [{"exposed_s": 9.0, "groups": 2}] * (f - 1)
+    assert cal.outer._price(groups, evals, Control(0.0, 0.0)).exposed_s == modelled
+    waits = [0.6, 0.1, 0.2, 0.3, 0.05, 0.15, 0.25, 0.35][: f * (EXPOSED_ROUNDS + 1)]
+    rounds.rounds = [{"exposed_s": w, "groups": 2} for w in waits]
+    latest = waits[-f * EXPOSED_ROUNDS :]  # the first round's 0.6 has left the window
+    got = cal.outer._price(groups, evals, Control(0.0, 0.0)).exposed_s
+    assert got == pytest.approx(f * sum(latest) / len(latest))
+    rounds.rounds.append({"exposed_s": 5.0, "groups": 1})  # another layout's: not counted
+    assert cal.outer._price(groups, evals, Control(0.0, 0.0)).exposed_s == pytest.approx(
+        f * sum(latest[1:]) / len(latest[1:])
+    )

@@ -20,20 +20,21 @@ snapshot, before the next step), so the pseudo-gradient taken is the same, bit f
 Applies stay driver-coordinated, since the driver owns the set of live groups each apply
 averages over ([Note: a round over the survivors] in :mod:`geopipe.runtime.actor.outer`),
 but they no longer end a span. The driver names the apply points of a span (``applies``:
-inner steps done -> fragment) and, while the span runs, asks each replica on another of its
-threads for its gather of the round (which first waits for the span to make the send); once
-every replica of every live group holds every live group's payload it names the groups
-(``outer_decide``), and the span's thread, reaching the apply point, waits for that decision
-if it has not come yet and makes the apply there -- where the driver's ``outer_apply`` call
-used to land (after the send and the step, before the next step), so the weights are the
-same, bit for bit. The wait is the only cost an apply adds to the span: the transfer compute
-did not hide, and the gathers' and decision's round trip to the driver's site (both start as
-soon as the payloads are in, so ``overlap`` inner steps hide them too). Before, each apply
-ended a span and a far group paid a control round trip there (1.26x the no-WAN step time at
-five applies per 50 steps on the test bed). A payload still missing is waited for in the
-driver's slices as before (:mod:`geopipe.runtime.control.outerdecide`); a replica group lost
-meanwhile is dropped and the survivors' apply decided over the others
-(:mod:`geopipe.runtime.control.outerfail`).
+inner steps done -> fragment) and, as each comes up while the span runs, tells every replica
+on another of its threads the groups to average over, the live ones (``outer_decide``), and
+asks each for its gather of the round (which waits for the span to make the send, then files
+the peers' payloads as they arrive). The span's thread, reaching the apply point, waits until
+it holds every named group's payload and makes the apply there -- where the driver's
+``outer_apply`` call used to land (after the send and the step, before the next step), so the
+weights are the same, bit for bit. The wait is the only cost an apply adds to the span: the
+transfer compute did not hide. No control round trip lies between the payloads' arrival and
+the apply (the decision came before them); before, each apply ended a span and a far group
+paid a control round trip there (1.26x the no-WAN step time at five applies per 50 steps on
+the test bed). A payload that does not come is waited for in the driver's slices, and past
+``health.wan_outage_s`` the driver takes its decision back where no apply has used it yet
+and names the survivors' final groups ([Note: taking back a decision] in
+:mod:`geopipe.runtime.control.outerdecide`); a replica group lost meanwhile is dropped the same
+way (:mod:`geopipe.runtime.control.outerfail`).
 
 A span may be called while the one before it still runs (the driver queues the next span
 when it has nothing to do between them: [Note: the driver's control calls] in
@@ -138,7 +139,7 @@ def _run(
         fragment = applies.get(done)
         if fragment is not None:
             t0 = time.monotonic()
-            groups = worker.outer_decision(done, TURN_WAIT_S)
+            groups = worker.outer_decision(done, fragment, TURN_WAIT_S)
             waited = time.monotonic() - t0
             res.outer_applied = {**worker.outer_apply(fragment, groups), "decide_wait_s": waited}
         out.append(res)

@@ -268,6 +268,8 @@ class OuterLoop:
         self._sync = threading.Condition()
         self._sent_done: dict[int, int | None] = {}  # fragment -> inner steps done at its send
         self._decided: dict[int, list[int]] = {}  # apply point (steps done) -> the groups
+        self._made: dict[int, list[int]] = {}  # apply point -> the groups its apply used
+        self._seq: dict[int, int] = {}  # apply point -> the latest word of the driver's on it
         self._sent_clock: dict[int, float] = {}  # fragment -> when its pending round was sent
 
     def endpoint(self) -> dict[str, Any]:
@@ -333,23 +335,52 @@ class OuterLoop:
                 timeout=wait_s,
             )
 
-    def decide(self, done: int, groups: Sequence[int]) -> None:
-        """The driver's decision for the apply after ``done`` inner steps: average over
-        ``groups`` (answered on another thread than the span's; made by :meth:`decision`)."""
+    def decide(self, done: int, groups: Sequence[int] | None, seq: int = 0) -> dict[str, Any]:
+        """The driver's groups for the apply after ``done`` inner steps, which the span
+        makes once this replica holds every one's payload (None: hold it, the driver
+        decides again; ``seq``: its order among the driver's word on this apply, an older
+        one arriving late changes nothing); answered on another thread than the span's.
+        Returns the groups an
+        apply already made there averaged over (``made``; None: not made, and now it will
+        follow this decision): atomic with the apply's own start, so the driver learns
+        either that the apply is made or that it will follow what it says ([Note: applies
+        decided inside a span] in :mod:`.inner_run`)."""
         with self._sync:
-            self._decided[done] = sorted(groups)
-            self._sync.notify_all()
+            made = self._made.get(done)
+            if made is None and seq >= self._seq.get(done, 0):
+                self._seq[done] = seq
+                if groups is None:
+                    self._decided.pop(done, None)
+                else:
+                    self._decided[done] = sorted(groups)
+                self._sync.notify_all()
+            return {"made": made}
 
-    def decision(self, done: int, wait_s: float) -> list[int]:
-        """The groups the driver named for the apply after ``done`` inner steps, waiting up
-        to ``wait_s`` for them (the span's thread, at the apply point)."""
+    def decision(self, done: int, fragment: int, wait_s: float) -> list[int]:
+        """The groups of the apply after ``done`` inner steps, once the driver has named
+        them and this replica holds every one's payload of ``fragment`` (the span's
+        thread, at the apply point; the driver's gathers file the payloads), waiting up to
+        ``wait_s``. From here the decision is made: :meth:`decide` no longer changes it."""
         with self._sync:
-            if not self._sync.wait_for(lambda: done in self._decided, timeout=wait_s):
+            if not self._sync.wait_for(lambda: self._ready(done, fragment), timeout=wait_s):
                 raise TimeoutError(
                     f"no decision from the driver for the outer apply after {done} inner steps "
                     f"in {wait_s:.0f} s"
                 )
-            return self._decided.pop(done)
+            groups = self._made[done] = self._decided.pop(done)
+            for old in [d for d in self._made if d < done - 1000]:
+                del self._made[old]  # the driver asks about the apply in flight only
+                self._seq.pop(old, None)
+            return groups
+
+    def _ready(self, done: int, fragment: int) -> bool:
+        """Whether the apply after ``done`` steps is decided and every named group's payload
+        of ``fragment`` is held (this replica's own: sent). Under ``_sync``."""
+        groups = self._decided.get(done)
+        if groups is None or fragment not in self._pending:
+            return False
+        got = self._got.get(fragment, {})
+        return all(g == self.group or g in got for g in groups)
 
     def gather(
         self,
@@ -386,7 +417,9 @@ class OuterLoop:
         t0 = time.perf_counter()
         wait = self.settings.timeout_s if timeout_s is None else timeout_s
         got, missing, sent = self.net.gather(self._tag(fragment, round_), len(own), wait)
-        have.update(got)
+        with self._sync:  # a span waiting at the apply for these payloads goes on
+            have.update(got)
+            self._sync.notify_all()
         self._sent_bytes[fragment] = self._sent_bytes.get(fragment, 0) + sent
         missing = {g: why for g, why in missing.items() if g not in have}
         refused = {g: self.net.refused[g] for g in missing if g in self.net.refused}

@@ -69,15 +69,17 @@ class OuterCalls:
         (``sent_done``: of the round a span sends after that many steps, once sent)."""
         return self._outer.gather(fragment, timeout_s, sent_done, send_wait_s)
 
-    def outer_decide(self, done: int, groups: list[int]) -> None:
+    def outer_decide(self, done: int, groups: list[int] | None, seq: int = 0) -> dict[str, Any]:
         """The driver's groups for the apply after ``done`` inner steps, which the span
-        running on this replica makes when it gets there; answered beside the span."""
-        self._outer.decide(done, groups)
+        running on this replica makes when it holds their payloads (None: hold it); answered
+        beside the span, with the groups an apply already made there used (``made``)."""
+        return self._outer.decide(done, groups, seq)
 
-    def outer_decision(self, done: int, wait_s: float) -> list[int]:
+    def outer_decision(self, done: int, fragment: int, wait_s: float) -> list[int]:
         """The groups :meth:`outer_decide` named for the apply after ``done`` inner steps,
-        awaited (the span's own thread, at that apply: :mod:`.inner_run`)."""
-        return self._outer.decision(done, wait_s)
+        once their payloads of ``fragment`` are held (the span's own thread, at that apply:
+        :mod:`.inner_run`)."""
+        return self._outer.decision(done, fragment, wait_s)
 
     def outer_drop(self, groups: list[int]) -> None:
         """Write ``groups`` off (a gather waiting on them stops); answered beside a gather."""

@@ -25,9 +25,10 @@ test bed). After every inner step :class:`OuterCalibrator` measures
   made by the driver. Stretches opened by a checkpoint or an evaluation are left out (the
   forecast does not price them, as the pipeline's does not).
 
-* the exposed transfer of an apply: what the appliers waited for the payloads in the latest
-  round (OuterRounds' ``outer_round`` rows, ``exposed_s``), once a round of the present
-  layout is applied; the link model's before. On a real network the model leaves out what
+* the exposed transfer of an apply: what the rounds waited for the payloads, the mean over
+  the latest :data:`EXPOSED_ROUNDS` rounds (OuterRounds' ``outer_round`` rows,
+  ``exposed_s``: the wait of the group that came last), once a round of the present layout
+  is applied; the link model's before. On a real network the model leaves out what
   TCP adds to a transfer that starts after a round's idle time (its congestion window
   restarts from slow start: ~0.4 s more per round at 10 Mbit/s and 80 ms), so the modelled
   figure under-forecast the test bed's steps by 6-16 %;
@@ -64,6 +65,7 @@ __all__ = ["STEPS", "OuterCalibrator"]
 
 STEPS = 20  # measured figures: over this many latest steps (whole stretches, at least one)
 RECORDED = 3  # a layout's first steps run one per call (they record events: innerrun)
+EXPOSED_ROUNDS = 3  # the exposed transfer: the mean over this many latest rounds' applies
 
 
 @dataclass(frozen=True)
@@ -211,10 +213,12 @@ class OuterCalibrator:
         cost = price_round(self.spec, groups, evals, self.run.setting, control)
         f = self.run.setting.fragments
         rows = getattr(self.rounds, "rounds", None) or []  # OuterRounds' record of applies
-        latest = [r["exposed_s"] for r in rows[-f:] if r["groups"] == len(groups)]
+        # the latest EXPOSED_ROUNDS rounds' applies: one round's exposure moves a lot (a
+        # transfer after idle restarts TCP's window; a shared host), their mean much less
+        latest = [r["exposed_s"] for r in rows[-f * EXPOSED_ROUNDS :] if r["groups"] == len(groups)]
         if len(groups) < 2 or len(latest) < f:  # nothing exchanged, or no round measured
             return cost
-        return replace(cost, exposed_s=sum(latest))
+        return replace(cost, exposed_s=f * sum(latest) / len(latest))
 
     def _latest(self) -> list[tuple[float, float, float, int, int]]:
         """The latest measured stretches that hold :data:`STEPS` steps (at least one)."""

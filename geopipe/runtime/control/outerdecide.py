@@ -1,23 +1,36 @@
 """The driver's decisions of the outer applies inside a span ([Note: applies decided inside a
 span] in :mod:`geopipe.runtime.actor.inner_run`).
 
-While a span runs, :class:`Decisions` walks its apply points in order. For each it asks every
-replica for its gather of the round (the call waits on the replica for the span to make the
-send, then up to a slice for the peers' payloads); once every replica of every live group
-holds every live group's payload it names those groups to every replica (``outer_decide``)
-and goes on to the next point. It is side work of the span's await
-(:func:`~geopipe.runtime.control.health.await_step`): its calls are awaited beside the
-span's, so the driver takes no thread of its own, and the hang clock pauses while a payload
-is overdue (the wait is the WAN's, which ``health.wan_outage_s`` bounds, not a hang).
+While a span runs, :class:`Decisions` walks its apply points in order. As a point comes up it
+names its groups at once, the live ones, to every replica (``outer_decide``: a replica makes
+the apply when it holds every named group's payload, so in a healthy round no control round
+trip sits between the payloads' arrival and the apply), and asks every replica for its
+gather of the round (the call waits on the replica for the span to make the send, then up to
+a slice for the peers' payloads, which it files for the apply). Once every replica holds
+every live group's payload the point is done and the walk goes on. It is side work of the
+span's await (:func:`~geopipe.runtime.control.health.await_step`): its calls are awaited
+beside the span's, so the driver takes no thread of its own, and the hang clock pauses while
+a payload is overdue (the wait is the WAN's, which ``health.wan_outage_s`` bounds, not a
+hang).
 
 A payload still missing after a gather is asked for again in slices of ``health.heartbeat_s``
 as :meth:`~geopipe.runtime.control.outerloop.OuterRounds._gather` does between spans: the
-console names the silent link every 10 s, and past ``health.wan_outage_s`` the groups that
-did not hear each other are split by :func:`~geopipe.runtime.control.outerloop.kept_groups`
-and :class:`~geopipe.runtime.control.outerloop.GroupsLost` leaves the await for the
-recovery (:mod:`.outerfail`), which drops them and finishes the survivors' spans with the
-same walk over the survivors (:func:`wait_deciding`). A group whose frames a replica refused
-is lost at once, as between spans.
+console names the silent link every 10 s. Past ``health.wan_outage_s`` (or at once, for a
+group whose frames a replica refused) some groups must go, and the decision already given
+must be taken back where it is not made yet: :meth:`Decisions._resolve`.
+
+[Note: taking back a decision]
+The driver first holds the point on every replica (``outer_decide(done, None)``), which tells
+it, atomically with the replica's own apply, whether that replica already applied and over
+which groups. theta_global must stay bit-identical among the survivors *per (stage,
+partition)*: where a replica of a partition already applied over the named set L, every
+surviving replica of that partition must apply over L too, so only groups whose replica of
+it holds every payload of L can stay; in a partition where none applied, the survivors
+apply over the groups kept. A lost group's payload in L is fine: it reached every survivor
+of that partition, and each averages the same bytes. Then the final groups go to every
+survivor and :class:`~geopipe.runtime.control.outerloop.GroupsLost` leaves for the recovery
+(:mod:`.outerfail`), which finishes the survivors' spans walking the next points over them
+(:meth:`Decisions.over`, which takes the point in flight back the same way).
 
 The outage clock of a point starts when every replica has made its send and answered once:
 a group that simply reaches the send later than another (its steps ran slower) is no
@@ -30,7 +43,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from geopipe.runtime.control.workers import CallTimeout, Workers
+from geopipe.runtime.control.outerloop import GroupsLost, kept_groups
+from geopipe.runtime.control.workers import CallTimeout, WorkerFailed, WorkerLost, Workers
 
 __all__ = ["Decisions", "Point", "points_of", "wait_deciding"]
 
@@ -60,8 +74,9 @@ class Decisions:
     """The apply points of a span (or several spans in turn) and the driver's walk over them:
     see the module's docstring. ``rounds`` is the run's
     :class:`~geopipe.runtime.control.outerloop.OuterRounds` (its workers, live groups,
-    console and the record of each decision); ``send_wait_s`` bounds how long a gather call
-    waits on its replica for the span to make the send."""
+    console and each actor's group and partition); ``send_wait_s`` bounds how long a gather
+    call waits on its replica for the span to make the send before answering (it is asked
+    again)."""
 
     def __init__(
         self, rounds: Any, actors: list[Any], points: list[Point], send_wait_s: float
@@ -69,24 +84,26 @@ class Decisions:
         self.rounds = rounds
         self.points = list(points)
         self.send_wait_s = send_wait_s
-        self.actors: list[Any] = []
+        self.actors = list(actors)
         self._asked: dict[Any, int] = {}  # gather call in flight -> actor index
         self._answers: dict[int, dict] = {}  # actor index -> its last gather's answer
         self._since: float | None = None  # the outage clock of the current point
         self._said: float | None = None  # at what wait the console last named the link
-        self.made: set[int] = set()  # the apply points decided
-        self.over(actors)
+        self.made: set[int] = set()  # the apply points done
+        self._open()
 
     @property
     def workers(self) -> Workers:
         return self.rounds.workers
 
     def over(self, actors: list[Any]) -> Decisions:
-        """Walk on over ``actors`` (after a loss: the survivors); the current point's
-        gathers are asked again of them (the outage clock goes on)."""
+        """Walk on over ``actors`` (after a loss: the survivors, their groups the live
+        ones): the point in flight is taken back and decided over them ([Note: taking back
+        a decision]; raises :class:`GroupsLost` when that loses more groups)."""
         self.actors = list(actors)
         self._asked, self._answers = {}, {}
-        self._ask(range(len(self.actors)))
+        if self.points:
+            self._resolve(set(self.rounds.live), "", silent=False)
         return self
 
     def add(self, points: list[Point]) -> None:
@@ -94,7 +111,7 @@ class Decisions:
         idle = not self.points
         self.points += [p for p in points if p not in self.points and p.done not in self.made]
         if idle:
-            self._ask(range(len(self.actors)))
+            self._open()
 
     def refs(self) -> list:
         """The gather calls in flight (the await waits on them beside the span's)."""
@@ -106,14 +123,29 @@ class Decisions:
         return self._since is not None
 
     def ready(self, ref: Any) -> None:
-        """A gather call answered: once every replica has, decide or ask again."""
+        """A gather call answered: once every replica has, go on or ask again."""
         i = self._asked.pop(ref, None)
         if i is None:  # a Ray ref may come back as an equal object
             key = next(k for k in self._asked if k == ref)
             i = self._asked.pop(key)
-        self._answers[i] = self.workers.get([ref])[0]  # an actor that died: WorkerLost
+        try:
+            self._answers[i] = self.workers.get([ref])[0]
+        except (WorkerLost, WorkerFailed) as exc:  # its group goes, not the one awaited
+            g = self.rounds.group_of[id(self.actors[i])]
+            raise GroupsLost([g], f"outer_gather: an actor died or failed ({exc})") from exc
         if not self._asked:
             self._settle()
+
+    # -- the walk ------------------------------------------------------------------------------
+    def _open(self) -> None:
+        """The current point comes up: name the live groups to every replica, ask its
+        gathers."""
+        if not self.points:
+            return
+        p, live = self.points[0], sorted(self.rounds.live)
+        for a in self.actors:
+            self.workers.call(a, "outer_decide", p.done, live, 0)
+        self._ask(range(len(self.actors)))
 
     def _ask(self, indices: Any) -> None:
         if not self.points:
@@ -127,37 +159,100 @@ class Decisions:
             self._asked[ref] = i
 
     def _settle(self) -> None:
-        """Every replica answered the current point's gather: name the groups to all when
-        each holds every live group's payload; else ask again those missing one (not yet
-        sent, or a payload overdue), naming a silent link, or losing groups past the
-        outage."""
+        """Every replica answered the current point's gather: done when each holds every
+        live group's payload; else ask again those missing one (not yet sent, or a payload
+        overdue), naming a silent link, or resolve the point past the outage (a refused
+        group: at once)."""
         r, p = self.rounds, self.points[0]
-        answers = [(self.actors[i], a) for i, a in sorted(self._answers.items())]
         unsent = [i for i, a in self._answers.items() if not a.get("sent", True)]
         if unsent:  # the span has not sent yet there: no silence so far
             self._ask(unsent)
             return
-        r._refused([a for _, a in answers])
+        answers = [(self.actors[i], a) for i, a in sorted(self._answers.items())]
+        refused = {
+            int(g): str(why)
+            for _, a in answers
+            for g, why in (a.get("refused") or {}).items()
+            if int(g) in r.live
+        }
         have = r._holding(answers)
+        if refused:
+            g, why = sorted(refused.items())[0]
+            self._resolve(
+                r.live - set(refused), f"its outer frames were refused (group {g}: {why[:200]})"
+            )
+            return
         if all(have[g] >= r.live for g in r.live):
-            self._decide(p, sorted(r.live), answers)
+            self._next(p)
             return
         now = r.clock()
         if self._since is None:
             self._since, self._said = now, None
-        if r.silent_round(p.fragment, have, now - self._since, self._said):
-            self._said = now - self._since
+        try:
+            if r.silent_round(p.fragment, have, now - self._since, self._said):
+                self._said = now - self._since
+        except GroupsLost as lost:  # past the outage: the groups that heard each other
+            self._resolve(set(), str(lost).split(": ", 1)[-1], silent=True, have=have)
         self._ask([i for i, a in self._answers.items() if r.live - set(a["have"])])
 
-    def _decide(self, p: Point, groups: list[int], answers: list[tuple[Any, dict]]) -> None:
-        for a in self.actors:
-            self.workers.call(a, "outer_decide", p.done, groups)
-        waited = max((a.get("wait_s", 0.0) for _, a in answers), default=0.0)
-        self.rounds.decided[p.done] = (groups, waited)
+    def _next(self, p: Point) -> None:
         self.made.add(p.done)
         self.points.pop(0)
         self._answers, self._since = {}, None
-        self._ask(range(len(self.actors)))
+        self._open()
+
+    def _resolve(
+        self, keep: set[int], why: str, silent: bool = False, have: dict | None = None
+    ) -> None:
+        """Take the current point's decision back where it is not made, and give each
+        survivor its final groups ([Note: taking back a decision]): of the groups able to
+        apply what was applied, ``keep`` (or, given ``have``, the largest set of them that
+        heard each other: :func:`kept_groups`). The point is then done. Raises
+        :class:`GroupsLost` for the live groups that do not stay (none: returns)."""
+        r, p = self.rounds, self.points[0]
+        made = self._each("outer_decide", p.done, None, 1)  # hold: nothing changes now
+        holds = self._each("outer_gather", p.fragment, 0.0, p.sent_done, 0.0)
+        used: dict[tuple[int, int], list[int]] = {}  # (stage, partition) -> the set applied
+        for a, ans in made.items():
+            if ans and ans.get("made"):
+                used.setdefault(r._part[a], list(ans["made"]))
+        able = set(r.live) - {r.group_of[a] for a in self._ids() if a not in made}  # died
+        for a in made:
+            part = r._part[a]
+            if part in used and not set(used[part]) <= {r.group_of[a], *holds.get(a, ())}:
+                able.discard(r.group_of[a])  # cannot apply what the others of its part did
+        if have is not None:
+            kept = set(kept_groups({g: have[g] & able for g in able}))
+        else:
+            kept = set(keep) & able
+        for x in self.actors:
+            if r.group_of[id(x)] in kept:
+                final = used.get(r._part[id(x)], sorted(kept))
+                self.workers.call(x, "outer_decide", p.done, final, 2)
+        self.made.add(p.done)
+        self.points.pop(0)
+        self._answers, self._since = {}, None
+        lost = r.live - kept
+        if lost:
+            raise GroupsLost(lost, why or "taken back at the outer apply", silent=silent)
+        self._open()
+
+    def _ids(self) -> list[int]:
+        return [id(a) for a in self.actors]
+
+    def _each(self, method: str, *args: Any) -> dict[int, Any]:
+        """``method(*args)`` on every actor, by ``id(actor)``: its answer (for a gather, the
+        groups held), or absent when the actor died or failed (its group is not kept)."""
+        refs = [(a, self.workers.call(a, method, *args)) for a in self.actors]
+        out: dict[int, Any] = {}
+        h = self.rounds.spec.health
+        for a, ref in refs:
+            try:
+                ans = self.workers.get([ref], timeout=h.unresponsive_s)[0]
+            except (WorkerLost, WorkerFailed, CallTimeout):
+                continue
+            out[id(a)] = set(ans.get("have", [])) if method == "outer_gather" else ans
+        return out
 
 
 def wait_deciding(workers: Workers, ref: Any, timeout: float, decisions: Decisions | None) -> Any:

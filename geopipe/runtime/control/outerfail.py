@@ -140,18 +140,20 @@ def _finish(
     raises or hangs since, or that the decisions lose, joins ``lost``."""
     outer, group = ctl.outer, ctl.outer.group_of
     while True:
-        decisions = _over_survivors(ctl, actors, lost)
         current = None
         try:
+            decisions = _over_survivors(ctl, actors, lost)
             for a, ref in zip(actors, refs, strict=True):
                 if group[id(a)] in lost or id(a) in answers:
                     continue
                 current = a
                 answers[id(a)] = wait_deciding(ctl.workers, ref, timeout, decisions)
             return
-        except GroupsLost as more:  # the decisions lost them (silent past the outage)
+        except GroupsLost as more:  # the decisions lost them (silent, or unable to follow)
             lost |= set(more.groups)
         except Exception:  # died, raised or hung since: its group goes too
+            if current is None:
+                raise
             lost.add(group[id(current)])
         if not outer.live - lost:
             return
@@ -159,7 +161,9 @@ def _finish(
 
 def _over_survivors(ctl: Any, actors: list[Any], lost: set[int]) -> Any:
     """The walk over the outer applies of the spans in flight, over the actors of the groups
-    not ``lost`` (told to drop those), or None when no span is in flight."""
+    not ``lost`` (told to drop those; the apply in flight taken back and decided over them:
+    [Note: taking back a decision] in :mod:`.outerdecide`), or None when no span is in
+    flight."""
     outer = ctl.outer
     if outer.decisions is None:
         return None

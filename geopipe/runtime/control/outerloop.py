@@ -202,7 +202,13 @@ class OuterRounds:
         f = applied[0]["fragment"]
         self.decided.pop(done, None)
         _, sent = self._sent.pop(f, (0.0, []))
-        wait_s = max(a.get("decide_wait_s", 0.0) for a in applied)  # what the span waited
+        # what the rounds' progress waited: the last group to get there (the others' longer
+        # waits are its slower steps, which the inner step already holds)
+        waits: dict[int, float] = {}
+        for a, x in zip(actors, applied, strict=True):
+            g = self.group_of.get(id(a), 0)
+            waits[g] = max(waits.get(g, 0.0), x.get("decide_wait_s", 0.0))
+        wait_s = min(waits.values())
         apply_s = wait_s + max(a.get("apply_s", 0.0) for a in applied)
         since = max(a.get("since_send_s", 0.0) for a in applied)
         self._record(done, f, actors, (apply_s, max(0.0, since - wait_s), wait_s), sent, applied)
