@@ -347,3 +347,68 @@ def test_a_replica_applies_once_it_holds_the_named_payloads_and_a_made_apply_sta
         o.decision(20, 3, 0.01)
     o.decide(20, [0], 2)
     assert o.decision(20, 3, 1.0) == [0]
+
+
+def test_a_rounds_exposure_is_the_midrange_of_the_groups_waits() -> None:
+    """Two groups, a transfer of T = 1.5 s past the later arrival: the group there 0.5 s
+    first waits 2.0 s, the later 1.0 s; the round exposed 1.5 s beyond the later group's
+    steps (each group's wait is its slowest replica's)."""
+    from geopipe.runtime.control.outerloop import _exposed
+
+    assert _exposed([(0, 2.0), (0, 1.2), (1, 1.0), (1, 0.4)]) == pytest.approx(1.5)
+    assert _exposed([(0, 0.3), (1, 0.3)]) == pytest.approx(0.3)
+    assert _exposed([]) == 0.0
+
+
+def test_a_point_taken_back_is_walked_on_until_the_survivors_hold_their_final_groups() -> None:
+    """A take-back (here: group 2's frames refused while group 1's payload is still on its
+    way to group 0) names the survivors' final groups, then keeps asking their gathers: a
+    replica applies only once it holds its final groups' payloads, and only gathers file
+    them. The recovery walking on over the survivors does not take the point back again."""
+    from geopipe.runtime.control.outerdecide import Decisions
+    from geopipe.runtime.control.outerloop import GroupsLost
+
+    rounds, _, _ = _rounds(h=4, fragments=1, overlap=0)
+    eps = [
+        {"group": g, "stage": 0, "partition": 0, "address": ("h", g), "layout": "0/0"}
+        for g in range(3)
+    ]
+    rec = Recorder(eps)
+    rounds.workers = rec
+    rounds.begin([0, 1, 2], ["east", "west", "west"])
+
+    def gather(a, n):
+        if a == 0 and n == 1:  # group 2's frames refused; group 1's not in yet
+            return {"have": [0], "refused": {2: "refused: NaN in the payload"}}
+        if a == 0 and n <= 3:
+            return {"have": [0]}
+        return {"have": [0, 1] if a < 2 else [0, 1, 2]}
+
+    seam = rounds.workers = _Seam(rec, gather)
+    d = Decisions(rounds, [0, 1, 2], points_of(rounds.schedule, 0, 8), send_wait_s=5.0)
+    with pytest.raises(GroupsLost, match="refused") as lost:
+        _walk(d)
+    assert lost.value.groups == [2]
+    assert seam.decided(2) == [(0, 4, [0, 1]), (1, 4, [0, 1])]
+    assert d.points[0].done == 4 and d.refs()  # still walked: gathers asked of 0 and 1
+    rounds.drop([2], [0, 1])  # what the recovery does, then it walks on over the survivors
+    _walk(d.over([0, 1]))
+    assert not seam.decided(3)  # not taken back a second time
+    assert d.made == {4, 8} and d.final is None
+    assert seam.decided(0)[-2:] == [(0, 8, [0, 1]), (1, 8, [0, 1])]  # the next point: 2 left
+
+
+def test_a_replica_that_applied_answers_its_gather_with_the_groups_it_used() -> None:
+    """The hold's and the walk's gathers reach a replica whose span already applied the
+    round: it answers as holding what it applied (never "not sent" for ever)."""
+    import threading
+
+    from geopipe.runtime.actor.outer import OuterLoop
+
+    o = object.__new__(OuterLoop)
+    o.group, o._sync = 1, threading.Condition()
+    o._decided, o._made, o._seq, o._got, o._pending = {}, {}, {}, {}, {}
+    o._sent_done, o._applied = {}, {3: (9, [0, 1])}  # fragment 3's round sent after 9 applied
+    ans = o.gather(3, 0.0, sent_done=9, send_wait_s=0.0)
+    assert ans["applied"] == [0, 1] and ans["have"] == [0, 1] and ans.get("sent", True)
+    assert o.gather(3, 0.0, sent_done=19, send_wait_s=0.0)["sent"] is False  # next round

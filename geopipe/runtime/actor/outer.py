@@ -270,6 +270,8 @@ class OuterLoop:
         self._decided: dict[int, list[int]] = {}  # apply point (steps done) -> the groups
         self._made: dict[int, list[int]] = {}  # apply point -> the groups its apply used
         self._seq: dict[int, int] = {}  # apply point -> the latest word of the driver's on it
+        # fragment -> (inner steps done at its send, the groups) of its latest applied round
+        self._applied: dict[int, tuple[int | None, list[int]]] = {}
         self._sent_clock: dict[int, float] = {}  # fragment -> when its pending round was sent
 
     def endpoint(self) -> dict[str, Any]:
@@ -331,7 +333,10 @@ class OuterLoop:
         apply not made yet), waiting up to ``wait_s`` for the span to send it."""
         with self._sync:
             return self._sync.wait_for(
-                lambda: fragment in self._pending and self._sent_done.get(fragment) == done,
+                lambda: (
+                    self._sent_done.get(fragment) == done
+                    or self._applied.get(fragment, (None, []))[0] == done
+                ),
                 timeout=wait_s,
             )
 
@@ -410,6 +415,19 @@ class OuterLoop:
         if sent_done is not None and not self.sent(fragment, sent_done, send_wait_s):
             return {"fragment": fragment, "group": self.group, "sent": False, "have": []}
         with self._sync:
+            done, groups = self._applied.get(fragment, (None, []))
+        if sent_done is not None and done == sent_done:  # applied already: it held them all
+            have = sorted({self.group, *groups})
+            return {
+                "fragment": fragment,
+                "group": self.group,
+                "applied": groups,
+                "have": have,
+                "missing": {},
+                "refused": {},
+                "wait_s": 0.0,
+            }
+        with self._sync:
             if fragment not in self._pending:
                 raise RuntimeError(f"fragment {fragment} has not been sent")
             round_, own, _ = self._pending[fragment]
@@ -472,7 +490,7 @@ class OuterLoop:
             del self._pending[fragment]  # only now: a failed apply can be asked again
             self._got.pop(fragment, None)
             self._told.pop(fragment, None)
-            self._sent_done.pop(fragment, None)
+            self._applied[fragment] = (self._sent_done.pop(fragment, None), sorted(groups))
             since_send_s = time.monotonic() - self._sent_clock.pop(fragment, time.monotonic())
         t0 = time.perf_counter()
         self.state.apply(fragment, payloads, weights)

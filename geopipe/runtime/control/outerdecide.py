@@ -22,15 +22,20 @@ must be taken back where it is not made yet: :meth:`Decisions._resolve`.
 [Note: taking back a decision]
 The driver first holds the point on every replica (``outer_decide(done, None)``), which tells
 it, atomically with the replica's own apply, whether that replica already applied and over
-which groups. theta_global must stay bit-identical among the survivors *per (stage,
+which groups (a replica that applied counts as holding what it used; its gathers say so).
+theta_global must stay bit-identical among the survivors *per (stage,
 partition)*: where a replica of a partition already applied over the named set L, every
 surviving replica of that partition must apply over L too, so only groups whose replica of
 it holds every payload of L can stay; in a partition where none applied, the survivors
 apply over the groups kept. A lost group's payload in L is fine: it reached every survivor
 of that partition, and each averages the same bytes. Then the final groups go to every
-survivor and :class:`~geopipe.runtime.control.outerloop.GroupsLost` leaves for the recovery
-(:mod:`.outerfail`), which finishes the survivors' spans walking the next points over them
-(:meth:`Decisions.over`, which takes the point in flight back the same way).
+survivor, and the walk goes on over the point until each survivor holds its final groups'
+payloads (only gathers file them; a payload that still does not come is taken back again,
+each take-back's words numbered after the last's, so a late one changes nothing), and
+:class:`~geopipe.runtime.control.outerloop.GroupsLost` leaves for the recovery
+(:mod:`.outerfail`), which finishes the survivors' spans walking on over them
+(:meth:`Decisions.over`: the point in flight, if not taken back yet, is taken back the same
+way).
 
 The outage clock of a point starts when every replica has made its send and answered once:
 a group that simply reaches the send later than another (its steps ran slower) is no
@@ -90,6 +95,10 @@ class Decisions:
         self._since: float | None = None  # the outage clock of the current point
         self._said: float | None = None  # at what wait the console last named the link
         self.made: set[int] = set()  # the apply points done
+        # once the current point is taken back: each kept actor's final groups (by id), and
+        # how many times it was (each take-back's words come after the last's)
+        self.final: dict[int, list[int]] | None = None
+        self._takes = 0
         self._open()
 
     @property
@@ -102,8 +111,13 @@ class Decisions:
         a decision]; raises :class:`GroupsLost` when that loses more groups)."""
         self.actors = list(actors)
         self._asked, self._answers = {}, {}
-        if self.points:
+        if not self.points:
+            return self
+        if self.final is None:  # may raise GroupsLost for more groups
             self._resolve(set(self.rounds.live), "", silent=False)
+        else:  # taken back already: walk the survivors on to their final groups
+            self.final = {id(a): self.final[id(a)] for a in self.actors if id(a) in self.final}
+            self._ask(range(len(self.actors)))
         return self
 
     def add(self, points: list[Point]) -> None:
@@ -125,8 +139,10 @@ class Decisions:
     def ready(self, ref: Any) -> None:
         """A gather call answered: once every replica has, go on or ask again."""
         i = self._asked.pop(ref, None)
-        if i is None:  # a Ray ref may come back as an equal object
-            key = next(k for k in self._asked if k == ref)
+        if i is None:  # a Ray ref may come back as an equal object; else a dropped call
+            key = next((k for k in self._asked if k == ref), None)
+            if key is None:
+                return
             i = self._asked.pop(key)
         try:
             self._answers[i] = self.workers.get([ref])[0]
@@ -182,7 +198,7 @@ class Decisions:
                 r.live - set(refused), f"its outer frames were refused (group {g}: {why[:200]})"
             )
             return
-        if all(have[g] >= r.live for g in r.live):
+        if self._complete(answers, have):
             self._next(p)
             return
         now = r.clock()
@@ -195,10 +211,17 @@ class Decisions:
             self._resolve(set(), str(lost).split(": ", 1)[-1], silent=True, have=have)
         self._ask([i for i, a in self._answers.items() if r.live - set(a["have"])])
 
+    def _complete(self, answers: list[tuple[Any, dict]], have: dict[int, set[int]]) -> bool:
+        """Whether every replica holds (or applied) what it is to apply: every live group's
+        payload, or once taken back its final groups'."""
+        if self.final is None:
+            return all(have[g] >= self.rounds.live for g in self.rounds.live)
+        return all(set(ans["have"]) >= set(self.final.get(id(a), ())) for a, ans in answers)
+
     def _next(self, p: Point) -> None:
         self.made.add(p.done)
         self.points.pop(0)
-        self._answers, self._since = {}, None
+        self._answers, self._since, self.final, self._takes = {}, None, None, 0
         self._open()
 
     def _resolve(
@@ -207,35 +230,40 @@ class Decisions:
         """Take the current point's decision back where it is not made, and give each
         survivor its final groups ([Note: taking back a decision]): of the groups able to
         apply what was applied, ``keep`` (or, given ``have``, the largest set of them that
-        heard each other: :func:`kept_groups`). The point is then done. Raises
-        :class:`GroupsLost` for the live groups that do not stay (none: returns)."""
+        heard each other: :func:`kept_groups`). The walk goes on over the kept replicas
+        until each holds its final groups' payloads (a point can be taken back again).
+        Raises :class:`GroupsLost` for the live groups that do not stay (none: returns)."""
         r, p = self.rounds, self.points[0]
-        made = self._each("outer_decide", p.done, None, 1)  # hold: nothing changes now
+        self._takes += 1
+        hold, final_seq = 2 * self._takes - 1, 2 * self._takes
+        made = self._each("outer_decide", p.done, None, hold)  # hold: nothing changes now
         holds = self._each("outer_gather", p.fragment, 0.0, p.sent_done, 0.0)
         used: dict[tuple[int, int], list[int]] = {}  # (stage, partition) -> the set applied
         for a, ans in made.items():
             if ans and ans.get("made"):
                 used.setdefault(r._part[a], list(ans["made"]))
         able = set(r.live) - {r.group_of[a] for a in self._ids() if a not in made}  # died
-        for a in made:
+        for a, ans in made.items():
             part = r._part[a]
+            if ans and ans.get("made"):
+                continue  # applied: what it used binds its partition
             if part in used and not set(used[part]) <= {r.group_of[a], *holds.get(a, ())}:
                 able.discard(r.group_of[a])  # cannot apply what the others of its part did
         if have is not None:
             kept = set(kept_groups({g: have[g] & able for g in able}))
         else:
             kept = set(keep) & able
+        self.final = {}
         for x in self.actors:
             if r.group_of[id(x)] in kept:
-                final = used.get(r._part[id(x)], sorted(kept))
-                self.workers.call(x, "outer_decide", p.done, final, 2)
-        self.made.add(p.done)
-        self.points.pop(0)
-        self._answers, self._since = {}, None
+                self.final[id(x)] = used.get(r._part[id(x)], sorted(kept))
+                self.workers.call(x, "outer_decide", p.done, self.final[id(x)], final_seq)
+        self.actors = [x for x in self.actors if id(x) in self.final]
+        self._asked, self._answers, self._since = {}, {}, None
+        self._ask(range(len(self.actors)))  # on until each holds its final groups' payloads
         lost = r.live - kept
         if lost:
             raise GroupsLost(lost, why or "taken back at the outer apply", silent=silent)
-        self._open()
 
     def _ids(self) -> list[int]:
         return [id(a) for a in self.actors]

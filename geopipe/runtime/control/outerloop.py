@@ -81,6 +81,22 @@ def shares(plan: Any) -> tuple[float, ...]:
     return tuple(float(x) for x in per) if len(set(per)) > 1 else ()
 
 
+def _exposed(waits: list[tuple[int, float]]) -> float:
+    """The transfer a round exposed beyond the slower group's steps, from each replica's
+    wait at the apply (``(group, seconds)``): the midrange of the groups' waits (each group's
+    the longest of its replicas'). With two groups, the one that got there first by ``s``
+    seconds waits ``s + T`` and the other ``T - s`` for a transfer of ``T`` past the later
+    arrival: the midrange is ``T``. The first alone (the old figure) counts the skew twice,
+    since the inner step already holds the slower group's steps; the last alone misses it.
+    Where the later group waited not at all (``T <= s``) it is an upper bound; with more
+    groups, an estimate: no wait measured on one replica's clock says more without a clock
+    shared by the sites."""
+    per: dict[int, float] = {}
+    for g, w in waits:
+        per[g] = max(per.get(g, 0.0), w)
+    return (max(per.values()) + min(per.values())) / 2 if per else 0.0
+
+
 class GroupsLost(WorkerLost):
     """Replica groups written off during an outer round: an actor of theirs died, or they
     stayed silent past ``health.wan_outage_s`` (``silent``: their processes may live)."""
@@ -202,13 +218,12 @@ class OuterRounds:
         f = applied[0]["fragment"]
         self.decided.pop(done, None)
         _, sent = self._sent.pop(f, (0.0, []))
-        # what the rounds' progress waited: the last group to get there (the others' longer
-        # waits are its slower steps, which the inner step already holds)
-        waits: dict[int, float] = {}
-        for a, x in zip(actors, applied, strict=True):
-            g = self.group_of.get(id(a), 0)
-            waits[g] = max(waits.get(g, 0.0), x.get("decide_wait_s", 0.0))
-        wait_s = min(waits.values())
+        wait_s = _exposed(
+            [
+                (self.group_of.get(id(a), 0), x.get("decide_wait_s", 0.0))
+                for a, x in zip(actors, applied, strict=True)
+            ]
+        )
         apply_s = wait_s + max(a.get("apply_s", 0.0) for a in applied)
         since = max(a.get("since_send_s", 0.0) for a in applied)
         self._record(done, f, actors, (apply_s, max(0.0, since - wait_s), wait_s), sent, applied)
