@@ -35,11 +35,16 @@ _CTX = mp.get_context("forkserver")
 _CTX.set_forkserver_preload(_PRELOAD)
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (another process could still take it)."""
+class Port(int):
+    """A port :func:`free_port` chose: :func:`run_ranks` may choose it again."""
+
+
+def free_port() -> Port:
+    """A TCP port free on 127.0.0.1 right now (another process could still take it: then
+    :func:`run_ranks` runs again on fresh ports)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        return Port(s.getsockname()[1])
 
 
 def _entry(fn: Callable[..., Any], rank: int, args: tuple[Any, ...], out: str) -> None:
@@ -58,7 +63,22 @@ def run_ranks(
     """``[fn(rank, *args) for rank in range(world_size)]``, each rank in its own process.
 
     ``fn`` must be importable by name (module level): the forkserver imports it by name.
+    A port :func:`free_port` chose can be taken by another process before rank 0 listens on
+    it (the other test worker's Ray picks ports at random): on ``EADDRINUSE`` the ranks run
+    once more on fresh ports (the ranks' work is deterministic, so nothing is hidden).
     """
+    try:
+        return _run_ranks(fn, world_size, args, timeout_s)
+    except RuntimeError as exc:
+        if "EADDRINUSE" not in str(exc) or not any(isinstance(a, Port) for a in args):
+            raise
+    fresh = tuple(free_port() if isinstance(a, Port) else a for a in args)
+    return _run_ranks(fn, world_size, fresh, timeout_s)
+
+
+def _run_ranks(
+    fn: Callable[..., Any], world_size: int, args: tuple[Any, ...], timeout_s: float
+) -> list[Any]:
     with tempfile.TemporaryDirectory() as tmp:
         outs = [str(Path(tmp) / f"rank{r}.pt") for r in range(world_size)]
         procs = [
