@@ -258,6 +258,20 @@ def test_a_missing_payload_stalls_the_point_names_the_link_and_loses_the_group()
     assert seam.decided(2) == [(a, 4, [0]) for a in range(3)]  # then group 0 alone
 
 
+def _three_groups():
+    """An outer run of three groups of one replica each (east, west, west) on a scripted
+    seam: the rounds, and the seam's recorder."""
+    rounds, _, _ = _rounds(h=4, fragments=1, overlap=0)
+    eps = [
+        {"group": g, "stage": 0, "partition": 0, "address": ("h", g), "layout": "0/0"}
+        for g in range(3)
+    ]
+    rec = Recorder(eps)
+    rounds.workers = rec
+    rounds.begin([0, 1, 2], ["east", "west", "west"])
+    return rounds, rec
+
+
 def test_a_decision_already_made_binds_the_survivors_of_its_partition() -> None:
     """[Note: taking back a decision]: three groups of one replica each; group 2 stays
     silent to group 1 alone. Group 0's replica already applied over all three (it held
@@ -268,14 +282,7 @@ def test_a_decision_already_made_binds_the_survivors_of_its_partition() -> None:
     from geopipe.runtime.control.outerdecide import Decisions
     from geopipe.runtime.control.outerloop import GroupsLost
 
-    rounds, _, _ = _rounds(h=4, fragments=1, overlap=0)
-    eps = [
-        {"group": g, "stage": 0, "partition": 0, "address": ("h", g), "layout": "0/0"}
-        for g in range(3)
-    ]
-    rec = Recorder(eps)
-    rounds.workers = rec
-    rounds.begin([0, 1, 2], ["east", "west", "west"])
+    rounds, rec = _three_groups()
     now = [0.0]
     rounds.clock = lambda: now[0]
     holds = {0: [0, 1, 2], 1: [0, 1], 2: [0, 1, 2]}
@@ -368,14 +375,7 @@ def test_a_point_taken_back_is_walked_on_until_the_survivors_hold_their_final_gr
     from geopipe.runtime.control.outerdecide import Decisions
     from geopipe.runtime.control.outerloop import GroupsLost
 
-    rounds, _, _ = _rounds(h=4, fragments=1, overlap=0)
-    eps = [
-        {"group": g, "stage": 0, "partition": 0, "address": ("h", g), "layout": "0/0"}
-        for g in range(3)
-    ]
-    rec = Recorder(eps)
-    rounds.workers = rec
-    rounds.begin([0, 1, 2], ["east", "west", "west"])
+    rounds, rec = _three_groups()
 
     def gather(a, n):
         if a == 0 and n == 1:  # group 2's frames refused; group 1's not in yet

@@ -165,10 +165,8 @@ class OuterRounds:
         self.span: tuple[int, int] | None = None  # (first step, steps) of the call in flight
         # The span called behind the one in flight (:mod:`.innerrun`: an innerrun.Span)
         self.queued: Any = None
-        # The walk over the apply points of the spans in flight (:mod:`.outerdecide`), and
-        # what it decided: apply point -> (groups, the gathers' longest wait)
+        # The walk over the apply points of the spans in flight (:mod:`.outerdecide`)
         self.decisions: Any = None
-        self.decided: dict[int, tuple[list[int], float]] = {}
         # The span whose steps the driver is recording: (first step, end, queued) (.outercal)
         self.recording: tuple[int, int, bool] | None = None
 
@@ -216,7 +214,6 @@ class OuterRounds:
         if not applied or any(a is None for a in applied):
             return
         f = applied[0]["fragment"]
-        self.decided.pop(done, None)
         _, sent = self._sent.pop(f, (0.0, []))
         wait_s = _exposed(
             [
