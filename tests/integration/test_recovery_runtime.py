@@ -95,7 +95,12 @@ def test_replica_killed_mid_iteration_recovers_in_place(tmp_path, capsys):
     ctl, state = run(doc, tmp_path / "chaos", steps=4, chaos=2)  # kills once, in step 2
     failure = events(tmp_path / "chaos", "failure")
     recovered = events(tmp_path / "chaos", "recovered")
-    assert len(failure) == 1 and failure[0]["step"] == 2 and len(failure[0]["dead"]) == 1
+    # The kill is a timer 40 % into the predicted step 2: on a loaded host step 2 can end
+    # first, and the kill then fails step 3 (recovered from the step-3 boundary instead).
+    (kill,) = events(tmp_path / "chaos", "chaos_kill")
+    failed = failure[0]["step"]
+    assert kill["step"] == 2 and failed in (2, 3)
+    assert len(failure) == 1 and len(failure[0]["dead"]) == 1
     assert recovered[0]["lost_steps"] == 0 and recovered[0]["source"] == "surviving replicas"
     # 3 survivors re-form as 1 pipeline × 3 stages; each new stage is a subset of what its
     # actor held before, so nothing moves — unless the timing left a survivor stuck in the
@@ -114,11 +119,11 @@ def test_replica_killed_mid_iteration_recovers_in_place(tmp_path, capsys):
     status = json.loads((tmp_path / "chaos" / "status.json").read_text())
     names = [n for st in status["stages"] for n in st["actors"]]
     assert len(names) == 3 and failure[0]["dead"][0] not in names
-    assert [r["failed_step"] for r in status["recoveries"]] == [2]
+    assert [r["failed_step"] for r in status["recoveries"]] == [failed]
     from geopipe.cli import main
 
     assert main(["status", str(tmp_path / "chaos")]) == 0
-    assert "recovered in place 1 time(s); last: step 2 failed" in capsys.readouterr().out
+    assert f"recovered in place 1 time(s); last: step {failed} failed" in capsys.readouterr().out
 
 
 def events_ready(run_dir: Path) -> bool:

@@ -253,18 +253,28 @@ def test_running_an_actor_lost_mid_step_recovers_at_the_boundary(
     assert_exact(run, 5)
 
 
-def test_checkpointing_an_actor_lost_during_the_save(tmp_path: Path, corpus: Path) -> None:
-    """A replica dies while its shard of step 2 is being taken: Checkpointing -> Recovering
-    -> Running(2); the failed save leaves no checkpoint of step 2, the next save works."""
+@pytest.mark.parametrize("replica", [1, 0])
+def test_checkpointing_an_actor_lost_during_the_save(
+    tmp_path: Path, corpus: Path, replica: int
+) -> None:
+    """A replica dies as its stage's save of step 2 begins (the other replicas already
+    write): Checkpointing -> Recovering -> Running(2). The save stays in flight for the
+    recovery, which commits it -- every stage's shard written, by a stand-in where the dead
+    one was the writer (replica 0) -- so nothing is redone or lost: the checkpoint holds
+    the state of two uninterrupted steps, and the next save works."""
     fake = FakeWorkers()
-    fake.inject("east/stage0/r1", die_on="save_shard")
+    fake.inject(f"east/stage0/r{replica}", die_on="save_shard")
     run = Run(make_doc(corpus, steps=4, every=2), tmp_path / "run", fake).go()
     path = run.path()
     i = path.index("checkpointing 2")
     assert path[i : i + 3] == ["checkpointing 2", "recovering 2", "running 2"]
     assert [e["step"] for e in run.events("failure")] == [2]
-    assert [e["step"] for e in run.events("checkpoint")] == [4]
-    assert [i.step for i in list_checkpoints(tmp_path / "run" / "checkpoints")] == [4]
+    assert [e["step"] for e in run.events("checkpoint")] == [2, 4]
+    stand_ins = [e["stage"] for e in run.events("checkpoint_stand_in")]
+    assert stand_ins == ([0] if replica == 0 else [])
+    saved = list_checkpoints(tmp_path / "run" / "checkpoints")
+    assert [c.step for c in saved] == [2, 4]
+    assert ckpt_params(saved[0].path) == {n: v[0] for n, v in reference_state(LAYERS, 2, 0).items()}
     assert run.events("recovered")[0]["lost_steps"] == 0
     assert_exact(run, 4)
 

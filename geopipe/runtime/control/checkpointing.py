@@ -106,9 +106,14 @@ class RestoreFrom:
 @dataclass
 class _Pending:
     writer: CheckpointWriter
-    refs: list  # one per actor: its ShardInfo (replica 0) or None
+    refs: list  # one per actor of ``rows``: its ShardInfo (replica 0) or None
     started: float
     stall_s: float
+    rows: list[list[Any]]  # the layout the save began on (a recovery may change the current)
+
+    @property
+    def flat(self) -> list[Any]:
+        return [a for row in self.rows for a in row]
 
 
 class CheckpointCoordinator:
@@ -315,17 +320,38 @@ class CheckpointCoordinator:
         self.poll(wait=True)
         t0 = time.perf_counter()
         writer = CheckpointWriter(self.root, step)
-        flat = self._flat()
+        rows = [list(row) for row in self._actors()]
+        flat = [a for row in rows for a in row]
+        started = call_all(self.workers, flat, "save_shard", str(writer.tmp_dir), step)
         try:
-            stalls = ask(self.workers, flat, "save_shard", str(writer.tmp_dir), step)
+            stalls = self.workers.get(started)
         except BaseException:
-            writer.abort()
+            self._pending = self._cut_short(writer, rows, started, t0)
             raise
         # Every replica's background thread takes part in the gather; replica 0's writes.
         refs = call_all(self.workers, flat, "shard_written")
-        self._pending = _Pending(writer, refs, t0, max(stalls))
+        self._pending = _Pending(writer, refs, t0, max(stalls), rows)
         if self.synchronous:
             self.poll(wait=True)
+
+    def _cut_short(
+        self, writer: CheckpointWriter, rows: list[list[Any]], started: list, t0: float
+    ) -> _Pending:
+        """A save an actor failed as it began (dead just before): the others already write
+        into ``writer``'s directory, so it stays in flight for the recovery's :meth:`settle`
+        (commits if every shard is written, else aborts once the writers are done). Aborting
+        here removed the directory under the survivors' writers, whose error then failed the
+        run after the recovery."""
+        wait_s = self.spec.health.settle_s  # a frozen actor: settle() waits it out again
+        ready, _ = self.workers.wait(started, num_returns=len(started), timeout=wait_s)
+        flat = [a for row in rows for a in row]
+        refs = [  # a frozen one's shard_written may answer None: its shard is then missing
+            ref
+            if ref in ready and ref_failed(self.workers, ref)
+            else self.workers.call(a, "shard_written")
+            for a, ref in zip(flat, started, strict=True)
+        ]
+        return _Pending(writer, refs, t0, 0.0, rows)
 
     def poll(self, wait: bool = False, final: bool = False) -> None:
         """Commit the save in flight if its shards are written (``wait``: until they are)."""
@@ -344,14 +370,15 @@ class CheckpointCoordinator:
         writer = pending.writer
         try:
             if len(ready) < len(refs):  # nothing of the save is committed
-                stuck = [a for a, r in zip(self._flat(), refs, strict=True) if r not in ready]
+                stuck = [a for a, r in zip(pending.flat, refs, strict=True) if r not in ready]
                 raise ShardsUnwritten(*self._who(stuck), writer.step, wait_s)
             path = self._commit(pending)
         except BaseException:
             writer.abort()  # the previous checkpoint stays the newest complete one
             raise
-        # the stand-in copies are no longer needed
-        call_all(self.workers, self._flat(), "release_shard", writer.step)
+        # the stand-in copies are no longer needed (a recovery may have left some behind)
+        flat = self._flat()
+        call_all(self.workers, [a for a in pending.flat if a in flat], "release_shard", writer.step)
         deleted = prune(self.root, self.spec.training.checkpoint.keep, own=self.run_id)
         self.reporter.checkpoint = {"step": writer.step, "copies": {"shared": str(path)}}
         self.reporter.event(
@@ -378,19 +405,19 @@ class CheckpointCoordinator:
             if info is not None and info.stage not in writer.stages_written:
                 writer.add_shard(info)
         if errors:  # a replica died while saving: survivors write the shards it owed
-            self._stand_in_writers(writer, pending.refs)
+            self._stand_in_writers(writer, pending)
         try:
-            return writer.commit(self._manifest(writer.step), num_stages=len(self._actors()))
+            return writer.commit(self._manifest(writer.step), num_stages=len(pending.rows))
         except CheckpointError:
             if errors:  # a stage's writer failed: say why, not just "shard missing"
                 raise errors[0] from None
             raise
 
-    def _stand_in_writers(self, writer: CheckpointWriter, refs: list) -> None:
+    def _stand_in_writers(self, writer: CheckpointWriter, pending: _Pending) -> None:
         """Shards whose writer (replica 0) died mid-save are written by a surviving replica
         of the same stage: every replica gathered the same full state for the save."""
-        refs_of = dict(zip(map(id, self._flat()), refs, strict=True))
-        for k, row in enumerate(self._actors()):
+        refs_of = dict(zip(map(id, pending.flat), pending.refs, strict=True))
+        for k, row in enumerate(pending.rows):
             if k in writer.stages_written:
                 continue
             for a in row[1:]:
