@@ -320,7 +320,8 @@ def test_the_calibrator_hands_an_outer_run_its_plan_and_forecast() -> None:
 def test_the_exposed_transfer_is_the_mean_of_the_latest_rounds() -> None:
     """One round's exposure moves a lot on a real network (a transfer after idle restarts
     TCP's window): the forecast takes the mean over the latest EXPOSED_ROUNDS rounds of the
-    present layout's applies, per round F of them; before F applies, the link model's."""
+    present layout's applies, per round F of them, its first round only until a later one
+    is measured; before F applies, the link model's."""
     from geopipe.runtime.control.outercal import EXPOSED_ROUNDS
 
     spec = parse_cluster(_doc(), "t")
@@ -332,12 +333,24 @@ def test_the_exposed_transfer_is_the_mean_of_the_latest_rounds() -> None:
     modelled = cal.outer._price(groups, evals, Control(0.0, 0.0)).exposed_s
     rounds.rounds = [{"exposed_s": 9.0, "groups": 2}] * (f - 1)
     assert cal.outer._price(groups, evals, Control(0.0, 0.0)).exposed_s == modelled
-    waits = [0.6, 0.1, 0.2, 0.3, 0.05, 0.15, 0.25, 0.35][: f * (EXPOSED_ROUNDS + 1)]
+
+    def priced() -> float:
+        return cal.outer._price(groups, evals, Control(0.0, 0.0)).exposed_s
+
+    # [Note: the layout's first round runs cold]: alone, it is the measure; once a later
+    # round is measured, it no longer counts
+    rounds.rounds = [{"exposed_s": 0.9, "groups": 2}] * f
+    assert priced() == pytest.approx(f * 0.9)
+    rounds.rounds += [{"exposed_s": 0.4, "groups": 2}] * f
+    assert priced() == pytest.approx(f * 0.4)
+    waits = [0.9, 0.6, 0.1, 0.2, 0.3, 0.05, 0.15, 0.25, 0.35, 0.45][: f * (EXPOSED_ROUNDS + 2)]
     rounds.rounds = [{"exposed_s": w, "groups": 2} for w in waits]
-    latest = waits[-f * EXPOSED_ROUNDS :]  # the first round's 0.6 has left the window
-    got = cal.outer._price(groups, evals, Control(0.0, 0.0)).exposed_s
-    assert got == pytest.approx(f * sum(latest) / len(latest))
+    latest = waits[-f * EXPOSED_ROUNDS :]  # the second round's 0.6 has left the window too
+    assert priced() == pytest.approx(f * sum(latest) / len(latest))
     rounds.rounds.append({"exposed_s": 5.0, "groups": 1})  # another layout's: not counted
-    assert cal.outer._price(groups, evals, Control(0.0, 0.0)).exposed_s == pytest.approx(
-        f * sum(latest[1:]) / len(latest[1:])
-    )
+    assert priced() == pytest.approx(f * sum(latest) / len(latest))
+    # a new layout (a group lost or grown back) measures afresh: its own first round alone
+    cal.outer.restart(40)
+    assert priced() == modelled
+    rounds.rounds += [{"exposed_s": 0.7, "groups": 2}] * f
+    assert priced() == pytest.approx(f * 0.7)
