@@ -45,8 +45,12 @@ starts from theta_global. With ``plan.outer.fragments`` > 1 the fragments applie
 the boundary have moved on locally since, so the lost groups stay lost.
 
 What is not done yet: a lost actor inside a group whose site still has free devices
-re-forms nothing inside the group (the whole group is dropped, and may grow back); groups
-grow back only all at once (the launch's plan), never some of them.
+re-forms nothing inside the group (the whole group is dropped, and may grow back): the
+exchange pairs equal (stage, ZeRO-1 partition) owners across groups ([Note: the outer loop
+partition by partition] in :mod:`geopipe.runtime.actor.outer`), which a group re-formed on
+fewer devices would break, and the driver steps every group in lockstep, which a group
+rolled back to its boundary would break (docs/checkpoints-and-recovery.md). Groups grow
+back only all at once (the launch's plan), never some of them.
 """
 
 from __future__ import annotations
