@@ -18,7 +18,7 @@ from geopipe.checkpoint.store import (
     prune,
 )
 from geopipe.checkpoint.writer import CheckpointWriter
-from geopipe.runtime.control.checkpointing import ResumePoint
+from geopipe.runtime.control.resumepoint import ResumePoint
 
 SHAPE = {"n_layer": 1, "n_embd": 4, "n_head": 1, "vocab_size": 8, "max_seq_len": 4}
 

@@ -53,54 +53,11 @@ from geopipe.runtime.control.outerckpt import (
     shard_sites,
 )
 from geopipe.runtime.control.reporting import Reporter
+from geopipe.runtime.control.resumepoint import Found, RestoreFrom, ResumePoint
 from geopipe.runtime.control.sitecopies import SiteCopies
 from geopipe.runtime.control.workers import WorkerFailed, Workers, ask, call_all
 
-__all__ = ["CheckpointCoordinator", "RestoreFrom", "ResumePoint"]
-
-
-@dataclass(frozen=True)
-class ResumePoint:
-    """The checkpoint a run resumes from."""
-
-    path: str
-    step: int
-    data_digest: str | None  # sha256 of the corpus it was trained on
-    run_id: str | None = None  # the run that wrote it (None: before runs had ids)
-    lineage: dict | None = None  # that run's own lineage (run id -> newest usable step)
-
-    def lineage_for(self, run_id: str) -> dict[str, int | None]:
-        """The lineage of a run resuming from here: its own checkpoints, and its ancestors'
-        (this one's run included) up to the step it resumes from."""
-        out: dict[str, int | None] = {}
-        for rid, cap in (self.lineage or {}).items():
-            out[rid] = self.step if cap is None else min(int(cap), self.step)
-        out[self.run_id or ""] = self.step
-        out[run_id] = None
-        return out
-
-
-@dataclass(frozen=True)
-class Found:
-    """The newest checkpoint a recovery can restore (``site``: where its copy is read from,
-    None for the shared directory)."""
-
-    step: int
-    site: str | None
-    handle: Any  # CheckpointInfo (shared) or Restorable (per-site copies)
-
-
-@dataclass(frozen=True)
-class RestoreFrom:
-    """A checkpoint ready to load: each site's actors read ``paths[site]``."""
-
-    step: int
-    paths: dict[str, str]
-    site: str | None  # where it was found (None: the shared directory)
-
-    @property
-    def name(self) -> str:
-        return Path(next(iter(self.paths.values()))).name
+__all__ = ["CheckpointCoordinator"]
 
 
 @dataclass
