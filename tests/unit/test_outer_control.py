@@ -327,6 +327,7 @@ def test_the_exposed_transfer_is_the_mean_of_the_latest_rounds() -> None:
     spec = parse_cluster(_doc(), "t")
     run = plan_run(spec, penalty=_table()).outer
     f = run.setting.fragments
+    assert f > 1  # the second round's fragments arrive one at a time
     rounds = SimpleNamespace(run=run, max_span=None, rounds=[], recording=None)
     cal = Calibrator(spec, False, 1.0, [], rounds)
     groups, evals = cal.outer._groups(run.plan)
@@ -341,7 +342,12 @@ def test_the_exposed_transfer_is_the_mean_of_the_latest_rounds() -> None:
     # round is measured, it no longer counts
     rounds.rounds = [{"exposed_s": 0.9, "groups": 2}] * f
     assert priced() == pytest.approx(f * 0.9)
-    rounds.rounds += [{"exposed_s": 0.4, "groups": 2}] * f
+    for i in range(1, f):  # the second round's fragments: the first round stays the measure
+        rounds.rounds = [{"exposed_s": 0.9, "groups": 2}] * f + [
+            {"exposed_s": 0.4, "groups": 2}
+        ] * i
+        assert priced() == pytest.approx(f * (0.9 * f + 0.4 * i) / (f + i))
+    rounds.rounds = [{"exposed_s": 0.9, "groups": 2}] * f + [{"exposed_s": 0.4, "groups": 2}] * f
     assert priced() == pytest.approx(f * 0.4)
     waits = [0.9, 0.6, 0.1, 0.2, 0.3, 0.05, 0.15, 0.25, 0.35, 0.45][: f * (EXPOSED_ROUNDS + 2)]
     rounds.rounds = [{"exposed_s": w, "groups": 2} for w in waits]

@@ -206,3 +206,43 @@ def test_a_wedged_writer_loses_its_group_and_the_others_go_on(tmp_path: Path) ->
     for done in (5, 6):
         rounds.after_step(done, pl.flat())
     assert seam.of("outer_apply")[applies:] == [(a, (0, [0, 2])) for a in pl.flat()]
+
+
+def test_a_save_in_flight_when_a_group_goes_commits_the_layout_it_began_on(
+    tmp_path: Path,
+) -> None:
+    """Review of the checkpoint-race fix: the save of step 4 is still in flight (its shards
+    written, not yet committed) when group 1 dies in the next call. ``recover_groups``
+    shrinks the placement to the survivors, then settles the save: it commits all three
+    groups' shards under the manifest taken as the save began (group ids 0, 1, 2), so the
+    checkpoint loads as the three-group run it is. Built from the shrunk layout instead, its
+    manifest named two groups over six shards, and no resume could read it."""
+    rounds, _, _, _ = _rounds(3, {"hang_floor_s": 1.0})
+    seam = Seam(3, wedged=set())
+    rounds.workers = seam
+    spec = rounds.spec
+    pl = Placement(spec, 60, 0.0, None, seam)
+    pl.plan, pl.rows = _plan(3, per_group=1), [[0, 2, 4], [1, 3, 5]]
+    ckpt = CheckpointCoordinator(
+        spec,
+        tmp_path,
+        Reporter(),
+        lambda: pl.rows,
+        lambda step: {**MANIFEST, "data": {"step": step}},
+        stage_sites=lambda: list(pl.plan.stage_sites),
+        actor_sites=pl.actor_sites,
+        workers=seam,
+    )
+    ckpt.begin_outer(rounds, None)
+    seam.rows = ckpt._actors
+    for done in (1, 2, 3, 4):
+        rounds.after_step(done, pl.flat())
+    ckpt.save(4)  # not polled: the next call fails first
+    seam.dead.add(2)  # group 1's stage-0 actor
+    ctl = Ctl(spec, seam, pl, rounds, ckpt)
+    recover_groups(ctl, Recovering(4, WorkerLost("actor 2 died"), ctl._pings()))
+    assert pl.rows == [[0, 4], [1, 5]]
+    saved = load_checkpoint(tmp_path / "checkpoints" / "step-00000004", verify=True)
+    assert saved.manifest["outer"]["group_ids"] == [0, 1, 2] and len(saved.stages) == 6
+    values = [float(t[0]) for s in saved.stages for t in s.tensors("params/").values()]
+    assert values == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]

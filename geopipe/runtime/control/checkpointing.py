@@ -67,6 +67,7 @@ class _Pending:
     started: float
     stall_s: float
     rows: list[list[Any]]  # the layout the save began on (a recovery may change the current)
+    manifest: dict  # taken as the save began: it describes ``rows``, whatever comes after
 
     @property
     def flat(self) -> list[Any]:
@@ -278,27 +279,27 @@ class CheckpointCoordinator:
         t0 = time.perf_counter()
         writer = CheckpointWriter(self.root, step)
         rows = [list(row) for row in self._actors()]
-        flat = [a for row in rows for a in row]
+        flat, manifest = [a for row in rows for a in row], self._manifest(step)
         started = call_all(self.workers, flat, "save_shard", str(writer.tmp_dir), step)
         try:
             stalls = self.workers.get(started)
         except BaseException:
-            self._pending = self._cut_short(writer, rows, started, t0)
+            self._pending = self._cut_short(writer, rows, started, t0, manifest)
             raise
         # Every replica's background thread takes part in the gather; replica 0's writes.
         refs = call_all(self.workers, flat, "shard_written")
-        self._pending = _Pending(writer, refs, t0, max(stalls), rows)
+        self._pending = _Pending(writer, refs, t0, max(stalls), rows, manifest)
         if self.synchronous:
             self.poll(wait=True)
 
     def _cut_short(
-        self, writer: CheckpointWriter, rows: list[list[Any]], started: list, t0: float
+        self, writer: CheckpointWriter, rows: list[list[Any]], started: list, t0: float, m: dict
     ) -> _Pending:
         """A save an actor failed as it began (dead just before): the others already write
         into ``writer``'s directory, so it stays in flight for the recovery's :meth:`settle`
-        (commits if every shard is written, else aborts once the writers are done). Aborting
-        here removed the directory under the survivors' writers, whose error then failed the
-        run after the recovery."""
+        (commits if every shard is written, else aborts once the writers are done or
+        ``health.settle_s`` passed). Aborting here removed the directory under the survivors'
+        writers, whose error then failed the run after the recovery."""
         wait_s = self.spec.health.settle_s  # a frozen actor: settle() waits it out again
         ready, _ = self.workers.wait(started, num_returns=len(started), timeout=wait_s)
         flat = [a for row in rows for a in row]
@@ -308,7 +309,7 @@ class CheckpointCoordinator:
             else self.workers.call(a, "shard_written")
             for a, ref in zip(flat, started, strict=True)
         ]
-        return _Pending(writer, refs, t0, 0.0, rows)
+        return _Pending(writer, refs, t0, 0.0, rows, m)
 
     def poll(self, wait: bool = False, final: bool = False) -> None:
         """Commit the save in flight if its shards are written (``wait``: until they are)."""
@@ -364,7 +365,7 @@ class CheckpointCoordinator:
         if errors:  # a replica died while saving: survivors write the shards it owed
             self._stand_in_writers(writer, pending)
         try:
-            return writer.commit(self._manifest(writer.step), num_stages=len(pending.rows))
+            return writer.commit(pending.manifest, num_stages=len(pending.rows))
         except CheckpointError:
             if errors:  # a stage's writer failed: say why, not just "shard missing"
                 raise errors[0] from None

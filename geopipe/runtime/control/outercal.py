@@ -226,7 +226,7 @@ class OuterCalibrator:
         f = self.run.setting.fragments
         rows = (getattr(self.rounds, "rounds", None) or [])[self._rounds_from :]
         mine = [r["exposed_s"] for r in rows if r["groups"] == len(groups)]
-        if len(mine) > f:  # [Note: the layout's first round runs cold]
+        if len(mine) >= 2 * f:  # [Note: the layout's first round runs cold]
             mine = mine[f:]
         # the latest EXPOSED_ROUNDS rounds' applies: one round's exposure moves a lot (a
         # transfer after idle restarts TCP's window; a shared host), their mean much less

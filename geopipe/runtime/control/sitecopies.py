@@ -122,8 +122,15 @@ class SiteCopies(SiteStoreActors):
         t0 = time.perf_counter()
         rows, sites = self._actors(), self._stage_sites()
         flat = [a for row in rows for a in row]
-        # A dead actor raises here, before anything else: the controller then recovers.
-        stalls = ask(self.workers, flat, "save_shard", None, step)
+        # A dead actor raises here, before anything else: the controller then recovers --
+        # once every other save_shard has answered (bounded), so none of them runs after the
+        # recovery's save of the same step and its shard_written answers this one's.
+        started = call_all(self.workers, flat, "save_shard", None, step)
+        try:
+            stalls = self.workers.get(started)
+        except Exception:
+            self.workers.wait(started, num_returns=len(started), timeout=self.spec.health.settle_s)
+            raise
         flat_refs = call_all(self.workers, flat, "shard_written")
         first = [sum(len(r) for r in rows[:k]) for k in range(len(rows))]
         targets = self.copy_sites()
