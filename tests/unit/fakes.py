@@ -34,6 +34,8 @@ Fault injection (:meth:`FakeWorkers.inject`, matched on the actor's name; and
   is never written) — until killed;
 * ``die_in_save=N``: dies after ``save_shard(N)`` returned, its shard unwritten;
 * ``die_on="method"``: dies when that method is called (e.g. during a recovery);
+* ``freeze_on="method"``: stops answering anything (pings included) when that method is
+  called, the call itself never answered -- until killed;
 * ``raise_on={"method": "message"}``: the method raises (:class:`WorkerFailed`);
 * ``block_save=N``: its shard of step ``N`` is never written, though it answers pings;
 * ``hold_until_step=S`` with a death: its device stays taken (its node is gone) until step
@@ -150,6 +152,7 @@ class Fault:
     freeze_in_save: int | None = None
     die_in_save: int | None = None
     die_on: str | None = None
+    freeze_on: str | None = None  # stops answering (pings too) when this method is called
     raise_on: dict[str, str] = field(default_factory=dict)
     block_save: int | None = None  # its shard of this step is never written (it answers)
     hold_until_step: int | None = None  # dead, its device stays taken until this step
@@ -480,6 +483,9 @@ class FakeWorkers:
         if f is not None:
             if f.die_on == p.method:
                 raise _Die(f"the actor died in {p.method} (injected)")
+            if f.freeze_on == p.method:
+                a.frozen = True  # this call, and every later one, never answers
+                raise _Block
             if p.method in f.raise_on:
                 raise RuntimeError(f.raise_on[p.method])
         if p.method in _STEP_CALLS:

@@ -279,6 +279,31 @@ def test_checkpointing_an_actor_lost_during_the_save(
     assert_exact(run, 4)
 
 
+@pytest.mark.parametrize("per_site", [False, True])
+def test_checkpointing_an_actor_frozen_as_the_save_begins(
+    tmp_path: Path, corpus: Path, per_site: bool
+) -> None:
+    """A replica freezes as its stage's save of step 2 asks for its snapshot (the call never
+    answers, nor do its pings): the save names it unresponsive after ``unresponsive_s``
+    instead of waiting for ever (it did: no heartbeat watched a save's snapshot), and the
+    run recovers without it, exact, in both checkpoint modes."""
+    fake = FakeWorkers()
+    fake.inject("west/stage1/r1", freeze_on="save_shard")
+    doc = make_doc(corpus, steps=4, every=2)
+    if per_site:  # each site's store pulls the shards of its own copy
+        doc["training"]["checkpoint"]["dir"] = str(tmp_path / "ck-{site}")
+    run = Run(doc, tmp_path / "run", fake).go()
+    path = run.path()
+    i = path.index("checkpointing 2")
+    assert path[i : i + 3] == ["checkpointing 2", "recovering 2", "running 2"]
+    (failure,) = run.events("failure")
+    assert failure["step"] == 2 and failure["dead"] == ["geopipe/fk2/west/stage1/r1"]
+    assert "unanswered heartbeat" in failure["error"]
+    assert run.events("recovered")[0]["lost_steps"] == 0
+    assert run.events("checkpoint")[-1]["step"] == 4
+    assert_exact(run, 4)
+
+
 def test_recovering_a_second_death_during_recovery_recovers_again(
     tmp_path: Path, corpus: Path
 ) -> None:

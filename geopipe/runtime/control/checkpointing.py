@@ -44,7 +44,13 @@ from geopipe.checkpoint.verify import bad_file
 from geopipe.checkpoint.writer import CheckpointWriter
 from geopipe.config import ClusterSpec
 from geopipe.runtime.control.cluster import LaunchError
-from geopipe.runtime.control.health import ShardsUnwritten, quiet_get, ref_failed, shard_wait_s
+from geopipe.runtime.control.health import (
+    ShardsUnwritten,
+    answers,
+    quiet_get,
+    ref_failed,
+    shard_wait_s,
+)
 from geopipe.runtime.control.models import model_shape
 from geopipe.runtime.control.outerckpt import (
     outer_manifest,
@@ -282,7 +288,7 @@ class CheckpointCoordinator:
         flat, manifest = [a for row in rows for a in row], self._manifest(step)
         started = call_all(self.workers, flat, "save_shard", str(writer.tmp_dir), step)
         try:
-            stalls = self.workers.get(started)
+            stalls = answers(self.workers, flat, started, self.spec.health, self._who)
         except BaseException:
             self._pending = self._cut_short(writer, rows, started, t0, manifest)
             raise

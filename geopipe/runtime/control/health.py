@@ -43,6 +43,7 @@ __all__ = [
     "ShardsUnwritten",
     "StepHung",
     "alive",
+    "answers",
     "await_step",
     "hang_timeout_s",
     "quiet_get",
@@ -250,6 +251,30 @@ def alive(workers: Workers, actors: list[Actor], timeout: float) -> list[bool]:
     refs = [workers.call(a, "ping") for a in actors]
     ready, _ = workers.wait(refs, num_returns=len(refs), timeout=timeout)
     return [r in ready and quiet_get(workers, [r], 0)[0] is not None for r in refs]
+
+
+def answers(
+    workers: Workers,
+    actors: list[Actor],
+    refs: list[Pending],
+    health: HealthSpec,
+    who: Callable[[list[Actor]], tuple[list[int], list[str]]],
+) -> list:
+    """The answers to ``refs`` (a call to each of ``actors``; the first error raised once
+    all have answered), for a call that is quick on a live actor and that no step's
+    heartbeat watches (a save's snapshot). Every ``heartbeat_s`` the actors yet to answer
+    are pinged; those silent past ``unresponsive_s`` (a frozen process, a partitioned node)
+    raise :class:`ActorsUnresponsive` naming their layout indices (``who``) instead of the
+    save waiting for ever, as it did."""
+    while True:
+        _, rest = workers.wait(refs, num_returns=len(refs), timeout=health.heartbeat_s)
+        if not rest:
+            return workers.get(refs)
+        waiting = [a for a, r in zip(actors, refs, strict=True) if r in rest]
+        up = alive(workers, waiting, health.unresponsive_s)
+        frozen = [a for a, ok in zip(waiting, up, strict=True) if not ok]
+        if frozen:
+            raise ActorsUnresponsive(who(frozen)[0], health.unresponsive_s)
 
 
 def ref_failed(workers: Workers, ref: Pending) -> bool:

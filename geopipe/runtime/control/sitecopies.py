@@ -41,7 +41,13 @@ from typing import Any
 from geopipe.checkpoint.restore import Restorable, SiteCopy, newest_restorable
 from geopipe.checkpoint.store import CheckpointError, Lineage, latest_complete
 from geopipe.config import ClusterSpec
-from geopipe.runtime.control.health import ShardsUnwritten, quiet_get, ref_failed, shard_wait_s
+from geopipe.runtime.control.health import (
+    ShardsUnwritten,
+    answers,
+    quiet_get,
+    ref_failed,
+    shard_wait_s,
+)
 from geopipe.runtime.control.reporting import Reporter
 from geopipe.runtime.control.storeactors import SiteStoreActors
 from geopipe.runtime.control.workers import CallTimeout, Workers, ask, call_all
@@ -127,7 +133,7 @@ class SiteCopies(SiteStoreActors):
         # recovery's save of the same step and its shard_written answers this one's.
         started = call_all(self.workers, flat, "save_shard", None, step)
         try:
-            stalls = self.workers.get(started)
+            stalls = answers(self.workers, flat, started, self.spec.health, self.who)
         except Exception:
             self.workers.wait(started, num_returns=len(started), timeout=self.spec.health.settle_s)
             raise
