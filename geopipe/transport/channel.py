@@ -28,13 +28,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from geopipe.transport.codec import (
-    CorruptPayloadError,
-    Sealed,
-    decode,
-    open_sealed,
-)
+from geopipe.transport.codec import decode
 from geopipe.transport.link import DelayedMailbox, MailboxClosedError
+from geopipe.transport.seal import CorruptPayloadError, Sealed, open_sealed
 
 __all__ = ["Inbox", "P2PReceiver", "P2PSender", "p2p_device"]
 

@@ -1,4 +1,4 @@
-"""Compression codecs for tensors crossing the WAN, plus an integrity seal.
+"""Compression codecs for tensors crossing the WAN (their integrity seal: :mod:`.seal`).
 
 Activations (forward) and their gradients (backward) are encoded into an `Encoded`: a small
 dataclass of flat numpy arrays that pickles cheaply (Ray ships numpy buffers out of band).
@@ -16,7 +16,6 @@ import math
 import statistics
 import threading
 import time
-import zlib
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -28,26 +27,18 @@ from geopipe.transport import wire
 __all__ = [
     "CODECS",
     "Codec",
-    "CorruptPayloadError",
     "Encoded",
     "GroupedCodec",
-    "Sealed",
     "decode",
     "make_codec",
     "measure_speeds",
-    "open_sealed",
     "rotate",
-    "seal",
     "unrotate",
 ]
 
 CODECS = wire.CODECS
 
 _FP16_MAX = float(np.finfo(np.float16).max)
-
-
-class CorruptPayloadError(ValueError):
-    """Raised when a sealed payload's checksum does not match its contents."""
 
 
 @dataclass(frozen=True)
@@ -80,14 +71,6 @@ class Encoded:
     def payload_nbytes(self) -> int:
         """Bytes on the wire excluding the header; equals `wire.wire_bytes` for this tensor."""
         return sum(int(a.nbytes) for a in self.arrays)
-
-
-@dataclass(frozen=True)
-class Sealed:
-    """An `Encoded` plus a CRC32 over its header and payload, to detect corruption in transit."""
-
-    enc: Encoded
-    checksum: int
 
 
 @runtime_checkable
@@ -511,42 +494,6 @@ def decode(enc: Encoded) -> torch.Tensor:
     """Decode any `Encoded` by its codec name, without needing the encoding codec object."""
     wire.check_codec(enc.codec)
     return _DECODERS[enc.codec].decode(enc)
-
-
-# --------------------------------------------------------------------------- integrity
-
-
-def _checksum(enc: Encoded) -> int:
-    """CRC32 over a header string and the raw payload bytes (detects accidents, not attacks)."""
-    header = repr(
-        (
-            enc.codec,
-            enc.shape,
-            enc.dtype,
-            enc.direction,
-            tuple((a.dtype.str, a.shape) for a in enc.arrays),
-        )
-    )
-    crc = zlib.crc32(header.encode())
-    for a in enc.arrays:
-        crc = zlib.crc32(np.ascontiguousarray(a).reshape(-1).view(np.uint8), crc)
-    return crc
-
-
-def seal(enc: Encoded) -> Sealed:
-    """Attach a checksum so the receiver can detect a payload corrupted in transit."""
-    return Sealed(enc, _checksum(enc))
-
-
-def open_sealed(sealed: Sealed) -> Encoded:
-    """Verify the checksum and return the payload; raise `CorruptPayloadError` on mismatch."""
-    actual = _checksum(sealed.enc)
-    if actual != sealed.checksum:
-        raise CorruptPayloadError(
-            f"{sealed.enc.codec} payload of shape {sealed.enc.shape}: checksum "
-            f"{actual:#010x} != expected {sealed.checksum:#010x}"
-        )
-    return sealed.enc
 
 
 def measure_speeds(

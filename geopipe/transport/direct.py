@@ -35,7 +35,7 @@ gives each message's real one-way time, which calibration compares with the link
     header  header_len bytes of JSON: key, codec, shape, dtype, direction, [array dtype, shape]
     payload the raw bytes of each ``Encoded.arrays`` entry, back to back
 
-``payload_crc`` is the codec seal (`codec.seal`: CRC32 over the codec metadata and the
+``payload_crc`` is the codec seal (`seal.seal`: CRC32 over the codec metadata and the
 arrays); ``header_crc`` is a CRC32 over the prefix (up to itself) and the JSON header, checked
 before any length in it is trusted. A payload that fails its seal is filed as a failure for its
 key, so the consumer gets `CorruptPayloadError` and the stream stays in sync; a header that
@@ -56,12 +56,7 @@ from typing import Any
 
 import torch
 
-from geopipe.transport.codec import (
-    Encoded,
-    decode,
-    make_codec,
-    seal,
-)
+from geopipe.transport.codec import Encoded, decode, make_codec
 from geopipe.transport.dial import DialError, dial
 from geopipe.transport.frames import (
     encode_frame,
@@ -71,6 +66,7 @@ from geopipe.transport.frames import (
 )
 from geopipe.transport.link import LinkEmulator, LinkParams
 from geopipe.transport.receiver import USER_TIMEOUT_S, DirectReceiver
+from geopipe.transport.seal import seal
 from geopipe.transport.security import ClockSkew, RunCredentials, TlsSealer
 from geopipe.transport.sockets import shutdown_socket, tune_stream
 from geopipe.transport.wire import direction_codec, wire_bytes

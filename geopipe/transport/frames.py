@@ -32,7 +32,8 @@ from typing import Any
 import numpy as np
 
 from geopipe.transport import wire
-from geopipe.transport.codec import CorruptPayloadError, Encoded, Sealed
+from geopipe.transport.codec import Encoded
+from geopipe.transport.seal import CorruptPayloadError, Sealed
 
 __all__ = [
     "FrameInfo",

@@ -17,7 +17,6 @@ import threading
 from collections.abc import Hashable
 from typing import Any
 
-from geopipe.transport.codec import CorruptPayloadError, Sealed
 from geopipe.transport.expect import ExpectedFrames, all_finite
 from geopipe.transport.frames import (
     Admit,
@@ -29,6 +28,7 @@ from geopipe.transport.frames import (
 from geopipe.transport.gate import Gate
 from geopipe.transport.link import DuplicateKeyError
 from geopipe.transport.rejects import RejectLog
+from geopipe.transport.seal import CorruptPayloadError, Sealed
 from geopipe.transport.security import RunCredentials, link_id
 from geopipe.transport.sockets import advertised_host, shutdown_socket, tune_stream
 

@@ -24,8 +24,9 @@ from test_runtime import reference, tiny_doc
 
 from geopipe.config import parse_cluster
 from geopipe.runtime.control.controller import Controller, LaunchOptions
-from geopipe.transport.codec import make_codec, seal
+from geopipe.transport.codec import make_codec
 from geopipe.transport.frames import encode_frame
+from geopipe.transport.seal import seal
 
 pytestmark = pytest.mark.ray
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from geopipe.transport.channel import Inbox
-from geopipe.transport.codec import CorruptPayloadError, make_codec, seal
+from geopipe.transport.codec import make_codec
+from geopipe.transport.seal import CorruptPayloadError, seal
 
 
 def test_corrupt_payload_is_detected_not_used():

@@ -11,16 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from geopipe.transport import wire
-from geopipe.transport.codec import (
-    CODECS,
-    Codec,
-    CorruptPayloadError,
-    Encoded,
-    decode,
-    make_codec,
-    open_sealed,
-    seal,
-)
+from geopipe.transport.codec import CODECS, Codec, Encoded, decode, make_codec
+from geopipe.transport.seal import CorruptPayloadError, open_sealed, seal
 
 SHAPES = [(), (1,), (7,), (3, 5), (2, 3, 64), (4, 1), (16, 257), (0,), (3, 0)]
 

@@ -13,17 +13,11 @@ import pytest
 import torch
 
 from geopipe.transport.channel import Inbox
-from geopipe.transport.codec import (
-    CODECS,
-    CorruptPayloadError,
-    decode,
-    make_codec,
-    open_sealed,
-    seal,
-)
+from geopipe.transport.codec import CODECS, decode, make_codec
 from geopipe.transport.direct import DirectReceiver, DirectSender, PeerLostError
 from geopipe.transport.frames import encode_frame, read_frame
 from geopipe.transport.link import LinkParams, MailboxClosedError
+from geopipe.transport.seal import CorruptPayloadError, open_sealed, seal
 from geopipe.transport.wire import wire_bytes
 
 pytestmark = pytest.mark.timeout(30)

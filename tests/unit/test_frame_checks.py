@@ -20,11 +20,12 @@ import torch
 
 from geopipe.transport import frames, receiver
 from geopipe.transport.channel import Inbox
-from geopipe.transport.codec import CorruptPayloadError, make_codec, seal
+from geopipe.transport.codec import make_codec
 from geopipe.transport.dial import dial
 from geopipe.transport.direct import DirectReceiver, DirectSender
 from geopipe.transport.expect import ExpectedFrames, FrameSpec, all_finite
 from geopipe.transport.frames import StreamCorruptError, encode_frame
+from geopipe.transport.seal import CorruptPayloadError, seal
 from geopipe.transport.security import make_credentials
 
 pytestmark = pytest.mark.timeout(60)

@@ -20,11 +20,11 @@ import torch
 
 from geopipe.runtime.actor.links import StageLinks, planned_frames
 from geopipe.transport import frames
-from geopipe.transport.codec import CorruptPayloadError
 from geopipe.transport.dial import dial
 from geopipe.transport.direct import DirectSender
 from geopipe.transport.frames import StreamCorruptError
 from geopipe.transport.receiver import NonFiniteError
+from geopipe.transport.seal import CorruptPayloadError
 from geopipe.transport.security import make_credentials
 
 pytestmark = pytest.mark.timeout(60)

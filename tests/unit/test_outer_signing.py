@@ -37,7 +37,7 @@ from geopipe.runtime.actor.outer_wire import (
     OuterPeer,
     OuterSettings,
 )
-from geopipe.transport.codec import Sealed
+from geopipe.transport.seal import Sealed
 from geopipe.transport.security import make_credentials
 from tests.unit.test_outer_values import chunk, dropped, wait_refused
 

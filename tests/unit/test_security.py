@@ -19,9 +19,10 @@ import torch
 
 from geopipe.transport.bulk import ChunkClient, ChunkError, ChunkServer
 from geopipe.transport.channel import Inbox
-from geopipe.transport.codec import CorruptPayloadError, make_codec, seal
+from geopipe.transport.codec import make_codec
 from geopipe.transport.direct import DirectReceiver, DirectSender, PeerLostError
 from geopipe.transport.frames import encode_frame
+from geopipe.transport.seal import CorruptPayloadError, seal
 from geopipe.transport.security import (
     HandshakeError,
     RunCredentials,

@@ -15,10 +15,11 @@ import pytest
 import torch
 
 from geopipe.transport.channel import Inbox
-from geopipe.transport.codec import make_codec, seal
+from geopipe.transport.codec import make_codec
 from geopipe.transport.dial import dial
 from geopipe.transport.direct import DirectReceiver
 from geopipe.transport.frames import encode_frame
+from geopipe.transport.seal import seal
 from geopipe.transport.security import make_credentials
 
 pytestmark = pytest.mark.timeout(60)

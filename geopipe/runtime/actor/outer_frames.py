@@ -27,9 +27,10 @@ import torch
 from geopipe.outer import ROW_LEN, decode_delta
 from geopipe.runtime.actor.outer_sign import GroupVerifier, is_signature, signed_digest
 from geopipe.transport import wire
-from geopipe.transport.codec import CorruptPayloadError, Encoded, Sealed, open_sealed
+from geopipe.transport.codec import Encoded
 from geopipe.transport.frames import FrameInfo, FrameRefusedError
 from geopipe.transport.receiver import DirectReceiver
+from geopipe.transport.seal import CorruptPayloadError, Sealed, open_sealed
 
 if TYPE_CHECKING:
     from geopipe.runtime.actor.outer_wire import OuterSettings

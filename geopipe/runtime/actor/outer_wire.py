@@ -43,11 +43,12 @@ from geopipe.runtime.actor.outer_frames import (
 )
 from geopipe.runtime.actor.outer_sign import ChunkSigner, GroupKey
 from geopipe.transport import wire
-from geopipe.transport.codec import CorruptPayloadError, Encoded, Sealed, open_sealed, seal
+from geopipe.transport.codec import Encoded
 from geopipe.transport.dial import DialError, dial
 from geopipe.transport.direct import CONGESTION, PeerLostError
 from geopipe.transport.frames import encode_frame, key_to_json, sendmsg_all
 from geopipe.transport.link import DelayedMailbox, LinkEmulator, LinkParams
+from geopipe.transport.seal import CorruptPayloadError, Sealed, open_sealed, seal
 from geopipe.transport.security import (
     HandshakeError,
     RunCredentials,
