@@ -59,7 +59,7 @@ from geopipe.runtime.actor.backward import (
     weight_surrogate,
 )
 from geopipe.runtime.actor.distgroups import StageMPU, destroy_process_group, init_process_group
-from geopipe.runtime.actor.engine_config import EngineConfig
+from geopipe.runtime.actor.engine_config import EngineConfig, deepspeed_config
 from geopipe.runtime.actor.gradnorm import ModelError, NormExchange, install_global_norm
 from geopipe.runtime.actor.lr import LRFactor
 
@@ -96,14 +96,6 @@ __all__ = [
 # model counts). Checkpoints and snapshots hold those fp32 masters, so a resume continues
 # exactly in any precision. fp16 adds DeepSpeed's dynamic loss scaling; DeepSpeed refuses
 # fp16 on a CPU (the launch checks it first and says so).
-def _precision_config(precision: str) -> dict[str, Any]:
-    if precision == "bf16":
-        return {"bf16": {"enabled": True}}
-    if precision == "fp16":
-        return {"fp16": {"enabled": True, "initial_scale_power": 16}}
-    return {}
-
-
 # [Note: no collections while the engine is built]
 # The first engine of a process imports torch._dynamo (torch's Optimizer.add_param_group is
 # wrapped in torch._disable_dynamo, whose first call imports it, and with it sympy, inductor
@@ -196,36 +188,6 @@ def _process_groups(group_ranks: list[list[int]], my_group: int) -> tuple[StageM
     ckpt_groups = [dist.new_group(ranks) for ranks in group_ranks]
     mpu = StageMPU(dp_groups[my_group], group_ranks[my_group], mp_groups[rank])
     return mpu, ckpt_groups[my_group]
-
-
-def deepspeed_config(cfg: EngineConfig, replicas: int) -> dict[str, Any]:
-    """The ZeRO-1 engine's DeepSpeed config for a stage group of ``replicas``, every default
-    that would change the numbers set explicitly, each commented where it is set."""
-    return {
-        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
-        "gradient_accumulation_steps": cfg.micro_batches,
-        "train_batch_size": cfg.micro_batch_size * cfg.micro_batches * replicas,
-        # DeepSpeed's default is 1.0, which clips silently.
-        "gradient_clipping": cfg.grad_clip,
-        "optimizer": {
-            "type": "Adam",
-            "params": {
-                "lr": cfg.lr,
-                "betas": list(cfg.betas),
-                "eps": cfg.eps,
-                "weight_decay": cfg.weight_decay,
-                # torch's Adam, not DeepSpeed's C++ one (a minute of compiling);
-                # adam_w_mode defaults to True, i.e. AdamW, even for "type": "Adam".
-                "torch_adam": True,
-                "adam_w_mode": cfg.weight_decay > 0,
-            },
-        },
-        "zero_optimization": {"stage": 1},
-        "steps_per_print": 2**31 - 1,
-        # False: backward never reduces; step() is the boundary (end_iteration).
-        "managed_gradient_accumulation": not cfg.defer_step,
-        **_precision_config(cfg.precision),
-    }
 
 
 class StageEngine:

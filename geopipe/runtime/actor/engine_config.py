@@ -1,4 +1,5 @@
-"""The settings of one stage replica's engine, as plain data the driver builds and Ray ships.
+"""The settings of one stage replica's engine, as plain data the driver builds and Ray ships,
+and the DeepSpeed config they become (:func:`deepspeed_config`).
 
 Apart from :mod:`geopipe.runtime.actor.engine` so the driver (placement) can build and check
 them without importing DeepSpeed or torch.
@@ -8,9 +9,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
-__all__ = ["LR_SCHEDULES", "PRECISIONS", "EngineConfig"]
+__all__ = ["LR_SCHEDULES", "PRECISIONS", "EngineConfig", "deepspeed_config"]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 # transformers' schedulers behind each name: geopipe.runtime.actor.lr
@@ -94,3 +95,41 @@ class EngineConfig:
                 f"EngineConfig.grad_clip_scope must be 'global' or 'stage', "
                 f"got {self.grad_clip_scope!r}"
             )
+
+
+def deepspeed_config(cfg: EngineConfig, replicas: int) -> dict[str, Any]:
+    """The ZeRO-1 engine's DeepSpeed config for a stage group of ``replicas``, every default
+    that would change the numbers set explicitly, each commented where it is set."""
+    return {
+        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+        "gradient_accumulation_steps": cfg.micro_batches,
+        "train_batch_size": cfg.micro_batch_size * cfg.micro_batches * replicas,
+        # DeepSpeed's default is 1.0, which clips silently.
+        "gradient_clipping": cfg.grad_clip,
+        "optimizer": {
+            "type": "Adam",
+            "params": {
+                "lr": cfg.lr,
+                "betas": list(cfg.betas),
+                "eps": cfg.eps,
+                "weight_decay": cfg.weight_decay,
+                # torch's Adam, not DeepSpeed's C++ one (a minute of compiling);
+                # adam_w_mode defaults to True, i.e. AdamW, even for "type": "Adam".
+                "torch_adam": True,
+                "adam_w_mode": cfg.weight_decay > 0,
+            },
+        },
+        "zero_optimization": {"stage": 1},
+        "steps_per_print": 2**31 - 1,
+        # False: backward never reduces; step() is the boundary (end_iteration).
+        "managed_gradient_accumulation": not cfg.defer_step,
+        **_precision_config(cfg.precision),
+    }
+
+
+def _precision_config(precision: str) -> dict[str, Any]:
+    if precision == "bf16":
+        return {"bf16": {"enabled": True}}
+    if precision == "fp16":
+        return {"fp16": {"enabled": True, "initial_scale_power": 16}}
+    return {}
