@@ -137,14 +137,14 @@ class Ctl:
         return [self.workers.call(a, "ping") for a in self.placement.flat()]
 
 
-def test_a_wedged_writer_loses_its_group_and_the_others_go_on(tmp_path: Path) -> None:
-    health = {"hang_floor_uncalibrated_s": 0.2, "unresponsive_s": 0.5, "hang_floor_s": 1.0}
-    rounds, _, _, _ = _rounds(3, health)  # H = 2: an apply every 2 steps
-    seam = Seam(3, wedged={3})  # group 1's stage-1 actor: its shard of step 4 never comes
+def _three_groups(rounds: Any, seam: Seam, tmp_path: Path) -> tuple[Any, Placement, Any]:
+    """Three groups of one two-stage pipeline each over ``seam``: the spec, the placement
+    (rows[stage][pipeline]) and the real checkpoint coordinator over the outer run's shard
+    rows (shard g * 2 + k: group g's stage k)."""
     rounds.workers = seam
     spec = rounds.spec
     pl = Placement(spec, 60, 0.0, None, seam)
-    pl.plan, pl.rows = _plan(3, per_group=1), [[0, 2, 4], [1, 3, 5]]  # rows[stage][pipeline]
+    pl.plan, pl.rows = _plan(3, per_group=1), [[0, 2, 4], [1, 3, 5]]
     ckpt = CheckpointCoordinator(
         spec,
         tmp_path,
@@ -156,7 +156,15 @@ def test_a_wedged_writer_loses_its_group_and_the_others_go_on(tmp_path: Path) ->
         workers=seam,
     )
     ckpt.begin_outer(rounds, None)
-    seam.rows = ckpt._actors  # shard g * 2 + k: group g's stage k
+    seam.rows = ckpt._actors
+    return spec, pl, ckpt
+
+
+def test_a_wedged_writer_loses_its_group_and_the_others_go_on(tmp_path: Path) -> None:
+    health = {"hang_floor_uncalibrated_s": 0.2, "unresponsive_s": 0.5, "hang_floor_s": 1.0}
+    rounds, _, _, _ = _rounds(3, health)  # H = 2: an apply every 2 steps
+    seam = Seam(3, wedged={3})  # group 1's stage-1 actor: its shard of step 4 never comes
+    spec, pl, ckpt = _three_groups(rounds, seam, tmp_path)
     for done in (1, 2, 3, 4):  # steps 0..3 run; rounds applied after steps 2 and 4
         rounds.after_step(done, pl.flat())
     ckpt.save(4)
@@ -219,22 +227,7 @@ def test_a_save_in_flight_when_a_group_goes_commits_the_layout_it_began_on(
     manifest named two groups over six shards, and no resume could read it."""
     rounds, _, _, _ = _rounds(3, {"hang_floor_s": 1.0})
     seam = Seam(3, wedged=set())
-    rounds.workers = seam
-    spec = rounds.spec
-    pl = Placement(spec, 60, 0.0, None, seam)
-    pl.plan, pl.rows = _plan(3, per_group=1), [[0, 2, 4], [1, 3, 5]]
-    ckpt = CheckpointCoordinator(
-        spec,
-        tmp_path,
-        Reporter(),
-        lambda: pl.rows,
-        lambda step: {**MANIFEST, "data": {"step": step}},
-        stage_sites=lambda: list(pl.plan.stage_sites),
-        actor_sites=pl.actor_sites,
-        workers=seam,
-    )
-    ckpt.begin_outer(rounds, None)
-    seam.rows = ckpt._actors
+    spec, pl, ckpt = _three_groups(rounds, seam, tmp_path)
     for done in (1, 2, 3, 4):
         rounds.after_step(done, pl.flat())
     ckpt.save(4)  # not polled: the next call fails first

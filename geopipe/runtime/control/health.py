@@ -260,20 +260,24 @@ def answers(
     health: HealthSpec,
     who: Callable[[list[Actor]], tuple[list[int], list[str]]],
 ) -> list:
-    """The answers to ``refs`` (a call to each of ``actors``; the first error raised once
-    all have answered), for a call that is quick on a live actor and that no step's
-    heartbeat watches (a save's snapshot). Every ``heartbeat_s`` the actors yet to answer
-    are pinged; those silent past ``unresponsive_s`` (a frozen process, a partitioned node)
-    raise :class:`ActorsUnresponsive` naming their layout indices (``who``) instead of the
-    save waiting for ever, as it did."""
+    """The answers to ``refs`` (a call to each of ``actors``), for a call that is quick on a
+    live actor and that no step's heartbeat watches (a save's snapshot). Every
+    ``heartbeat_s`` the actors yet to answer are pinged; those silent past
+    ``unresponsive_s`` (a frozen process, a partitioned node) raise
+    :class:`ActorsUnresponsive` naming their layout indices (``who``) instead of the save
+    waiting for ever. Either error (that, or the first call's that failed) is raised only
+    once every other live actor has answered (bounded by ``settle_s``), so no call of a
+    failed save runs after the recovery's save of the same step and is taken for it."""
     while True:
         _, rest = workers.wait(refs, num_returns=len(refs), timeout=health.heartbeat_s)
         if not rest:
             return workers.get(refs)
-        waiting = [a for a, r in zip(actors, refs, strict=True) if r in rest]
-        up = alive(workers, waiting, health.unresponsive_s)
-        frozen = [a for a, ok in zip(waiting, up, strict=True) if not ok]
+        waiting = [(a, r) for a, r in zip(actors, refs, strict=True) if r in rest]
+        up = alive(workers, [a for a, _ in waiting], health.unresponsive_s)
+        frozen = [a for (a, _), ok in zip(waiting, up, strict=True) if not ok]
         if frozen:
+            live = [r for (_, r), ok in zip(waiting, up, strict=True) if ok]
+            workers.wait(live, num_returns=len(live), timeout=health.settle_s)
             raise ActorsUnresponsive(who(frozen)[0], health.unresponsive_s)
 
 

@@ -128,15 +128,10 @@ class SiteCopies(SiteStoreActors):
         t0 = time.perf_counter()
         rows, sites = self._actors(), self._stage_sites()
         flat = [a for row in rows for a in row]
-        # A dead actor raises here, before anything else: the controller then recovers --
-        # once every other save_shard has answered (bounded), so none of them runs after the
-        # recovery's save of the same step and its shard_written answers this one's.
+        # A dead or frozen actor raises here, before anything else (once the others have
+        # answered: health.answers): the controller then recovers.
         started = call_all(self.workers, flat, "save_shard", None, step)
-        try:
-            stalls = answers(self.workers, flat, started, self.spec.health, self.who)
-        except Exception:
-            self.workers.wait(started, num_returns=len(started), timeout=self.spec.health.settle_s)
-            raise
+        stalls = answers(self.workers, flat, started, self.spec.health, self.who)
         flat_refs = call_all(self.workers, flat, "shard_written")
         first = [sum(len(r) for r in rows[:k]) for k in range(len(rows))]
         targets = self.copy_sites()
