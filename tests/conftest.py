@@ -10,6 +10,9 @@ import os
 
 os.environ.setdefault("RAY_AUTH_MODE", "token")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# As geopipe's embedded start: [Note: a cold machine's first Ray start] in
+# geopipe.runtime.control.cluster (the tests' own Ray heads, and the CLI launches they spawn).
+os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
 
 
 import socket

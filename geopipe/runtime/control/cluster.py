@@ -93,6 +93,18 @@ def auth_env(spec: ClusterSpec) -> None:
 ACTOR_ENV = {"OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "1", "TORCHDYNAMO_DISABLE": "1"}
 
 
+# [Note: a cold machine's first Ray start]
+# Ray waits 30 s (RAY_gcs_server_port_wait_time_s) for a new head's GCS to publish its port.
+# On a freshly booted 2-core machine the first start (binaries and Python packages not yet in
+# the page cache, a second Ray starting beside it) ran past that once in `make test`'s first
+# minute: "Timed out waiting for file .../gcs_server_port_..." (test_multinode's head, the
+# CLI launch tests starting theirs on the other worker); the same start alone took 4 s. The
+# wait is only an upper bound on a start that succeeds, so an embedded start allows 120 s
+# (Ray's own choice for its slower rocksdb GCS); a value in the environment wins.
+GCS_START_WAIT_VAR = "RAY_gcs_server_port_wait_time_s"
+GCS_START_WAIT_S = "120"
+
+
 @contextlib.contextmanager
 def worker_env(env: dict[str, str] = ACTOR_ENV) -> Any:
     """``env`` in this process's environment while an embedded Ray starts, so its raylet and
@@ -137,6 +149,7 @@ def connect(spec: ClusterSpec, log_to_driver: bool = False) -> ClusterInfo:
                 "(another Ray or geopipe run?); stop it or set ray.dashboard_port to a free port"
             )
         resources = {site_resource(s.name): float(s.devices) for s in spec.sites}
+        os.environ.setdefault(GCS_START_WAIT_VAR, GCS_START_WAIT_S)
         start_reaper()  # the embedded Ray dies with this process, even on kill -9
         with worker_env():  # [Note: an actor's environment without a runtime_env]
             ctx = ray.init(
