@@ -98,7 +98,7 @@ COST = {
     "test_recovery_runtime": 214,
     "test_runtime": 128,
     "test_checkpoint_runtime": 112,
-    "test_hf_runtime": 101,
+    "test_hf_runtime": 75,  # two families across sites (the rest: unit tier)
     "test_outer_checkpoint": 78,
     "test_trainer_runtime": 45,
     "test_outer_spans": 60,
