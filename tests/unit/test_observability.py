@@ -260,8 +260,8 @@ def test_the_controller_evaluates_on_schedule_and_on_every_new_layout(
     """On the fake worker group: evaluations after steps 2, 4 and the last (5), each the
     last stages' answers averaged; a replica lost in step 2 gives a new layout, whose
     actors all get the held-out setup again before training goes on."""
+    from tests.unit._controller_runs import Run, make_doc
     from tests.unit.fakes import FakeWorkers
-    from tests.unit.test_controller_states import Run, make_doc
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("".join(f"line {i} of a small corpus for the fake\n" for i in range(2000)))

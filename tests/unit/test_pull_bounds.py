@@ -33,8 +33,8 @@ from geopipe.runtime.control import sitecopies
 from geopipe.runtime.control.sitecopies import SiteCopies
 from geopipe.runtime.control.workers import SpawnOptions
 from geopipe.runtime.storage.sitestore import PullBound, PullTimeout, ShardSource, SiteStore
+from tests.unit._controller_runs import Run, assert_exact, make_corpus, make_doc
 from tests.unit.fakes import FakeWorkers
-from tests.unit.test_controller_states import Run, assert_exact, make_doc
 from tests.unit.test_outer_shards_unwritten import Reporter
 from tests.unit.test_site_copies import MANIFEST, _Call, _Handle, _Holder, _save, _shards
 
@@ -190,9 +190,7 @@ def test_the_ray_path_waits_no_chunk_past_the_deadline(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_text("".join(f"line {i} of a small corpus for the fake\n" for i in range(2000)))
-    return path
+    return make_corpus(tmp_path_factory)
 
 
 def test_a_store_that_never_finishes_its_copy_is_a_counted_shortfall(

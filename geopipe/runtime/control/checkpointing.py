@@ -1,4 +1,5 @@
-"""Checkpoint coordination: save, poll, stand-in writers, and the resume lookup.
+"""Checkpoint coordination: save, poll, stand-in writers, and what a recovery restores (what
+``--resume`` names is found in :mod:`.resumepoint`).
 
 A save snapshots every stage (training stalls only for that) and writes the shards in the
 background; the manifest is committed once every shard is on disk. One save at a time: a
@@ -26,17 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from geopipe.checkpoint.lineage import (
-    config_refusal,
-    previous_launch,
-    resume_lineage,
     trajectory_hash,
 )
 from geopipe.checkpoint.store import (
     CheckpointError,
     CheckpointInfo,
-    check_compatible,
     latest_complete,
-    load_checkpoint,
     move_aside,
     prune,
 )
@@ -51,7 +47,6 @@ from geopipe.runtime.control.health import (
     ref_failed,
     shard_wait_s,
 )
-from geopipe.runtime.control.models import model_shape
 from geopipe.runtime.control.outerckpt import (
     outer_manifest,
     restore_outer,
@@ -59,7 +54,7 @@ from geopipe.runtime.control.outerckpt import (
     shard_sites,
 )
 from geopipe.runtime.control.reporting import Reporter
-from geopipe.runtime.control.resumepoint import Found, RestoreFrom, ResumePoint
+from geopipe.runtime.control.resumepoint import Found, RestoreFrom, ResumePoint, find_resume
 from geopipe.runtime.control.sitecopies import SiteCopies
 from geopipe.runtime.control.workers import WorkerFailed, Workers, ask, call_all
 
@@ -503,62 +498,4 @@ class CheckpointCoordinator:
     def find_resume(self, resume: str | bool, run_id: str | None = None) -> ResumePoint | None:
         """The checkpoint ``--resume`` names (True: the newest complete one of the lineage
         of the last launch in the run directory: [Note: resuming a lineage])."""
-        if not resume:
-            return None
-        path = self._newest_of_lineage(run_id) if resume is True else Path(resume)
-        try:
-            ckpt = load_checkpoint(path)
-            check_compatible(ckpt.manifest, model_shape(self.spec))
-        except CheckpointError as exc:
-            raise LaunchError(f"--resume: {exc}") from None
-        m = ckpt.manifest
-        refusal = config_refusal(m, path, self.trajectory, run_id)
-        if refusal is not None and resume is True:
-            raise LaunchError(f"--resume: {refusal}")
-        if refusal is not None:  # named by hand: the user's choice, said once
-            self.reporter.say(f"--resume {path}: other settings than the checkpoint's run")
-        lineage = m.get("lineage") if isinstance(m.get("lineage"), dict) else None
-        writer = m.get("run_id") if isinstance(m.get("run_id"), str) else None
-        return ResumePoint(str(path), ckpt.step, m.get("data", {}).get("digest"), writer, lineage)
-
-    def _newest_of_lineage(self, run_id: str | None) -> Path:
-        """The newest verified checkpoint ``--resume`` may continue from (newer corrupt or
-        incomplete ones skipped and said); the error names what is there instead."""
-        last = previous_launch(self.run_dir)
-        lineage = resume_lineage(last)
-        if self.copies is not None:
-            found = self.copies.find_latest(lineage)
-            for p, reason in found[1] if found is not None else []:
-                self.skip(p, reason)
-            path = found[0] if found is not None else None
-        elif self.root.is_dir():
-            info = latest_complete(self.root, on_skip=self.skip, lineage=lineage)
-            path = info.path if info is not None else None
-        else:
-            raise LaunchError(f"--resume: no checkpoint directory {self.root}")
-        if path is not None:
-            return path
-        if lineage is None or last is None:
-            raise LaunchError(f"--resume: no complete checkpoint under {self.where()}")
-        others = self._other_runs_newest()
-        there = (
-            f"; run {others[1]}'s {others[0].name} is there: name it to resume from it "
-            f"(--resume {others[0]})"
-            if others is not None
-            else ""
-        )
-        raise LaunchError(
-            f"--resume: no complete checkpoint of run {last.run_id} (the last launch in "
-            f"{self.run_dir}, lineage {sorted(lineage)}) under {self.where()}{there}"
-        )
-
-    def _other_runs_newest(self) -> tuple[Path, str] | None:
-        """The newest complete checkpoint of any run (for the refusal's message)."""
-        roots = [Path(r) for r in self.copies.roots().values()] if self.copies else [self.root]
-        best = None
-        for root in roots:
-            if root.is_dir():
-                info = latest_complete(root, on_skip=lambda p, r: None)
-                if info is not None and (best is None or info.step > best.step):
-                    best = info
-        return None if best is None else (best.path, best.run_id or "(no run id)")
+        return find_resume(self, resume, run_id)
