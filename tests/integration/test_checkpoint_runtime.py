@@ -4,7 +4,7 @@ LR transformers' scheduler's), re-sharding, a bad resume path.
 The driver's logic around them — a corrupt newest checkpoint skipped, a checkpoint of
 another model or of other data refused, `geopipe checkpoints`, a per-site directory that
 cannot be made — is tested against the fake worker group in
-tests/unit/test_controller_states.py."""
+tests/unit/test_controller_saves.py."""
 
 from __future__ import annotations
 

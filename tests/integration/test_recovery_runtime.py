@@ -4,7 +4,8 @@ mid-save, a mix of pipelines growing back — each checked against an uninterrup
 
 The recovery logic without Ray's processes and DeepSpeed's numerics (the only holder of a
 stage restoring the checkpoint, every device lost, a death during a recovery, outages) is
-tested against the fake worker group in tests/unit/test_controller_states.py."""
+tested against the fake worker group in tests/unit/test_controller_states.py and
+test_controller_saves.py."""
 
 from __future__ import annotations
 
