@@ -88,7 +88,7 @@ def ray_cluster():
 # next one to whichever worker runs low first: longest first, the short ones at the end
 # fill in, and both workers finish within a short module of each other. COST: each
 # module's seconds in one run of the whole tier in one process on the 2-core machine, other
-# work running too (noisy: only the order matters; test_outer_spans', test_ckpt_faults',
+# work running too (noisy: only the order matters; test_outer_spans',
 # test_outer_shares' and the trimmed trainer and recompute modules' are guesses from their
 # launches). A module not listed comes last, in collection order.
 # (Not --dist loadgroup: with pytest 9.2, xdist 3.8 no longer sees the xdist_group marks.)
@@ -104,11 +104,9 @@ COST = {
     "test_outer_spans": 60,
     "test_testbed": 57,
     "test_recompute_runtime": 30,
-    "test_run_identity_modes": 48,
     "test_outer_failures_runtime": 41,
     # It was missing here and so came last, its ~50 s alone on one worker at the very end.
     "test_starved_chaos": 50,
-    "test_ckpt_faults": 40,
     "test_site_rendezvous": 34,
     "test_security_runtime": 17,  # the undisturbed run: the torch reference
     "test_outage_runtime": 21,  # the undisturbed run: the torch reference

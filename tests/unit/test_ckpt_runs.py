@@ -6,7 +6,9 @@ directory and refuses a checkpoint written under other training settings unless 
 
 from __future__ import annotations
 
+import hashlib
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -172,3 +174,59 @@ def test_resume_refuses_other_training_settings_unless_named(tmp_path: Path, cor
     assert refused.path() == ["planning", "planning"] and refused.fake.actors == []
     named = Run(doc, run_dir, resume=str(newest)).go()
     assert named.ctl.start_step == 2
+
+
+def _digests(root: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.mark.parametrize("mode", ["shared", "per-site"])
+def test_a_second_run_never_restores_the_first_runs_checkpoints(
+    tmp_path: Path, corpus: Path, mode: str
+) -> None:
+    """Moved from the integration tier (the driver's logic; the real shard writes and
+    resumes stay there): run B, launched without --resume where run A's checkpoints of
+    steps 2 and 4 are (a shared directory; per-site directories, each site's store moving
+    them on its own), moves them aside intact; losing its only holder of stage 1 in step 3,
+    its recovery restores B's own step 2, never A's newer step 4, and B's state is that of
+    4 uninterrupted steps."""
+    a = Run(make_doc(corpus, devices=1, steps=4, every=2), tmp_path / "A").go()
+    a_id, a_ckpts = a.ctl.run_id, tmp_path / "A" / "checkpoints"
+    assert [(i.step, i.run_id) for i in list_checkpoints(a_ckpts)] == [(2, a_id), (4, a_id)]
+    doc = make_doc(corpus, devices=1, steps=4, every=2)
+    run_dir = tmp_path / "R"
+    if mode == "shared":
+        roots = [run_dir / "checkpoints"]
+    else:
+        doc["training"]["checkpoint"]["dir"] = str(tmp_path / "ck-{site}")
+        roots = [tmp_path / f"ck-{s}" for s in ("east", "west")]
+    for root in roots:  # A's checkpoints are where B will write its own
+        shutil.copytree(a_ckpts, root)
+    before = _digests(a_ckpts)
+    fake = FakeWorkers()
+    fake.inject("west/stage1/r0", die_at_step=3)
+    b = Run(doc, run_dir, fake).go()
+    b_id = b.ctl.run_id
+    assert b_id != a_id
+    moved = b.events("checkpoints_moved_aside")
+    assert sorted(e["path"] for e in moved) == sorted(
+        str(r.with_name(f"{r.name}.prev-{a_id}")) for r in roots
+    )
+    saved: dict[int, str] = {}
+    for root in roots:
+        assert _digests(root.with_name(f"{root.name}.prev-{a_id}")) == before  # intact
+        got = {i.step: i.run_id for i in list_checkpoints(root)}
+        saved.update(got)
+        assert got.get(2) == b_id and set(got.values()) == {b_id}
+    assert saved == {2: b_id, 4: b_id}
+    (rec,) = b.events("recovered")
+    assert rec["source"] == "checkpoint" and rec["step"] == 2 and rec["failed_step"] == 3
+    for path in rec["restored_from"]["paths"].values():
+        assert list_checkpoints(Path(path).parent)[0].run_id == b_id
+        assert Path(path).parent in roots
+    assert b.status()["run_id"] == b_id
+    assert_exact(b, 4)

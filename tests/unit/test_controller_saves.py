@@ -222,7 +222,9 @@ def saved(tmp_path: Path, corpus: Path) -> tuple[dict, Path]:
 
 
 def test_a_corrupt_newest_checkpoint_is_skipped_on_resume(saved: tuple[dict, Path]) -> None:
-    """Moved from tests/integration/test_checkpoint_runtime.py."""
+    """Moved from the integration tier (test_checkpoint_runtime, then test_ckpt_faults):
+    the resume verifies the newest checkpoint, skips it (a console line and an event
+    naming the bad file) and continues exactly from the one before."""
     doc, run_dir = saved
     shard = run_dir / "checkpoints" / "step-00000003" / "stage-1.safetensors"
     data = bytearray(shard.read_bytes())
@@ -234,6 +236,9 @@ def test_a_corrupt_newest_checkpoint_is_skipped_on_resume(saved: tuple[dict, Pat
     skipped = run.ctl.skipped_checkpoints
     assert skipped and "step-00000003" in skipped[0][0] and "checksum" in skipped[0][1]
     assert run.final["params"] == {n: v[0] for n, v in reference_state(LAYERS, 4, 0).items()}
+    (skip,) = run.events("checkpoint_skipped")
+    assert skip["file"] == "stage-1.safetensors" and "checksum" in skip["reason"]
+    assert skip["path"].endswith("step-00000003")
 
 
 def test_resuming_on_other_data_is_a_clear_error(saved: tuple[dict, Path], tmp_path: Path) -> None:
