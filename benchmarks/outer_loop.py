@@ -6,13 +6,14 @@ the demo GPT, 16 sequences of 64 bytes per step, Adam 3e-3 cosine. Parts:
 
 * **step time** (test bed, 2 sites × 1 device, one group per site, 40 ms one way, 50 Mbit/s):
   the planner's outer loop (``plan.outer`` codec int8, H from the table's grid, the planner
-  choosing H and the outer optimizer) and its streaming form (F = 5 and its H; the overlap,
-  1-4, chosen by the launch from the measured step time), wall time per inner step over
-  whole rounds, against **no WAN**: the same two groups launched the same way with the
-  bed's link at 0 ms and 10 Gbit/s and no round in the run (H beyond it), so the ratio
-  holds what the WAN adds (the exchange, and Ray's control calls to the far site) and not
-  the two groups' sharing of this host's cores. The same group alone on one site is
-  reported beside it (``outer_step_time_over_single_group``; it includes that sharing).
+  choosing H and the outer optimizer) and its streaming form (F = 5 and its H), each with
+  the overlap (0-4; 1-4 streaming) chosen by the launch from the measured step time, wall
+  time per inner step over whole rounds, against **no WAN**: the same two groups launched
+  the same way with the bed's link at 0 ms and 10 Gbit/s and no round in the run (H beyond
+  it), so the ratio holds what the WAN adds (the exchange, and Ray's control calls to the
+  far site) and not the two groups' sharing of this host's cores. The same group alone on
+  one site is reported beside it (``outer_step_time_over_single_group``; it includes that
+  sharing).
 * **loss gap** (embedded Ray, emulated links; benchmarks/_outer_loss.py): held-out loss at
   equal tokens of the outer loop at H = 1, 10, 50 and the planner's H (its codec and outer
   optimizer, F = 1) against synchronous training at seed 0, and of the planner's choice
@@ -58,6 +59,9 @@ NO_WAN = (0.0, 10_000.0)
 REGIMES = "200:0,50:40,10:80,1:80"  # Mbit/s:ms, spanning 1-200 Mbit/s and 0-80 ms
 PLANNER_OUTER = {"h": [10, 25, 50, 100], "codec": "int8", "lr": [0.7, 1.0], "momentum": [0.9, 0.0]}
 STREAMING = {"fragments": 5, "overlap": [1, 2, 3, 4], "codec": "int8"}
+# The step-time runs whose overlap the launch chooses (step_time_settings): the whole-model
+# send may overlap up to 4 steps too (the table's F = 1 rows at overlap 4, --grid overlap).
+LAUNCH_OVERLAP = {"outer": [0, 1, 2, 3, 4], "outer_streaming": STREAMING["overlap"]}
 # The loss gap's setting: the planner's choice for a user who bounds the loss penalty at the
 # issue's 1.5 % (plan.max_loss_penalty), over every round length, streaming and outer
 # optimizer the shipped table prices.
@@ -130,13 +134,13 @@ def step_time_settings(a, star: dict, stream: dict, bounded: dict | None) -> lis
     ]
     for s in out:
         s.update(latency_ms=BED_LINK[0], rate_mbit=BED_LINK[1])
-        if s["name"] == "outer_streaming":
-            # The overlap is what hides a fragment's transfer behind the steps' compute, so
-            # it is the launch's to choose, from this machine's measured step time (the
-            # launch calibrates; ``stream`` was planned from the YAML's nominal speed, twice
-            # this machine's step time on a quiet day): the planner's range, as a user
-            # writes it. H and F stay the planner's. The run's plan event says which.
-            s["outer"]["overlap"] = STREAMING["overlap"]
+        if s["name"] in LAUNCH_OVERLAP:
+            # The overlap is what hides a send behind the steps' compute, so it is the
+            # launch's to choose, from this machine's measured step time (the launch
+            # calibrates; ``star`` and ``stream`` were planned from the YAML's nominal speed,
+            # twice this machine's step time on a quiet day): a range, as a user writes it.
+            # H and F stay the planner's. The run's plan event says which overlap it chose.
+            s["outer"]["overlap"] = LAUNCH_OVERLAP[s["name"]]
     return out
 
 

@@ -80,7 +80,8 @@ class Setting:
 
     @property
     def name(self) -> str:
-        tail = f" F={self.fragments} tau={self.overlap}" if self.fragments > 1 else ""
+        streaming = self.fragments > 1 or self.overlap
+        tail = f" F={self.fragments} tau={self.overlap}" if streaming else ""
         if (self.outer_lr, self.outer_momentum) != (OUTER_LR, OUTER_MOMENTUM):
             tail += f" outer {self.outer_lr}/{self.outer_momentum}"
         return f"M={self.replicas} H={self.h} {self.codec}{tail}"
@@ -110,6 +111,16 @@ def bounded_grid(outer_lr: float, outer_momentum: float) -> list[Setting]:
     rows = [Setting(2, h, "int8", 5, 4, **o) for h in (50, 25, 100)]
     rows += [Setting(2, h, "int8", **o) for h in (10, 25, 5, 2, 50, 100)]
     return [*rows, Setting(2, 10, "int8", 5, 1, **o)]
+
+
+def overlap_grid(outer_lr: float, outer_momentum: float) -> list[Setting]:
+    """The whole-model send overlapping 4 inner steps (``--grid overlap``): M = 2, int8,
+    F = 1, overlap 4 at H = 50 and 100, the rounds the planner chooses on the bed's link.
+    With them the planner may hide a round's transfer behind up to 4 steps at F = 1 too
+    (the table takes the gap as independent of the overlap within a key, so these rows join
+    the F = 1 curve; a larger overlap stays unpriced)."""
+    o = {"outer_lr": outer_lr, "outer_momentum": outer_momentum}
+    return [Setting(2, h, "int8", 1, 4, **o) for h in (100, 50)]
 
 
 def settings(quick: bool, hs: list[int] | None = None, **outer: float) -> list[Setting]:
@@ -298,11 +309,12 @@ def parse_args() -> argparse.Namespace:
     )
     ap.add_argument(
         "--grid",
-        choices=("default", "planner", "bounded"),
+        choices=("default", "planner", "bounded", "overlap"),
         default="default",
         help="planner: the rows the planner prices; bounded: the M = 2 int8 candidates under "
-        "a tight plan.max_loss_penalty; both at --outer-lr/--outer-momentum, merged into the "
-        "table (rows of other settings and seeds stay)",
+        "a tight plan.max_loss_penalty; overlap: F = 1 sends overlapping 4 steps; each at "
+        "--outer-lr/--outer-momentum, merged into the table (rows of other settings and seeds "
+        "stay)",
     )
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--no-write", action="store_true")
@@ -325,6 +337,8 @@ def grid_of(args: argparse.Namespace) -> list[Setting]:
         return planner_grid(args.outer_lr, args.outer_momentum)
     if args.grid == "bounded":
         return bounded_grid(args.outer_lr, args.outer_momentum)
+    if args.grid == "overlap":
+        return overlap_grid(args.outer_lr, args.outer_momentum)
     return settings(args.quick, args.h, **outer)
 
 

@@ -225,7 +225,7 @@ def _torchft_events(h: int, fragments: int, tau: int, steps: int) -> list[tuple[
 
 
 @pytest.mark.parametrize(
-    "h,fragments,tau", [(1, 1, 0), (10, 1, 0), (8, 4, 1), (12, 3, 3), (6, 2, 0)]
+    "h,fragments,tau", [(1, 1, 0), (10, 1, 0), (10, 1, 4), (8, 4, 1), (12, 3, 3), (6, 2, 0)]
 )
 def test_schedule_matches_torchft(h: int, fragments: int, tau: int) -> None:
     sched = StreamingSchedule(h, fragments, tau)
