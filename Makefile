@@ -1,7 +1,7 @@
 # Two commands do everything on a fresh machine:
 #   make demo   - install, then train on the embedded default cluster (clusters/local-2dc.yaml)
 #   make test   - install, then lint and run the test suite
-#   make test-fast - the unit tier only (tests/unit: no Ray, no DeepSpeed; about 2 minutes on 2 cores)
+#   make test-fast - the unit tier only (tests/unit: no Ray, no DeepSpeed; about 1.5 minutes on 2 cores)
 # torch is installed explicitly first: an unpinned torch pulls a multi-GB CUDA build on
 # CPU-only machines. pyproject keeps its own torch range loose for GPU users.
 VENV ?= .venv
