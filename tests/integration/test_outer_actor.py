@@ -29,7 +29,6 @@ from geopipe.plan import Plan
 from geopipe.runtime.actor.engine_config import EngineConfig
 from geopipe.runtime.actor.outer_wire import OuterPeer, OuterSettings
 from geopipe.runtime.actor.stage import StageSpec, StageWorker
-from geopipe.runtime.control.placement import ACTOR_ENV
 from geopipe.transport.security import make_credentials
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -82,7 +81,7 @@ def start_groups(specs: list[list[StageSpec]]):
     import ray
 
     remote = ray.remote(max_concurrency=8)(StageWorker)
-    opts = {"num_cpus": 0, "runtime_env": {"env_vars": dict(ACTOR_ENV)}}
+    opts = {"num_cpus": 0}  # the shared Ray gives its workers ACTOR_ENV (tests/conftest.py)
     out = [[remote.options(**opts).remote(spec) for spec in row] for row in specs]
     calls = []
     for row in out:
