@@ -47,7 +47,7 @@ from geopipe.model.builtin import ensure_stdlib_bpe
 from geopipe.model.data import TokenStream, global_indices, open_corpus
 from geopipe.model.gpt import lm_loss
 from geopipe.model.prepare import default_processes, prepare_data
-from geopipe.runtime.actor.engine import lr_factor
+from geopipe.runtime.actor.lr import lr_factor
 
 SMALL = {**LLAMA, "tie_word_embeddings": True}  # the tests' Llama (tests/_hfdoc.py), tied
 

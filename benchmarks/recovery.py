@@ -283,7 +283,7 @@ def reference_losses(spec, seq_len: int) -> list[float]:
     from geopipe.model.data import Corpus, TokenStream, sample_indices
     from geopipe.model.family import build_stage
     from geopipe.model.gpt import lm_loss
-    from geopipe.runtime.actor.engine import lr_factor
+    from geopipe.runtime.actor.lr import lr_factor
     from geopipe.runtime.control.models import model_desc
 
     m, t = spec.model, spec.training

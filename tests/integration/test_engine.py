@@ -27,8 +27,8 @@ from geopipe.runtime.actor.engine import (
     StageEngine,
     destroy_process_group,
     init_process_group,
-    lr_factor,
 )
+from geopipe.runtime.actor.lr import lr_factor
 
 CFG = GPTConfig(n_layer=2, n_embd=32, n_head=2, vocab_size=256, block_size=16)
 LAYERS = [(0, 2), (2, 4)]  # embed + block 0 | block 1 + head

@@ -23,7 +23,7 @@ from geopipe.config import parse_cluster
 from geopipe.model.data import TokenStream, global_indices, open_corpus
 from geopipe.model.gpt import lm_loss
 from geopipe.model.prepare import prepare_data
-from geopipe.runtime.actor.engine import lr_factor
+from geopipe.runtime.actor.lr import lr_factor
 from geopipe.runtime.control.controller import Controller, LaunchOptions
 
 pytestmark = pytest.mark.ray

@@ -26,8 +26,8 @@ from geopipe.config import parse_cluster
 from geopipe.model.data import Corpus, TokenStream, global_indices
 from geopipe.model.family import build_stage
 from geopipe.model.gpt import lm_loss
-from geopipe.runtime.actor.engine import lr_factor
 from geopipe.runtime.actor.executor import BREAKDOWN, FOREGROUND
+from geopipe.runtime.actor.lr import lr_factor
 from geopipe.runtime.control.cluster import LaunchError
 from geopipe.runtime.control.controller import Controller, LaunchOptions
 from geopipe.runtime.control.models import model_desc

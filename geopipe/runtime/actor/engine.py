@@ -61,7 +61,7 @@ from geopipe.runtime.actor.backward import (
 from geopipe.runtime.actor.distgroups import StageMPU, destroy_process_group, init_process_group
 from geopipe.runtime.actor.engine_config import EngineConfig, deepspeed_config
 from geopipe.runtime.actor.gradnorm import ModelError, NormExchange, install_global_norm
-from geopipe.runtime.actor.lr import LRFactor
+from geopipe.runtime.actor.lr import engine_lr_factor
 
 __all__ = [
     "EngineConfig",
@@ -71,7 +71,6 @@ __all__ = [
     "add_tied_gradient",
     "destroy_process_group",
     "init_process_group",
-    "lr_factor",
     "param_groups",
 ]
 
@@ -116,27 +115,6 @@ def _collector_paused() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
-
-
-def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str = "cosine") -> float:
-    """Multiplier of the base LR for optimizer step ``step`` (0-based) with no minimum LR:
-    transformers' schedule of that name with horizon ``total_steps``, held at its final value
-    past it (:class:`~geopipe.runtime.actor.lr.LRFactor`; references in tests and benchmarks
-    build their LambdaLR on it). As in transformers, warmup starts at 0: step 0 of a warmup
-    moves nothing but Adam's moments."""
-    return LRFactor(schedule, warmup_steps, total_steps)(step)
-
-
-def engine_lr_factor(cfg: EngineConfig) -> LRFactor:
-    """The engine's LR factor from its config ([Note: the LR horizon] in :mod:`.lr`)."""
-    return LRFactor(
-        cfg.lr_schedule,
-        cfg.warmup_steps,
-        cfg.total_steps,
-        cfg.min_lr_ratio,
-        cfg.wsd_decay_steps,
-        cfg.lr_table,
-    )
 
 
 def add_tied_gradient(grad: Tensor, exchange: Callable[[Tensor], Tensor]) -> None:

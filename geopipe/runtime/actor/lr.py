@@ -27,9 +27,17 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any
 
-from geopipe.runtime.actor.engine_config import LR_SCHEDULES
+from geopipe.runtime.actor.engine_config import LR_SCHEDULES, EngineConfig
 
-__all__ = ["LIBRARY_NAMES", "TABLE_MAX", "LRFactor", "factor_table", "library_kwargs"]
+__all__ = [
+    "LIBRARY_NAMES",
+    "TABLE_MAX",
+    "LRFactor",
+    "engine_lr_factor",
+    "factor_table",
+    "library_kwargs",
+    "lr_factor",
+]
 
 # The longest horizon the driver tabulates ([Note: the LR table]): 8 bytes a step, 1.6 MB.
 TABLE_MAX = 200_000
@@ -116,3 +124,24 @@ class LRFactor:
         if self.table:
             return self.table[step]
         return float(_library_lambda(*self.args)(step))
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str = "cosine") -> float:
+    """Multiplier of the base LR for optimizer step ``step`` (0-based) with no minimum LR:
+    transformers' schedule of that name with horizon ``total_steps``, held at its final value
+    past it (:class:`LRFactor`; references in tests and benchmarks
+    build their LambdaLR on it). As in transformers, warmup starts at 0: step 0 of a warmup
+    moves nothing but Adam's moments."""
+    return LRFactor(schedule, warmup_steps, total_steps)(step)
+
+
+def engine_lr_factor(cfg: EngineConfig) -> LRFactor:
+    """The engine's LR factor from its config ([Note: the LR horizon])."""
+    return LRFactor(
+        cfg.lr_schedule,
+        cfg.warmup_steps,
+        cfg.total_steps,
+        cfg.min_lr_ratio,
+        cfg.wsd_decay_steps,
+        cfg.lr_table,
+    )
