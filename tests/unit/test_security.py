@@ -158,7 +158,7 @@ def test_tls_frames_written_in_parts_arrive_whole_and_in_order() -> None:
     try:
         tx._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16384)
         g = torch.Generator().manual_seed(0)
-        sent = [torch.randn(n, generator=g) for n in [1 << 16] * 24 + [1 << 19] * 3 + [7]]
+        sent = [torch.randn(n, generator=g) for n in [1 << 16] * 12 + [1 << 19] * 2 + [7]]
         for i, x in enumerate(sent):
             tx.send(("F", i, 0), x, "a")
         tx.flush(timeout=60)
