@@ -14,9 +14,11 @@ import yaml
 from geopipe.cli import main
 from geopipe.config import ConfigError, load_cluster, outer_settings
 from geopipe.optimizer.groups import group_spec
+from geopipe.optimizer.measurements import LinkRate, Measurements
 from geopipe.optimizer.outerplan import unlaunchable
 from geopipe.optimizer.penalty import ENV_VAR
 from geopipe.optimizer.planner import plan_cluster
+from geopipe.optimizer.runplan import Overrides, plan_run, repriced
 from geopipe.plan import Plan
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -198,3 +200,30 @@ def test_worldwide_64_plans_what_launch_runs(capsys) -> None:
     assert main(["launch", str(ww), "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert f"launch runs 8 replica groups of {plans[0].describe()} (outer loop)" in out
+
+
+def test_the_launch_reprices_a_pipeline_with_probed_links_and_keeps_an_outer_runs_rounds(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """After the link probe the launch prices the placed plan again (``repriced``). A
+    pipeline across the sites takes the measured link: a slower one predicts slower steps.
+    An outer run keeps the planner's prediction, rounds included: priced as the placed
+    pipeline it was not the run's price (the launch's forecast on the test bed was one
+    group's inner step: 0.056 s against 0.089 s measured at 10 Mbit/s)."""
+    monkeypatch.setenv(ENV_VAR, str(_table_file(tmp_path, (2,), (10,))))
+    slow = Measurements(links=(LinkRate("east", "west", 0.2, 1e6),))  # 200 ms, 1 Mbit/s
+    pipe_spec = load_cluster(LOCAL)
+    pipe = plan_run(pipe_spec)
+    assert pipe.outer is None
+    again = repriced(pipe_spec, slow, Overrides(), pipe)
+    assert again.plan == pipe.plan
+    assert again.iteration_time_s > 2 * pipe.predicted.iteration_time_s
+    spec = load_cluster(_write(tmp_path, "outer", h=10))
+    outer = plan_run(spec)
+    assert outer.outer is not None
+    # Priced as one pipeline, the placed outer plan is not what the run costs (here every
+    # group's pipelines count on the first group's site: infeasible; on the bed, one
+    # group's inner step alone).
+    as_pipeline = plan_run(spec, slow, Overrides(plan=outer.plan)).predicted
+    assert as_pipeline.iteration_time_s != pytest.approx(outer.predicted.iteration_time_s)
+    assert repriced(spec, slow, Overrides(), outer) is outer.predicted

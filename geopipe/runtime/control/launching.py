@@ -12,11 +12,10 @@ again and again. ``ctl`` is that Controller, as in :mod:`geopipe.runtime.control
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from geopipe.optimizer.runplan import plan_run
+from geopipe.optimizer.runplan import RunPlan, repriced
 from geopipe.runtime.control.calibration import Calibrator
 from geopipe.runtime.control.cluster import (
     check_precision,
@@ -60,11 +59,9 @@ def launch_components(ctl: Any) -> State:
             ctl.workers, ctl.spec, ctl.plan, ctl.placement, ctl.reporter.say
         )
         ctl.ctx = ctl.ctx.measured(probed)
-        if not ctl.plan.heterogeneous:  # a mix keeps its own prediction
-            ctl.predicted = plan_run(
-                ctl.ctx.spec, ctl.ctx.measurements, replace(ctl.overrides, plan=ctl.plan)
-            ).predicted
-            ctl.ctx = ctl.ctx.planned(ctl.plan, ctl.predicted)
+        placed = RunPlan(ctl.plan, ctl.predicted, outer=ctl.outer_run)
+        ctl.predicted = repriced(ctl.ctx.spec, ctl.ctx.measurements, ctl.overrides, placed)
+        ctl.ctx = ctl.ctx.planned(ctl.plan, ctl.predicted)
     _opened_events(ctl)
     sites = ctl.plan.stage_sites
     ctl.checkpoints.check_storage(ctl.placement.first_actor_per_site())
