@@ -10,9 +10,12 @@ import os
 
 os.environ.setdefault("RAY_AUTH_MODE", "token")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-# As geopipe's embedded start: [Note: a cold machine's first Ray start] in
-# geopipe.runtime.control.cluster (the tests' own Ray heads, and the CLI launches they spawn).
-os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
+
+from geopipe.runtime.control.cluster import GCS_START_WAIT_S, GCS_START_WAIT_VAR
+
+# As geopipe's embedded start ([Note: a cold machine's first Ray start]): the tests' own Ray
+# heads, and the CLI launches they spawn.
+os.environ.setdefault(GCS_START_WAIT_VAR, GCS_START_WAIT_S)
 
 
 import socket

@@ -24,7 +24,6 @@ __all__ = [
     "Run",
     "assert_exact",
     "ckpt_params",
-    "make_corpus",
     "make_doc",
 ]
 
@@ -138,10 +137,3 @@ def assert_exact(run: Run, steps: int) -> None:
 def ckpt_params(path: Path) -> dict[str, float]:
     ckpt = load_checkpoint(path)  # verifies every shard's checksum
     return {n: float(t[0]) for s in ckpt.stages for n, t in s.tensors("params/").items()}
-
-
-def make_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A small text corpus for the fake runs (the modules' ``corpus`` fixture)."""
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_text("".join(f"line {i} of a small corpus for the fake\n" for i in range(2000)))
-    return path

@@ -16,13 +16,8 @@ import pytest
 from geopipe.checkpoint.store import list_checkpoints
 from geopipe.cli.render import format_status, replication_lines
 from geopipe.runtime.control.cluster import LaunchError
-from tests.unit._controller_runs import LAYERS, Run, assert_exact, make_corpus, make_doc
+from tests.unit._controller_runs import LAYERS, Run, assert_exact, make_doc
 from tests.unit.fakes import FakeWorkers, reference_state
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_corpus(tmp_path_factory)
 
 
 def flip(path: Path) -> None:

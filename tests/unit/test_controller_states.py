@@ -26,15 +26,9 @@ from tests.unit._controller_runs import (
     Run,
     assert_exact,
     ckpt_params,
-    make_corpus,
     make_doc,
 )
 from tests.unit.fakes import FakeWorkers, reference_state
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_corpus(tmp_path_factory)
 
 
 # -- the happy path ----------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from geopipe.runtime.control import sitecopies
 from geopipe.runtime.control.sitecopies import SiteCopies
 from geopipe.runtime.control.workers import SpawnOptions
 from geopipe.runtime.storage.sitestore import PullBound, PullTimeout, ShardSource, SiteStore
-from tests.unit._controller_runs import Run, assert_exact, make_corpus, make_doc
+from tests.unit._controller_runs import Run, assert_exact, make_doc
 from tests.unit.fakes import FakeWorkers
 from tests.unit.test_outer_shards_unwritten import Reporter
 from tests.unit.test_site_copies import MANIFEST, _Call, _Handle, _Holder, _save, _shards
@@ -186,11 +186,6 @@ def test_the_ray_path_waits_no_chunk_past_the_deadline(tmp_path: Path) -> None:
         east.save(2, "s", MANIFEST, srcs, *[i for _, i in shards])
     assert asked and max(asked) <= 0.5
     assert _tmp_files(east.root) == ["stage-0.safetensors"]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_corpus(tmp_path_factory)
 
 
 def test_a_store_that_never_finishes_its_copy_is_a_counted_shortfall(

@@ -129,9 +129,9 @@ class LRFactor:
 def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str = "cosine") -> float:
     """Multiplier of the base LR for optimizer step ``step`` (0-based) with no minimum LR:
     transformers' schedule of that name with horizon ``total_steps``, held at its final value
-    past it (:class:`LRFactor`; references in tests and benchmarks
-    build their LambdaLR on it). As in transformers, warmup starts at 0: step 0 of a warmup
-    moves nothing but Adam's moments."""
+    past it (:class:`LRFactor`; references in tests and benchmarks build their LambdaLR on
+    it). As in transformers, warmup starts at 0: step 0 of a warmup moves nothing but Adam's
+    moments."""
     return LRFactor(schedule, warmup_steps, total_steps)(step)
 
 

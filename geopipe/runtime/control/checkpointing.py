@@ -26,9 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from geopipe.checkpoint.lineage import (
-    trajectory_hash,
-)
+from geopipe.checkpoint.lineage import trajectory_hash
 from geopipe.checkpoint.store import (
     CheckpointError,
     CheckpointInfo,
@@ -285,7 +283,7 @@ class CheckpointCoordinator:
         try:
             stalls = answers(self.workers, flat, started, self.spec.health, self._who)
         except BaseException:
-            self._pending = self._cut_short(writer, rows, started, t0, manifest)
+            self._pending = self._cut_short(writer, rows, started, t0, manifest=manifest)
             raise
         # Every replica's background thread takes part in the gather; replica 0's writes.
         refs = call_all(self.workers, flat, "shard_written")
@@ -294,7 +292,13 @@ class CheckpointCoordinator:
             self.poll(wait=True)
 
     def _cut_short(
-        self, writer: CheckpointWriter, rows: list[list[Any]], started: list, t0: float, m: dict
+        self,
+        writer: CheckpointWriter,
+        rows: list[list[Any]],
+        started: list,
+        t0: float,
+        *,
+        manifest: dict,
     ) -> _Pending:
         """A save an actor failed as it began (dead just before): the others already write
         into ``writer``'s directory, so it stays in flight for the recovery's :meth:`settle`
@@ -310,7 +314,7 @@ class CheckpointCoordinator:
             else self.workers.call(a, "shard_written")
             for a, ref in zip(flat, started, strict=True)
         ]
-        return _Pending(writer, refs, t0, 0.0, rows, m)
+        return _Pending(writer, refs, t0, 0.0, rows, manifest)
 
     def poll(self, wait: bool = False, final: bool = False) -> None:
         """Commit the save in flight if its shards are written (``wait``: until they are)."""
