@@ -255,17 +255,13 @@ def test_logging_and_eval_keys_validate_and_leave_the_config_hash_alone() -> Non
 
 
 def test_the_controller_evaluates_on_schedule_and_on_every_new_layout(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, corpus
 ) -> None:
     """On the fake worker group: evaluations after steps 2, 4 and the last (5), each the
     last stages' answers averaged; a replica lost in step 2 gives a new layout, whose
     actors all get the held-out setup again before training goes on."""
     from tests.unit._controller_runs import Run, make_doc
-    from tests.unit.fakes import FakeWorkers
-
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text("".join(f"line {i} of a small corpus for the fake\n" for i in range(2000)))
-    from tests.unit.fakes import FakeStage
+    from tests.unit.fakes import FakeStage, FakeWorkers
 
     prepared: list[str] = []  # every actor given the setup, in order
     original = FakeStage.set_eval
