@@ -54,17 +54,17 @@ def in_spans(steps: list[dict]) -> bool:
     return any(x == y for x, y in pairwise(done))
 
 
-def span_window(steps: list[dict], start: int) -> tuple[int, int]:
+def span_window(steps: list[dict], start: int, period: int = 1) -> tuple[int, int]:
     """The window of a run recorded in spans: from the first span end at or after ``start``
     (the first whole round's end: the forecast is judged once the first round is measured)
-    to the last step, every apply made in it counted (a round more than its share at most:
-    a conservative figure); from calibration's last single step when that leaves no
-    span."""
+    that is an apply point (every ``period`` steps: the runtime ends its spans there, [Note:
+    spans end at applies]) to the last step (a round's end), so whole apply periods, each
+    with its apply; from calibration's last single step when that leaves no span."""
     last = len(steps) - 1
     ends = [
         i
         for i, (x, y) in enumerate(pairwise(s["completed_at"] for s in steps))
-        if x != y and i >= start
+        if x != y and i >= start and (i + 1) % period == 0
     ]
     a = ends[0] if ends and ends[0] < last else CALIBRATION_STEPS - 1
     return a, last
@@ -84,7 +84,7 @@ def summary(run_dir: Path, n_steps: int) -> dict:
     h = outer["h"] if outer else None
     a, b = window(len(steps), h)
     if in_spans(steps):  # recorded a span at a time: cut at span ends
-        a, b = span_window(steps, a)
+        a, b = span_window(steps, a, h // outer["fragments"] if outer else 1)
     span = [s for s in steps if a <= s["step"] <= b]
     wall = wall_per_step(span, 0) if len(span) >= 2 else None
     rounds = [e for e in events if e["event"] == "outer_round"]

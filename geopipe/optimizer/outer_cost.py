@@ -46,7 +46,9 @@ outer step.
 The driver starts every inner step's work with a call to every actor and waits for the answers
 (:mod:`geopipe.runtime.control.innerrun`): an outer run calls each actor once per *span* of
 inner steps, up to the next point where the driver acts (a checkpoint, an evaluation), at
-most :data:`SPAN_S` seconds of steps. The outer loop's own work rides inside the spans
+most :data:`SPAN_S` seconds of steps, ending at an apply point where only that length
+cuts it (:func:`span_end`; [Note: spans end at applies] in
+:mod:`geopipe.runtime.control.innerrun`). The outer loop's own work rides inside the spans
 (:data:`OUTER_CALLS_PER_FRAGMENT` is 0): the actors make the sends and the applies
 themselves, and the driver names each apply's groups while the span runs ([Note: applies
 decided inside a span] in :mod:`geopipe.runtime.actor.inner_run`). Every call waits for the
@@ -105,6 +107,8 @@ __all__ = [
     "price_round",
     "queues_spans",
     "ring_hops",
+    "span_cap",
+    "span_end",
     "steps_per_call",
 ]
 
@@ -222,18 +226,50 @@ def _outer_step_s(spec: ClusterSpec, plan: Plan, m: int, fragments: int) -> floa
     return worst
 
 
+def span_end(start: int, limit: int, cap: int, period: int = 1) -> int:
+    """The step after which a span of inner steps from ``start`` ends when only its length
+    cuts it: at most ``cap`` steps, never past ``limit``, and at an apply point (a multiple
+    of ``period``, the steps between two applies) -- the last within the cap, or, when the
+    next lies beyond it, one of equal spans that reach it ([Note: spans end at applies])."""
+    end = min(limit, start + cap)
+    if end == limit or period <= 1:
+        return end
+    last = end - end % period
+    if last > start:
+        return last
+    left = last + period - start  # to the next apply point
+    return start + -(-left // -(-left // cap))
+
+
+def _calls_between(a: int, b: int, cap: int, period: int) -> int:
+    """Spans from step ``a`` to the boundary ``b`` (:func:`span_end`), whole periods counted
+    at once (from an apply point each takes the same spans)."""
+    if period <= 1:
+        return -(-(b - a) // cap)
+    calls = 0
+    while a < b and a % period:  # up to the first apply point
+        a, calls = span_end(a, b, cap, period), calls + 1
+    stride, per = ((cap // period) * period, 1) if cap >= period else (period, -(-period // cap))
+    whole = max(0, (b - a) // stride - 1)  # leave the last ones to the walk below
+    calls, a = calls + whole * per, a + whole * stride
+    while a < b:
+        a, calls = span_end(a, b, cap, period), calls + 1
+    return calls
+
+
 @lru_cache(maxsize=4096)
-def steps_per_call(*intervals: int, cap: int = MAX_SPAN) -> float:
+def steps_per_call(*intervals: int, cap: int = MAX_SPAN, period: int = 1) -> float:
     """Inner steps per driver call on average when each call runs up to the next multiple of
-    any of ``intervals`` (checkpoints, evaluations; 0 = none), at most ``cap`` steps: the
-    spans counted exactly over one period of all the boundaries (their least common
-    multiple, at most :data:`_HORIZON` steps; none: spans of ``cap``)."""
+    any of ``intervals`` (checkpoints, evaluations; 0 = none), at most ``cap`` steps and
+    ending at an apply point every ``period`` steps where the cap cuts it
+    (:func:`span_end`): the spans counted exactly over one period of all the boundaries
+    (their least common multiple, at most :data:`_HORIZON` steps; none: spans of ``cap``)."""
     every = sorted({int(i) for i in intervals if i and i > 0}) or [_HORIZON]
     if cap < 1:
         raise ValueError(f"steps_per_call needs cap >= 1, got {cap}")
     span = min(math.lcm(*every), _HORIZON)
     ends = sorted({k for i in every for k in range(i, span + 1, i)} | {span})
-    calls = sum(-(-(b - a) // cap) for a, b in pairwise([0, *ends]))
+    calls = sum(_calls_between(a, b, cap, max(1, period)) for a, b in pairwise([0, *ends]))
     return span / calls
 
 
@@ -333,7 +369,10 @@ def planned_control(
     links' round trip, ``overhead_s``."""
     t = spec.training
     ev = t.eval.every_steps if t.eval is not None else 0
-    per_call = steps_per_call(t.checkpoint.every_steps, ev, cap=cap if cap else span_cap(step_s))
+    period = setting.h // setting.fragments
+    per_call = steps_per_call(
+        t.checkpoint.every_steps, ev, cap=cap if cap else span_cap(step_s), period=period
+    )
     per_wait = steps_per_call(t.checkpoint.every_steps, ev, cap=_HORIZON)
     rtt = driver_rtt_s(spec, [s for g in groups for s in g])
     queued = queued and (cap or span_cap(step_s)) > 1  # one a call: the per-step driver

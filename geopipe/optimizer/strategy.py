@@ -17,7 +17,8 @@ Options (``plan.strategy: outer`` or ``auto``):
   spec] in :mod:`geopipe.optimizer.memory`); every ``(H, F, tau, codec)`` of
   ``plan.outer``'s grid (:func:`geopipe.config.outer_settings`) is priced by
   :mod:`.outer_cost`, its loss penalty comes from the measured table (:mod:`.penalty`), and
-  each ``(H, F, codec)`` row keeps its best overlap ``tau`` (ties: the smaller).
+  each ``(H, F, codec)`` row keeps its best overlap ``tau`` (ties: the larger, [Note: an
+  overlap with slack]).
 
 [Note: batch shares] A grouping is planned with equal shares (``global_batch / M``), then
 with shares in proportion to the groups' speeds (:func:`~.groups.balanced_shares`), and each row
@@ -249,9 +250,19 @@ def _price(
 
 def _rank(c: StrategyOption) -> tuple:
     """Within one ``(H, F, codec)`` row: choosable first, then the best score (the fastest
-    where none is choosable), then the smaller overlap."""
+    where none is choosable), then the larger overlap.
+
+    [Note: an overlap with slack] Overlaps that hide the whole transfer tie: the round's
+    price is the same, and the loss table prices every overlap up to the largest it
+    measured alike (:mod:`.penalty`). The larger is kept because the link model's transfer
+    time is a mean a real one runs past: a fragment sent after an idle stretch starts in
+    TCP's slow start again, and a group a step behind starts its send late. On the test bed
+    (40 ms, 50 Mbit/s, a 356 kB fragment priced at 0.10 s) the transfers took 0.11-0.14 s:
+    an overlap of 2 steps of 0.055 s, just enough on paper, left a median 7 ms (up to
+    54 ms) exposed at each apply, one of 4 steps none after the first round
+    (benchmarks/README.md, stop 44)."""
     choosable = c.feasible and not c.reason
-    return (not choosable, c.score if choosable else -c.tokens_per_s, c.setting.overlap)
+    return (not choosable, c.score if choosable else -c.tokens_per_s, -c.setting.overlap)
 
 
 def _pipeline_option(report: PlanReport) -> StrategyOption:

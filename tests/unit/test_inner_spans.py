@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from geopipe.optimizer.outer_cost import steps_per_call
 from geopipe.outer.fragments import StreamingSchedule
 from geopipe.runtime.actor.inner_run import run_span
 from geopipe.runtime.control.innerrun import MAX_SPAN, SPAN_S, span_of
@@ -32,15 +33,53 @@ def _spans(total: int, schedule: StreamingSchedule, **kw) -> list[tuple[int, int
 
 
 def test_applies_fall_inside_a_span_which_covers_each_step_once() -> None:
-    """[Note: applies decided inside a span]: an apply no longer ends a span; the span's
-    apply points are the schedule's, each with the step its round was sent after."""
+    """[Note: applies decided inside a span]: a span runs its applies; the span's apply
+    points are the schedule's, each with the step its round was sent after."""
     sched = StreamingSchedule(8, 2, 1)  # applies after 4, 8, 12, 16; sends after 3, 7, ...
     assert _spans(16, sched) == [(0, 16)]
-    assert _spans(16, sched, max_span=6) == [(0, 6), (6, 6), (12, 4)]
     points = points_of(sched, 6, 6)  # steps 6..11: the applies after 8 and 12
     assert [(p.done, p.fragment, p.sent_done) for p in points] == [(8, 1, 7), (12, 0, 11)]
-    whole = [p for s, n in _spans(16, sched, max_span=6) for p in points_of(sched, s, n)]
-    assert [p.done for p in whole] == [4, 8, 12, 16]  # each once, whatever the spans
+    for cap in (3, 6, 9):
+        whole = [p for s, n in _spans(16, sched, max_span=cap) for p in points_of(sched, s, n)]
+        assert [p.done for p in whole] == [4, 8, 12, 16]  # each once, whatever the spans
+
+
+def test_a_span_its_length_cuts_ends_at_an_apply_point() -> None:
+    """[Note: spans end at applies]: at the last apply point within the cap, or, when the
+    next lies beyond it, after one of the equal spans that reach it."""
+    sched = StreamingSchedule(8, 2, 1)  # an apply every 4 steps
+    assert _spans(16, sched, max_span=6) == [(0, 4), (4, 4), (8, 4), (12, 4)]
+    assert _spans(16, sched, max_span=9) == [(0, 8), (8, 8)]
+    assert _spans(16, sched, max_span=3) == [
+        (0, 2),
+        (2, 2),
+        (4, 2),
+        (6, 2),
+        (8, 2),
+        (10, 2),
+        (12, 2),
+        (14, 2),
+    ]
+    # from a step between two apply points (after calibration's single steps): to the next
+    assert _spans(16, sched, max_span=6, recorded=lambda s: s < 3) == [
+        (0, 1),
+        (1, 1),
+        (2, 1),
+        (3, 5),
+        (8, 4),
+        (12, 4),
+    ]
+    # 100 steps a round, spans of 90 at most: two of 50 per round
+    assert _spans(300, StreamingSchedule(100), max_span=90)[:4] == [
+        (0, 50),
+        (50, 50),
+        (100, 50),
+        (150, 50),
+    ]
+    # what the planner counts is what the runtime runs
+    for cap, h, f in ((6, 8, 2), (3, 8, 2), (90, 100, 1), (7, 50, 5), (1, 10, 1)):
+        runs = _spans(10 * h, StreamingSchedule(h, f), max_span=cap)
+        assert steps_per_call(10 * h, cap=cap, period=h // f) == pytest.approx(10 * h / len(runs))
 
 
 def test_recorded_steps_checkpoints_evals_and_the_end_cut_a_span() -> None:

@@ -33,6 +33,7 @@ from geopipe.optimizer.outer_cost import (
     planned_control,
     price_round,
     span_cap,
+    span_end,
     steps_per_call,
 )
 from geopipe.optimizer.penalty import PenaltyModel, parse_table
@@ -142,10 +143,11 @@ def test_an_outer_round_matches_the_analytic_formula_with_its_control_calls() ->
     assert cost.control.steps_per_wait == 20
     per_call = cost.control.steps_per_call
     assert cost.control_s == pytest.approx(10 / per_call * CALL_OVERHEAD_S + 10 / 20 * 0.05)
-    # Spans capped at 2 steps: ten calls per checkpoint interval, one of them waited on.
+    # Spans capped at 2 steps end at the applies (every H / F = 5 steps): 2 + 2 + 1, twelve
+    # calls per checkpoint interval, one of them waited on.
     capped = price_round(spec, groups, evals, s, planned_control(spec, groups, s, t, cap=2))
-    assert capped.control.steps_per_call == 2 and capped.control.steps_per_wait == 20
-    assert capped.control_s == pytest.approx(5 * CALL_OVERHEAD_S + 0.5 * 0.05)
+    assert capped.control.steps_per_call == 5 / 3 and capped.control.steps_per_wait == 20
+    assert capped.control_s == pytest.approx(6 * CALL_OVERHEAD_S + 0.5 * 0.05)
 
 
 def test_the_launch_forecast_of_an_outer_run_carries_its_control_calls() -> None:
@@ -176,11 +178,12 @@ OVERHEAD_S = 0.012  # the driver's true overhead per call, beyond the round trip
 
 def _step_s(group: int, step: int, jitter: bool) -> float:
     """Group ``group``'s inner step ``step``: steady, or on a shared host, the groups taking
-    turns to be slow (0.35 s, the other 0.15 s) from one apply interval to the next: both
-    average 0.25 s, but every exchange waits for 0.35 s steps."""
+    turns to be slow (0.35 s, the other 0.15 s) every 3 steps, across the spans' ends (at
+    the applies, every 5 steps): both average 0.25 s, but a span waits for the group that
+    was slow more often in it."""
     if not jitter:
         return STEP_S[group]
-    return 0.25 + (0.1 if (step // 5 + group) % 2 == 0 else -0.1)
+    return 0.25 + (0.1 if (step // 3 + group) % 2 == 0 else -0.1)
 
 
 def _results(plan, step: int, jitter: bool = False) -> list:
@@ -204,7 +207,8 @@ def _timeline(
     call_s = 2 * LATENCY_S + OVERHEAD_S
     out, t, step, queued = [], 0.0, 0, False
     while step < steps:
-        n = 1 if step < RECORDED else min(cap, every - step % every if every else cap)
+        limit = step + every - step % every if every else 10**9  # span_of's, a long run
+        n = 1 if step < RECORDED else span_end(step, limit, cap, sched.period) - step
         # the groups run the span side by side; the driver waits for the slower; a span
         # queued behind one that ended for its length waits for no round trip
         span = range(step, step + n)

@@ -137,8 +137,9 @@ def test_the_round_matches_a_hand_computation() -> None:
     outer = params * (40 + 4 * 2) / 10e9  # elementwise over the fp32 master, one device
     assert cost.outer_step_s == pytest.approx(outer)
     # The driver's calls: one per span of SPAN_S seconds of steps (up to a checkpoint), the
-    # applies inside them; emulated links: no round trip, the nominal overhead.
-    per_call = steps_per_call(spec.training.checkpoint.every_steps, cap=span_cap(t_b))
+    # applies inside them, each span ending at one (every H / F = 4 steps); emulated links:
+    # no round trip, the nominal overhead.
+    per_call = steps_per_call(spec.training.checkpoint.every_steps, cap=span_cap(t_b), period=4)
     assert per_call > 8  # longer than a round
     control = (8 / per_call + 2 * OUTER_CALLS_PER_FRAGMENT) * (0.0 + CALL_OVERHEAD_S)
     assert cost.control_s == pytest.approx(control)
@@ -221,6 +222,25 @@ def test_a_tie_goes_to_the_synchronous_pipeline() -> None:
     best_outer = min((c for c in report.candidates[1:]), key=lambda c: c.score)
     assert best_outer.score < report.candidates[0].score  # faster, but not 2x
     assert report.chosen.kind == "pipeline" and "tie goes to the synchronous" in report.why
+
+
+def test_overlaps_that_hide_the_whole_transfer_tie_and_the_larger_is_kept() -> None:
+    """[Note: an overlap with slack]: the table prices overlaps up to 4 alike and a fast
+    link's transfer hides behind one step, so overlaps 1-4 score the same; the planner keeps
+    4, which hides a transfer that runs longer than the link model says."""
+    row = {"replicas": 2, "h": 20, "fragments": 1, "codec": "none", "rel_gap": 0.01}
+    doc = {"source": "t", "model": "t", "steps": 10, "tokens_per_step": 8, "sync_noise": 0.0}
+    table = PenaltyModel(parse_table({**doc, "rows": [{**row, "overlap": 4}]}), "t.json")
+
+    def chosen(overlap: Any) -> Any:
+        spec = _two_sites(gbps=10, strategy="outer", outer={"h": 20, "overlap": overlap})
+        return _strategy(spec, table).chosen
+
+    one, four = chosen(1), chosen(4)
+    assert (one.setting.overlap, four.setting.overlap) == (1, 4)
+    assert one.round.exposed_s == four.round.exposed_s == 0 and one.score == four.score
+    assert chosen(0).score > one.score  # no overlap: the transfer is exposed
+    assert chosen([0, 1, 2, 3, 4]).setting.overlap == 4
 
 
 def test_max_loss_penalty_excludes_candidates() -> None:

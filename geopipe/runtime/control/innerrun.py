@@ -15,6 +15,15 @@ actor for a *span* of steps (:func:`span_of`), up to the next point where it mus
 * :data:`SPAN_S` seconds of predicted steps, so that the progress line moves and a Ctrl-C
   is honoured (after the span, then the checkpoint) within seconds.
 
+[Note: spans end at applies] A span that only its length cuts ends at an apply point: the
+last one within :data:`SPAN_S` seconds, or, when the next lies further, after one of the
+equal spans that reach it (:func:`~geopipe.optimizer.outer_cost.span_end`, which the
+planner's count of calls uses too). The span's results arrive together (``completed_at``
+is the span's), so spans that end where rounds end make the metrics' times whole rounds:
+what a round costs is read between two span ends, not guessed across a cut one (the
+outer-loop benchmark's step times, a user's tokens/s over a stretch). It costs nothing:
+the next span is queued behind this one either way.
+
 The outer loop's sends and applies are made inside the spans by the actors; the driver only
 decides each apply's groups while the span runs ([Note: applies decided inside a span] in
 :mod:`geopipe.runtime.actor.inner_run`; :mod:`.outerdecide`). A span that ends only for its
@@ -49,7 +58,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from geopipe.optimizer.outer_cost import queues_spans
+from geopipe.optimizer.outer_cost import queues_spans, span_end
 from geopipe.optimizer.policies import GrowBack
 from geopipe.outer.fragments import StreamingSchedule
 from geopipe.runtime.control.health import hang_timeout_s, raise_model_error
@@ -84,10 +93,12 @@ def span_of(
     """How many steps from ``start`` one call runs: up to and including the first step after
     which the driver must act (a checkpoint every ``every`` steps, an evaluation
     ``eval_due(done)``, a recorded step ``recorded(step)``, ``total``), at most ``max_span``
-    steps (None: :data:`SPAN_S` seconds of ``predicted_s`` steps). ``schedule``'s applies
-    are made inside the span ([Note: applies decided inside a span])."""
+    steps (None: :data:`SPAN_S` seconds of ``predicted_s`` steps), ending at one of
+    ``schedule``'s apply points where only the length cuts it ([Note: spans end at
+    applies]). The applies are made inside the span ([Note: applies decided inside a
+    span])."""
     cap = max_span or max(1, min(MAX_SPAN, int(SPAN_S / predicted_s) if predicted_s > 0 else 1))
-    end = min(total, start + max(1, cap))
+    end = span_end(start, total, max(1, cap), schedule.period)
     for step in range(start, end):
         done = step + 1
         if recorded(step) or (every and done % every == 0) or eval_due(done):
