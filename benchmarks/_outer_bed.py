@@ -36,10 +36,15 @@ CALIBRATION_STEPS = 3  # geopipe.runtime.control.calibration's (imported there: 
 def window(n_steps: int, h: int | None) -> tuple[int, int]:
     """Indices ``(a, b)`` of the steps whose completions bound the measured span: after
     calibration, and for an outer loop whole rounds only (the apply after step ``k*h - 1``
-    delays step ``k*h``)."""
+    delays step ``k*h``), from the second round's end where the run holds two more: the
+    forecast counts the layout's first round, which runs cold, until a later one is
+    measured ([Note: the layout's first round runs cold] in
+    geopipe.runtime.control.outercal)."""
     a = CALIBRATION_STEPS - 1
     if h and 1 < h <= n_steps:  # an H beyond the run: no round inside it
         a = max(h - 1, (a + h) // h * h - 1)
+        if n_steps >= 4 * h:
+            a = max(a, 2 * h - 1)
         b = (n_steps // h) * h - 1
     else:
         b = n_steps - 1

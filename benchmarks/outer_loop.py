@@ -207,9 +207,10 @@ def regime_settings(a, rate: float, lat: float, grid: list[int], star: dict) -> 
             "name": f"{tag}_auto",
             "strategy": "auto",
             "outer": {**base, "h": grid},
-            # two whole rounds after the first: its forecast is judged over more than one
-            # span of steps (a span's steps are recorded together when it returns)
-            "steps": steps_for(max(grid), 2),
+            # two whole rounds after the first two: its forecast is judged once the first
+            # round, which runs cold, is no longer in it (_outer_bed.window), over more
+            # than one span of steps (a span's steps are recorded together when it returns)
+            "steps": steps_for(max(grid), 3),
         },
         {"name": f"{tag}_pipeline", "strategy": "pipeline", "steps": 8 if slow else 12},
     ]

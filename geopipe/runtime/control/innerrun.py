@@ -231,12 +231,15 @@ def record_span(
         if ctl.plan.codecs != codecs:  # sampled under a codec no longer in force
             for r in results:
                 r.codec_error = {}
+        # the send and the apply after this step first: a span ends at an apply ([Note:
+        # spans end at applies]), and the calibration that closes the span at this step
+        # prices that apply with its measured exposure, not the round before's
+        ctl.outer.note_sends(start + i + 1, results, received)
+        ctl.outer.note_applied(start + i + 1, results, actors)
         try:
             ctl._record(start + i, results, wall)  # completed_at: when the span came back
         except (WorkerLost, WorkerFailed) as exc:
             failed = failed or exc
-        ctl.outer.note_sends(start + i + 1, results, received)
-        ctl.outer.note_applied(start + i + 1, results, actors)
     ctl.outer.done_through = max(ctl.outer.done_through, start + count)  # made in the span
     ctl.outer.recording = None
     if failed is not None:
