@@ -59,7 +59,7 @@ def _doc(real_links: bool = True, every: int = 0, **outer) -> dict:
 def _table() -> PenaltyModel:
     rows = [
         {"replicas": 2, "h": h, "fragments": f, "codec": "none", "rel_gap": 0.001}
-        for h in (2, 10, 20)
+        for h in (2, 10, 20, 40)
         for f in (1, 2)
     ]
     doc = {"source": "t", "model": "t", "steps": 1, "tokens_per_step": 1, "sync_noise": 0.0}
@@ -196,13 +196,22 @@ def _results(plan, step: int, jitter: bool = False) -> list:
 
 
 def _timeline(
-    run, spec, steps: int, cap: int, every: int, jitter: bool, exposed: float = 0.0
+    run,
+    spec,
+    steps: int,
+    cap: int,
+    every: int,
+    jitter: bool,
+    exposed: float = 0.0,
+    unseen: float = 0.0,
 ) -> list[tuple[int, float, tuple[int, int, bool]]]:
     """``(step, when the driver recorded it, its span (first step, end, queued))`` of a run
     that spends time as the runtime does ([Note: the driver's control calls]): spans end at
     checkpoints (which cost 1 s more) or for their length, a layout's first steps alone;
     each apply inside a span waits ``exposed`` seconds for the payloads and the decision,
-    which the link model does not foresee (a real network's slow start after idle)."""
+    which the link model does not foresee (a real network's slow start after idle), and
+    ``unseen`` seconds more that no round reports (the driver's calls queued behind a
+    payload on a saturated link)."""
     sched = StreamingSchedule(run.h, run.setting.fragments, run.setting.overlap)
     call_s = 2 * LATENCY_S + OVERHEAD_S
     out, t, step, queued = [], 0.0, 0, False
@@ -216,7 +225,7 @@ def _timeline(
             sum(_step_s(g, s, jitter) for s in span) for g in (0, 1)
         )
         applies = sum(1 for s in span if sched.applies_at(s + 1) is not None)
-        t += applies * (OUTER_CALLS_PER_FRAGMENT * call_s + _apply_s(run, spec) + exposed)
+        t += applies * (OUTER_CALLS_PER_FRAGMENT * call_s + _apply_s(run, spec) + exposed + unseen)
         out += [(s, t, (step, step + n, queued)) for s in span]
         step += n
         queued = step > RECORDED and not (every and step % every == 0)
@@ -364,3 +373,29 @@ def test_the_exposed_transfer_is_the_mean_of_the_latest_rounds() -> None:
     assert priced() == modelled
     rounds.rounds += [{"exposed_s": 0.7, "groups": 2}] * f
     assert priced() == pytest.approx(f * 0.7)
+
+
+def test_what_an_apply_costs_unseen_is_forecast_over_whole_rounds() -> None:
+    """[Note: whole periods of stretches]: each apply costs 0.5 s that no round reports; a
+    round of H = 40 runs in spans of 4 steps, one of the ten holding the apply. Once a
+    round is measured, every forecast is the wall time per step over whole rounds; over
+    the latest 20 steps alone it swung with whether the apply's span was among them."""
+    spec = parse_cluster(_doc(h=40, fragments=1, overlap=2), "t")
+    run = plan_run(spec, penalty=_table()).outer
+    assert (run.h, run.setting.fragments) == (40, 1)
+    rounds = SimpleNamespace(run=run, max_span=4, rounds=[], recording=None)
+    cal = Calibrator(spec, False, 1.0, [], rounds)
+    seen = _timeline(run, spec, 200, 4, 0, False, unseen=0.5)
+    sched = StreamingSchedule(run.h)
+    forecasts = {}
+    for step, at, span in seen:
+        if step and sched.applies_at(step) is not None:
+            rounds.rounds.append({"exposed_s": 0.0, "groups": 2})
+        rounds.recording = span
+        got = cal.outer.observe(step, run.plan, _results(run.plan, step), 0.4, at)
+        if got is not None:
+            forecasts[step] = got[0]
+    at = {step: t for step, t, _ in seen}
+    plain = (at[199] - at[79]) / 120  # three whole rounds
+    late = sorted({round(f, 9) for s, f in forecasts.items() if s >= 80})
+    assert late[0] == pytest.approx(plain, rel=1e-4) and late[-1] == pytest.approx(plain, rel=1e-4)

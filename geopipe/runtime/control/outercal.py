@@ -11,7 +11,8 @@ test bed). After every inner step :class:`OuterCalibrator` measures
   the slowest group's, as the exchange sees it: over each stretch of inner steps between
   two points where the driver acts (an outer apply, a checkpoint, an evaluation) the groups
   run their spans side by side and the driver waits for the last, so per step the largest
-  of the groups' summed steps, over the latest stretches that hold :data:`STEPS` steps (on
+  of the groups' summed steps, over the latest stretches that hold :data:`STEPS` steps and
+  whole apply periods ([Note: whole periods of stretches]) (on
   a shared host the groups' steps jitter apart, and the larger of two sums exceeds the
   larger of two means);
 * the driver's seconds per control call: over each *stretch*, the wall time the driver saw
@@ -116,8 +117,11 @@ class OuterCalibrator:
         self._warm: deque[dict[int, float]] = deque(maxlen=STEPS)  # each group's step
         self._mark: int | None = None  # the last step of the latest stretch
         # per stretch: (seconds beyond compute and the apply, calls, compute seconds, steps,
-        # the calls whose round trip the steps waited through)
-        self._units: deque[tuple[float, float, float, int, int]] = deque(maxlen=STEPS)
+        # the calls whose round trip the steps waited through, the inner steps done when it
+        # began); enough of them for an apply period of one-step spans
+        self._units: deque[tuple[float, float, float, int, int, int]] = deque(
+            maxlen=STEPS + self.schedule.period
+        )
 
     # -- the runtime's calls ---------------------------------------------------------------
     def _cap(self, predicted_s: float) -> int:
@@ -235,10 +239,30 @@ class OuterCalibrator:
             return cost
         return replace(cost, exposed_s=f * sum(latest) / len(latest))
 
-    def _latest(self) -> list[tuple[float, float, float, int, int]]:
-        """The latest measured stretches that hold :data:`STEPS` steps (at least one)."""
-        out: list[tuple[float, float, float, int, int]] = []
-        for u in reversed(self._units):
+    def _latest(self) -> list[tuple[float, float, float, int, int, int]]:
+        """The latest measured stretches that hold :data:`STEPS` steps and whole apply
+        periods, at least one: from an apply point to the latest apply point a stretch ended
+        at (the latest that hold :data:`STEPS` steps while there are none).
+
+        [Note: whole periods of stretches] What the stretches do not explain (the driver's
+        calls, and what an apply costs beyond its measured wait: at 1 Mbit/s the driver's
+        calls to the far group queue behind a payload on the same link) falls in the
+        stretches that hold an apply. Measured over the latest 20 steps alone, the overhead
+        per call swung with whether an apply's stretch was among them (0.16 s a call, then
+        1.4 s after an apply, at 1 Mbit/s and 80 ms, spans of 12 steps, H = 50), and so did
+        the forecast (0.30, then 0.40 s a step, against 0.34 measured): the run's forecast
+        was 11 % low. Spans end at apply points ([Note: spans end at applies] in
+        :mod:`.innerrun`), so stretches from one on hold each apply once."""
+        period, units = self.schedule.period, list(self._units)
+        ends = [i for i, u in enumerate(units) if (u[5] + u[3]) % period == 0]
+        for i in reversed(ends):  # the latest whole periods that hold enough steps
+            held = 0
+            for j in range(i, -1, -1):
+                held += units[j][3]
+                if held >= max(STEPS, period) and units[j][5] % period == 0:
+                    return units[j : i + 1][::-1]
+        out: list[tuple[float, float, float, int, int, int]] = []
+        for u in reversed(units):
             if sum(x[3] for x in out) >= STEPS:
                 break
             out.append(u)
@@ -272,7 +296,7 @@ class OuterCalibrator:
             outer = applies * (c.exposed_s + c.codec_s + c.outer_step_s) / f
             calls += applies * OUTER_CALLS_PER_FRAGMENT
             waits += applies * OUTER_CALLS_PER_FRAGMENT
-        self._units.append((wall - compute - outer, calls, compute, last - mark, waits))
+        self._units.append((wall - compute - outer, calls, compute, last - mark, waits, first))
         for s in [s for s in self._seen if s < mark]:
             del self._seen[s]
 
