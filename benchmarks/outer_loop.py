@@ -128,8 +128,10 @@ def step_time_settings(a, star: dict, stream: dict, bounded: dict | None) -> lis
             "name": n,
             "strategy": "outer",
             "outer": _outer_keys(o),
-            # about 200 steps measured whatever H (streaming's is half the plain loop's)
-            "steps": steps_for(o["h"], max(rounds, rounds * 100 // o["h"])),
+            # 400 steps measured or more whatever H (streaming's is half the plain loop's):
+            # a span runs ~90 of them, and the window holds whole spans from the second
+            # round's end (_outer_bed.summary)
+            "steps": steps_for(o["h"], max(rounds, rounds * 200 // o["h"])),
         }
         for n, o in runs
     ]
