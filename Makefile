@@ -1,7 +1,7 @@
 # Two commands do everything on a fresh machine:
 #   make demo   - install, then train on the embedded default cluster (clusters/local-2dc.yaml)
 #   make test   - install, then lint and run the test suite
-#   make test-fast - the unit tier only (tests/unit: no Ray, no DeepSpeed; about 1.5 minutes on 2 cores)
+#   make test-fast - the unit tier only (tests/unit: no Ray, no DeepSpeed; about a minute on 2 cores)
 # torch is installed explicitly first: an unpinned torch pulls a multi-GB CUDA build on
 # CPU-only machines. pyproject keeps its own torch range loose for GPU users.
 VENV ?= .venv
@@ -51,14 +51,18 @@ lint: install
 # its source, so an edit since is never run stale.
 PYC := $(PY) -m compileall -q --invalidation-mode checked-hash geopipe tests
 
+# The unit tier runs three workers on two cores: 30 % of its wall time was spent waiting
+# (sockets, deadlines, subprocesses), 76 s with two workers, 61-64 s with three, 65 s with four.
+UNIT := $(VENV)/bin/python -m pytest -q -n 3 tests/unit
+
 test: lint
 	$(PYC)
-	$(VENV)/bin/python -m pytest -q -n 2 tests/unit
+	$(UNIT)
 	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests/integration
 
 test-fast: install
 	$(PYC)
-	$(VENV)/bin/python -m pytest -q -n 2 tests/unit
+	$(UNIT)
 
 bench: install
 	$(PY) benchmarks/planner.py

@@ -347,22 +347,34 @@ def test_stdlib_bpe_build_and_reuse(tmp_path: Path) -> None:
 
 
 def test_concurrent_stdlib_bpe_builders_agree(tmp_path: Path) -> None:
-    """Two processes building at once: one rename wins, both return a valid dataset."""
-    code = (
-        "import sys; from geopipe.model.builtin import ensure_stdlib_bpe; "
-        "from geopipe.model.tokens import TokenDataset; "
-        "print(TokenDataset(ensure_stdlib_bpe(sys.argv[1])).digest)"
-    )
+    """Two processes building at once: one rename wins, both return a valid dataset.
+
+    Each builds from the stdlib's first 300 kB (not the 8 MB the demo's dataset takes: the
+    race is the same) and starts only once both have imported, so the builds overlap."""
+    code = """if True:
+        import sys, time
+        from pathlib import Path
+        import geopipe.model.builtin as b
+        from geopipe.model.tokens import TokenDataset
+        files = b.stdlib_bpe_files
+        b.stdlib_bpe_files = lambda: files(300_000)
+        gate = Path(sys.argv[2])
+        (gate / sys.argv[3]).touch()
+        while len(list(gate.iterdir())) < 2:
+            time.sleep(0.01)
+        print(TokenDataset(b.ensure_stdlib_bpe(sys.argv[1])).digest)
+    """
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    (gate := tmp_path.parent / f"{tmp_path.name}-gate").mkdir()
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", code, str(tmp_path)],
+            [sys.executable, "-c", code, str(tmp_path), str(gate), str(i)],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
-        for _ in range(2)
+        for i in range(2)
     ]
     results = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [r[1] for r in results]
