@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -30,6 +31,7 @@ sys.path.insert(0, str(HERE))
 
 from _outer_runs import GLOBAL_BATCH, SEQ, metrics, outer_doc, wall_per_step  # noqa: E402
 
+KEEP_VAR = "GEOPIPE_BENCH_KEEP"  # set: the runs' directories are kept (their path is printed)
 CALIBRATION_STEPS = 3  # geopipe.runtime.control.calibration's (imported there: DeepSpeed)
 
 
@@ -173,6 +175,10 @@ def role(address: str, settings: list[dict]) -> None:
     finally:
         if ray.is_initialized():
             ray.shutdown()
+        if os.environ.get(KEEP_VAR):  # kept for a look at the runs' metrics
+            print(f"the runs' directories: {tmp}", file=sys.stderr, flush=True)
+        else:  # ~120 MB of checkpoints a call: a sweep left gigabytes in /tmp
+            shutil.rmtree(tmp, ignore_errors=True)
     print("RESULT " + json.dumps(out), flush=True)
 
 
