@@ -166,12 +166,13 @@ def test_a_group_lost_as_a_span_starts_costs_the_survivor_no_step(runs) -> None:
     assert [x["step"] for x in rows] == list(range(STEPS))  # each step once: none lost
     assert lost["losses"][:6] == spans["losses"][:6]  # undisturbed before the loss
     (rec,) = _events(lost["lines"], "recovered")
-    assert rec["failed_step"] == 6 and rec["lost_steps"] == 0 and rec["step"] == 10
+    assert rec["failed_step"] == 6 and rec["lost_steps"] == 0 and rec["step"] == 9
     assert rec["lost_groups"] == [1] and rec["source"] == "surviving groups"
     assert not _events(lost["lines"], "resumed")  # no checkpoint read
-    # 0, 1, 2 alone; 3-4 and 5 queued; 6-7 (the victim's call fails) and 8-9 queued; after
-    # the recovery 10, 11 alone on the survivor (the new layout's calibration records them)
-    assert lost["counts"]["run_iterations"] == 3 * 2 + 2 * 2 + 2 * 2 + 2
-    # the survivor ran the span 6-7 and 8-9 queued; the round after 9 averages over it alone
+    # 0, 1, 2 alone; 3-4 and 5 queued (spans of 2 at most end at the applies after 3, 6, 9:
+    # [Note: spans end at applies]); 6-7 (the victim's call fails) and 8 queued; after the
+    # recovery 9, 10, 11 alone on the survivor (the new layout's calibration records them)
+    assert lost["counts"]["run_iterations"] == 3 * 2 + 2 * 2 + 2 * 2 + 3
+    # the survivor ran the span 6-7 and 8 queued; the round after 9 averages over it alone
     assert [(r[0], r[2]) for r in _rounds(lost["lines"])] == [(3, 2), (6, 2), (9, 1), (12, 1)]
     assert all(r[4] for r in _rounds(lost["lines"]))
