@@ -52,7 +52,7 @@ lint: install
 PYC := $(PY) -m compileall -q --invalidation-mode checked-hash geopipe tests
 
 # The unit tier runs three workers on two cores: 30 % of its wall time was spent waiting
-# (sockets, deadlines, subprocesses), 76 s with two workers, 61-64 s with three, 65 s with four.
+# (sockets, deadlines, subprocesses), 76 s with two workers, 61-68 s with three, 65 s with four.
 UNIT := $(VENV)/bin/python -m pytest -q -n 3 tests/unit
 
 test: lint
