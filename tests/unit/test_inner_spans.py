@@ -11,7 +11,7 @@ import pytest
 from geopipe.optimizer.outer_cost import steps_per_call
 from geopipe.outer.fragments import StreamingSchedule
 from geopipe.runtime.actor.inner_run import run_span
-from geopipe.runtime.control.innerrun import MAX_SPAN, SPAN_S, span_of
+from geopipe.runtime.control.innerrun import MAX_SPAN, SPAN_S, record_span, span_of
 from geopipe.runtime.control.outerdecide import points_of
 from tests.unit.test_outer_rounds import Recorder, _rounds
 
@@ -94,6 +94,32 @@ def test_recorded_steps_checkpoints_evals_and_the_end_cut_a_span() -> None:
     # recorded 0-2, then ends at the evals after 4, 8, 16, the checkpoint after 12 and the
     # end (20); the applies after 6, 12 and 18 end none
     assert spans == [(0, 1), (1, 1), (2, 1), (3, 1), (4, 4), (8, 4), (12, 4), (16, 4)]
+
+
+def test_a_span_is_recorded_step_by_step_its_applies_first_its_status_once() -> None:
+    """record_span: each step's send and apply are noted before the step is recorded (the
+    calibration that closes the span at its apply prices it as measured), and status.json
+    is rewritten at the span's last step only."""
+    seen: list = []
+    outer = SimpleNamespace(
+        done_through=0,
+        recording=None,
+        note_sends=lambda done, res, at: seen.append(("sends", done)),
+        note_applied=lambda done, res, actors: seen.append(("applied", done)),
+    )
+
+    def record(step: int, results: list, at: float, status: bool = True) -> None:
+        seen.append(("record", step, status))
+
+    ctl = SimpleNamespace(plan=SimpleNamespace(codecs=[]), outer=outer, _record=record)
+    answers = [[SimpleNamespace(codec_error={}) for _ in range(3)]]  # one actor, 3 steps
+    assert record_span(ctl, 6, answers, ["actor"]) == 9
+    assert seen == [
+        ("sends", 7), ("applied", 7), ("record", 6, False),
+        ("sends", 8), ("applied", 8), ("record", 7, False),
+        ("sends", 9), ("applied", 9), ("record", 8, True),
+    ]  # fmt: skip
+    assert outer.done_through == 9 and outer.recording is None
 
 
 def test_a_span_lasts_a_few_predicted_seconds_at_most() -> None:

@@ -127,7 +127,9 @@ class Ctl:
     def _set_plan(self, plan: Plan) -> None:
         self.placement.plan = plan
 
-    def _record(self, step: int, results: list, at: float | None = None) -> None:
+    def _record(
+        self, step: int, results: list, at: float | None = None, status: bool = True
+    ) -> None:
         self.recorded.append(step)
 
     def _relaid(self, step: int) -> None:

@@ -412,10 +412,12 @@ class Controller:
         hang_s = hang_timeout_s(0.0, False, self.spec.health)
         return await_step(self.workers, flat, refs, hang_s, self.spec.health)
 
-    def _record(self, step: int, results: list, at: float | None = None) -> None:
+    def _record(
+        self, step: int, results: list, at: float | None = None, status: bool = True
+    ) -> None:
         """Metrics, calibration, status and progress of a finished step (``at``: when the
         driver received it, on the wall clock: a span's steps share their span's; default
-        now)."""
+        now; ``status``: rewrite status.json, which a span does at its last step only)."""
         launched = self.outer_run.plan if self.outer_run else None
         tokens, groups = recorded_shape(self.spec.training.global_batch_size, self.plan, launched)
         m = aggregate(results, self.plan.num_stages, tokens, groups)
@@ -427,7 +429,8 @@ class Controller:
             self._calibrate(step, results)
         self._guard_codecs(step, results)
         self.nan_guard.check(step, results)  # before this boundary can be checkpointed
-        self._status(step + 1)
+        if status:
+            self._status(step + 1)
         self._last_results = results
         self.checkpoints.poll()
 
