@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -178,11 +179,19 @@ def test_dtype_choice() -> None:
 def test_large_vocab_is_stored_as_uint32(tmp_path: Path, tok_dir: Path) -> None:
     from transformers import AutoTokenizer
 
-    big = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
-    big.add_tokens([f"<t{i}>" for i in range(65_100)])
+    # 65,100 more entries in the BPE's vocabulary (no text reaches them) and one added token
+    # after them: a vocabulary past uint16 in ~1 s (65,100 added tokens took ~4 s)
+    wide = tmp_path / "wide"
+    shutil.copytree(tok_dir, wide)
+    doc = json.loads((wide / "tokenizer.json").read_text())
+    vocab = doc["model"]["vocab"]
+    vocab.update({f"\u0120unused{i}": len(vocab) + i for i in range(65_100)})
+    (wide / "tokenizer.json").write_text(json.dumps(doc))
+    big = AutoTokenizer.from_pretrained(str(wide), local_files_only=True)
+    big.add_tokens(["<t65099>"])
     big.save_pretrained(str(tmp_path / "big"))
-    top = len(big) - 1  # <t65099>, id 65611: does not fit in uint16
-    text = "a <t65099> b <t70> c"
+    top = len(big) - 1  # <t65099>, id 65612: does not fit in uint16
+    text = "a <t65099> b c"
     (tmp_path / "a.txt").write_text(text)
     m = prepare_data([tmp_path / "a.txt"], tmp_path / "big", tmp_path / "out", progress=False)
     assert m["dtype"] == "uint32" and m["vocab_size"] == len(big) > 65535
