@@ -97,7 +97,9 @@ from geopipe.transport.wire import transfer_time, wire_bytes
 __all__ = [
     "CALL_OVERHEAD_S",
     "DELTA_ROW_LEN",
+    "MAX_SPAN",
     "OUTER_CALLS_PER_FRAGMENT",
+    "SPAN_S",
     "Control",
     "Hop",
     "RoundCost",
@@ -118,10 +120,10 @@ DELTA_ROW_LEN = 256
 OUTER_STEP_BYTES = 40.0  # per parameter, besides 4 B per group averaged (module docstring)
 # A loss of device time below this share of the round is not named as what binds.
 _BINDS_FROM = 0.05
-# [Note: the driver's control calls]. SPAN_S and MAX_SPAN are the runtime's
-# (geopipe.runtime.control.innerrun, which imports Ray; a unit test holds them equal).
-SPAN_S = 5.0  # predicted seconds of inner steps per driver call at most
-MAX_SPAN = 1000  # inner steps per driver call at most
+# [Note: the driver's control calls]. The runtime's spans (geopipe.runtime.control.innerrun)
+# take these and span_cap / span_end from here: the planner counts the calls it makes.
+SPAN_S = 5.0  # predicted seconds of inner steps per driver call at most (the progress lag)
+MAX_SPAN = 1000  # inner steps per driver call at most (a prediction of ~0 s: tiny steps)
 OUTER_CALLS_PER_FRAGMENT = 0  # the send and the apply ride inside the span calls
 # Nominal seconds of one driver call beyond the round trip (Ray's call, the driver's work on
 # the answers) until a run measures it: the order of what a call to a local actor takes.
@@ -274,7 +276,7 @@ def steps_per_call(*intervals: int, cap: int = MAX_SPAN, period: int = 1) -> flo
 
 
 def span_cap(step_s: float) -> int:
-    """Inner steps per call at most for steps of ``step_s`` seconds (the runtime's rule)."""
+    """Inner steps per call at most for steps of ``step_s`` seconds (the runtime's spans use it)."""
     return max(1, min(MAX_SPAN, int(SPAN_S / step_s) if step_s > 0 else 1))
 
 

@@ -58,7 +58,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from geopipe.optimizer.outer_cost import queues_spans, span_end
+from geopipe.optimizer.outer_cost import MAX_SPAN, SPAN_S, queues_spans, span_cap, span_end
 from geopipe.optimizer.policies import GrowBack
 from geopipe.outer.fragments import StreamingSchedule
 from geopipe.runtime.control.health import hang_timeout_s, raise_model_error
@@ -75,9 +75,6 @@ __all__ = [
     "run_span",
     "span_of",
 ]
-
-SPAN_S = 5.0  # predicted seconds of steps per call at most: the progress line's lag
-MAX_SPAN = 1000  # steps per call at most (a prediction of ~0 s: a run of tiny steps)
 
 
 def span_of(
@@ -97,7 +94,7 @@ def span_of(
     ``schedule``'s apply points where only the length cuts it ([Note: spans end at
     applies]). The applies are made inside the span ([Note: applies decided inside a
     span])."""
-    cap = max_span or max(1, min(MAX_SPAN, int(SPAN_S / predicted_s) if predicted_s > 0 else 1))
+    cap = max_span or span_cap(predicted_s)
     end = span_end(start, total, max(1, cap), schedule.period)
     for step in range(start, end):
         done = step + 1
