@@ -128,9 +128,9 @@ def step_time_settings(a, star: dict, stream: dict, bounded: dict | None) -> lis
             "name": n,
             "strategy": "outer",
             "outer": _outer_keys(o),
-            # 400 steps measured or more whatever H (streaming's is half the plain loop's):
-            # a span runs ~90 of them, and the window holds whole spans from the second
-            # round's end (_outer_bed.summary)
+            # runs of 400 steps or more whatever H (streaming's is half the plain loop's): a
+            # span runs ~90 of them, and the window holds whole spans from the second
+            # round's end (_outer_bed.summary), 300 steps here
             "steps": steps_for(o["h"], max(rounds, rounds * 200 // o["h"])),
         }
         for n, o in runs
