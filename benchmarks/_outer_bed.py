@@ -121,6 +121,7 @@ def summary(run_dir: Path, n_steps: int) -> dict:
         "digests_equal": all(r["digests_equal"] for r in rounds),
         "links_measured": plan.get("links_measured", []),
         "losses": [round(s["loss"], 4) for s in steps[:: max(1, len(steps) // 10)]],
+        "window_at": [span[0]["completed_at"], span[-1]["completed_at"]] if span else None,
     }
 
 
@@ -141,6 +142,7 @@ def role(address: str, settings: list[dict]) -> None:
     """Inside the first site's namespace: attach to the bed's Ray, run every setting."""
     import ray
     from _common import run, spec_of
+    from _cpu_account import CpuSampler
 
     out = {}
     tmp = Path(tempfile.mkdtemp(prefix="geopipe-outerbed-"))
@@ -157,10 +159,15 @@ def role(address: str, settings: list[dict]) -> None:
             doc["ray"].update(address=address, emulate_links=False)
             doc["plan"]["calibrate"] = True  # plan from this machine's speed, not the YAML's
             t0 = time.monotonic()
+            cpu = CpuSampler().start()  # where the host's CPU went over the window
             try:
                 run(spec_of(doc), s["steps"], tmp / s["name"])
+                cpu.stop()
                 r = summary(tmp / s["name"], s["steps"])
+                if r.get("window_at"):
+                    r["cpu"] = cpu.over(*r["window_at"])
             except Exception as exc:  # one setting's failure is reported, the rest still run
+                cpu.stop()
                 r = {"error": brief_error(exc)}
                 try:  # every step ran and the failure came after (the final save)?
                     done = summary(tmp / s["name"], s["steps"])
@@ -198,6 +205,8 @@ def _say(name: str, r: dict) -> None:
         file=sys.stderr,
         flush=True,
     )
+    if r.get("cpu"):
+        print(f"    cpu over the window: {json.dumps(r['cpu'])}", file=sys.stderr, flush=True)
 
 
 def run_settings(bed, settings: list[dict], timeout_s: float = 3600) -> dict:
