@@ -49,6 +49,7 @@ def snapshot() -> tuple[float, dict, tuple[int, int]]:
     ``(pid,)`` and every actor thread's under ``(pid, tid, comm)``."""
     now = time.time()
     procs: dict = {}
+    names: dict[int, str] = {}
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
@@ -58,6 +59,7 @@ def snapshot() -> tuple[float, dict, tuple[int, int]]:
             continue
         kind = kind_of(cmd.replace("\0", " ").strip())
         procs[(int(d.name),)] = (kind, _ticks(stat))
+        names[int(d.name)] = cmd.replace("\0", " ").strip()[:48]
         if kind == "actor":
             for t in (d / "task").iterdir() if (d / "task").exists() else ():
                 ts, comm = _read(t / "stat"), _read(t / "comm")
@@ -66,6 +68,7 @@ def snapshot() -> tuple[float, dict, tuple[int, int]]:
     cpu = _read(Path("/proc/stat")).splitlines()[0].split()[1:]
     vals = [int(x) for x in cpu]
     idle = vals[3] + vals[4]
+    procs["names"] = names
     return now, procs, (sum(vals) - idle, sum(vals))
 
 
@@ -108,18 +111,25 @@ class CpuSampler:
         (ta, a, ha), (tb, b, hb) = self.samples[i], self.samples[j]
         kinds: dict[str, float] = {}
         threads: dict[str, float] = {}
-        for key, (kind, ticks) in b.items():
+        busiest: dict[str, float] = {}  # processes, by command line
+        for key, val in b.items():
+            if key == "names":
+                continue
+            kind, ticks = val
             d = (ticks - a.get(key, (kind, 0))[1]) / TICK
             if kind == "thread":
                 name = "main" if key[0] == key[1] else key[2]
                 threads[name] = threads.get(name, 0.0) + d
             else:
                 kinds[kind] = kinds.get(kind, 0.0) + d
+                busiest[f"{key[0]} {b['names'][key[0]]}"] = d
         span = tb - ta
         top = sorted(threads.items(), key=lambda x: -x[1])[:8]
+        procs = sorted(busiest.items(), key=lambda x: -x[1])[:6]
         return {
             "seconds": round(span, 2),
             "host_busy_cores": round((hb[0] - ha[0]) / max(1, hb[1] - ha[1]) * os.cpu_count(), 3),
             "cpu_s": {k: round(v, 2) for k, v in sorted(kinds.items())},
             "actor_threads_s": {k: round(v, 2) for k, v in top},
+            "busiest_s": {k: round(v, 2) for k, v in procs},
         }

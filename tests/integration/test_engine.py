@@ -22,6 +22,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from geopipe.model.data import Corpus, TokenStream, global_indices
 from geopipe.model.gpt import GPTConfig, GPTStage, lm_loss, num_layers
 from geopipe.pipeline.schedule import Kind, Schedule, lookahead_zb, one_f_one_b, zb_h1
+from geopipe.runtime.actor import zero_state
 from geopipe.runtime.actor.engine import (
     EngineConfig,
     StageEngine,
@@ -29,6 +30,7 @@ from geopipe.runtime.actor.engine import (
     init_process_group,
 )
 from geopipe.runtime.actor.lr import lr_factor
+from geopipe.runtime.actor.snapshots import BoundaryKeeper
 
 CFG = GPTConfig(n_layer=2, n_embd=32, n_head=2, vocab_size=256, block_size=16)
 LAYERS = [(0, 2), (2, 4)]  # embed + block 0 | block 1 + head
@@ -168,6 +170,31 @@ def _params(eng: StageEngine) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in eng.module.named_parameters()}
 
 
+def _retake(eng: StageEngine) -> dict:
+    """A boundary taken, its weights changed as an outer apply changes them (the masters in
+    place, then the working copies synced), the boundary re-taken with the weights alone
+    (:meth:`BoundaryKeeper.retake_weights`), against a whole take after the change; the
+    engine's weights are put back (bit for bit) afterwards."""
+    keeper, whole, step = BoundaryKeeper(kept=2), BoundaryKeeper(kept=2), eng.step_count
+    keeper.take(step, eng)
+    first = keeper.state(step)
+    masters = zero_state.master_partitions(eng.engine)
+    saved = [m.clone() for m in masters]
+    with torch.no_grad():
+        for m in masters:
+            m[: m.numel() // 2].add_(0.25)
+    zero_state.sync_working_params(eng.engine)
+    keeper.retake_weights(step, eng)
+    got = keeper.state(step)
+    whole.take(step, eng)
+    want = whole.state(step)
+    with torch.no_grad():
+        for m, s in zip(masters, saved, strict=True):
+            m.copy_(s)
+    zero_state.sync_working_params(eng.engine)
+    return {"got": got, "want": want, "first": first, "held": keeper.steps()}
+
+
 def _pipeline_worker(
     rank: int, port: int, replicas: int, cfg: EngineConfig, reform: int, schedule: str = "1f1b"
 ) -> dict:
@@ -190,6 +217,8 @@ def _pipeline_worker(
     state = eng.full_state()
     out["gather_s"] = time.perf_counter() - t0
     out["state"] = state
+    if reform:  # the 2x2 ZeRO-1 run: an outer apply's re-take of a boundary
+        out["retake"] = _retake(eng)
     if not reform:
         eng.destroy()
         destroy_process_group()
@@ -392,6 +421,25 @@ def test_full_state_reshards_from_two_replicas_to_one(zero1_run: tuple[list[dict
     # Measured: 3.7e-9 between the re-formed 1-replica step and the 2-replica continuation.
     assert worst <= TOL, f"re-sharded step diff {worst:.2e}"
     print(f"2->1 re-shard: next-step diff {worst:.1e}")
+
+
+def test_an_outer_apply_retakes_the_boundary_with_its_weights_alone(
+    zero1_run: tuple[list[dict], dict],
+) -> None:
+    """[Note: an apply's re-take]: after an outer apply the boundary re-taken from the
+    weights alone (the moments kept from its first take) equals a whole take, bit for bit,
+    on a 2-replica ZeRO-1 group (each replica gathers the other's partition)."""
+    ranks, _ = zero1_run
+    for r in ranks:
+        got, want, first = r["retake"]["got"], r["retake"]["want"], r["retake"]["first"]
+        assert r["retake"]["held"] == [r["step_count"]]
+        assert (got["step"], got["lr_step"]) == (want["step"], want["lr_step"])
+        for key in ("params", "exp_avg", "exp_avg_sq"):
+            assert got[key].keys() == want[key].keys()
+            for name in want[key]:
+                assert torch.equal(got[key][name], want[key][name]), (key, name)
+        # the change reached the re-take (a re-take that kept the first weights would fail)
+        assert any(not torch.equal(got["params"][n], first["params"][n]) for n in got["params"])
 
 
 @pytest.mark.parametrize("defer", [False, True], ids=["step-in-backward", "step-after-sends"])

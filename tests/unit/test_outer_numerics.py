@@ -159,6 +159,26 @@ def test_lr1_momentum0_codec_none_equals_averaging_replicas() -> None:
     assert outer.steps() == STEPS // H
 
 
+def test_a_fragment_digest_hashes_that_fragment_alone() -> None:
+    """A round's digest is its fragment's (the apply hashes what it changed): it moves when
+    that fragment's slices move and not when another fragment's do."""
+    import hashlib
+
+    outer = OuterOptimizer(_theta(), fragments=3)
+    before = [outer.digest(f) for f in range(3)]
+    whole = outer.digest()
+    with torch.no_grad():
+        for part in outer._parts(outer.theta, 1):
+            part.add_(1.0)
+    assert [outer.digest(f) for f in range(3)] == [before[0], outer.digest(1), before[2]]
+    assert outer.digest(1) != before[1] and outer.digest() != whole
+    h = hashlib.sha256()  # the same bytes as the slices, shape by shape
+    for part in outer._parts(outer.theta, 2):
+        h.update(repr(tuple(part.shape)).encode())
+        h.update(part.contiguous().numpy().tobytes())
+    assert outer.digest(2) == h.hexdigest()
+
+
 # --------------------------------------------------------------------------- across groups
 
 

@@ -470,10 +470,11 @@ class StageEngine:
         """
         return zero_state.full_state(self.engine, self.module)
 
-    def local_snapshot(self) -> dict[str, Any]:
-        """This replica's ZeRO-1 partitions (fp32 weights, Adam moments) copied to memory,
-        no communication (:func:`~geopipe.runtime.actor.zero_state.local_snapshot`)."""
-        return zero_state.local_snapshot(self.engine, self.module)
+    def local_snapshot(self, weights_only: bool = False) -> dict[str, Any]:
+        """This replica's ZeRO-1 partitions (fp32 weights, Adam moments unless
+        ``weights_only``) copied to memory, no communication
+        (:func:`~geopipe.runtime.actor.zero_state.local_snapshot`)."""
+        return zero_state.local_snapshot(self.engine, self.module, weights_only)
 
     def load_full_state(self, state: dict[str, Any]) -> None:
         """Load a :meth:`full_state` (taken with any replica count) into this engine.

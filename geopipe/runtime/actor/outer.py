@@ -195,8 +195,8 @@ class OuterState:
         self.opt.copy_to(masters, fragment)
         zero_state.sync_working_params(self.engine.engine)
 
-    def digest(self) -> str:
-        return self.opt.digest()
+    def digest(self, fragment: int | None = None) -> str:
+        return self.opt.digest(fragment)
 
     def state_dict(self) -> dict[str, Any]:
         """theta_global, momentum and step counts (:meth:`OuterOptimizer.state_dict`), the
@@ -504,7 +504,7 @@ class OuterLoop:
             "wait_s": wait_s,
             "apply_s": time.perf_counter() - t0,
             "since_send_s": since_send_s,
-            "digest": self.state.digest(),
+            "digest": self.state.digest(fragment),  # the fragment this round changed
         }
 
     def close(self) -> None:

@@ -48,13 +48,38 @@ class BoundaryKeeper:
         self._futures[step] = self._pool.submit(
             assemble_snapshot, snap, engine.ckpt_group, engine.replicas
         )
+        self._drop_old()
+        return time.perf_counter() - t0
+
+    def retake_weights(self, step: int, engine: Any) -> float:
+        """Take boundary ``step`` again after an outer apply changed its weights: only the
+        weights are copied and gathered, the Adam moments (which an apply leaves alone) are
+        the first take's. COLLECTIVE like :meth:`take` (every replica of the group applies).
+
+        [Note: an apply's re-take] Recovery must roll back to the weights after the outer
+        step, so the boundary is taken again; a whole take copied the moments twice more
+        (the local copy and its gather): under streaming every replica pays that F times
+        per H, beside steps that pay for every CPU-millisecond on a host the exchange
+        shares (a third of an apply's cost on the 2-core test bed). A whole take when the
+        boundary is not held."""
+        if step not in self._futures:
+            return self.take(step, engine)
+        t0 = time.perf_counter()
+        before = self._futures.pop(step)
+        snap = engine.local_snapshot(weights_only=True)
+        self._futures[step] = self._pool.submit(
+            assemble_snapshot, snap, engine.ckpt_group, engine.replicas, before
+        )
+        self._drop_old()
+        return time.perf_counter() - t0
+
+    def _drop_old(self) -> None:
         # Drop only complete boundaries beyond the newest ``kept``: dropping a complete one
         # for a gather that then fails would leave nothing to roll back to.
         keep = self.steps()[-self.kept :] if self.kept else []
         for old in [st for st, f in self._futures.items() if f.done()]:
             if old not in keep:
                 del self._futures[old]
-        return time.perf_counter() - t0
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         """Run another collective of the checkpoint communicator (the outer state's gather)

@@ -87,18 +87,30 @@ def all_gather_host(local: Tensor, group: Any, replicas: int, device: Any) -> li
     return [p.cpu() for p in parts]
 
 
-def assemble_snapshot(snap: dict[str, Any], group: Any, replicas: int) -> dict[str, Any]:
+def assemble_snapshot(
+    snap: dict[str, Any], group: Any, replicas: int, moments_of: Any = None
+) -> dict[str, Any]:
     """Gather the replicas' :func:`local_snapshot` into a full state (on the host).
 
     COLLECTIVE on ``group`` (every replica calls it, same order); safe on a background
     thread when ``group`` is the engine's ``ckpt_group``. Returns the same dictionary as
     :func:`full_state`. The snapshot is on the host; under NCCL the gather goes through the
     engine's device (``snap["device"]``) and comes back.
+
+    ``moments_of``: the full state (or its future) of the same boundary before an outer
+    apply, which changes the weights alone: its Adam moments are taken as they are and only
+    the weights gathered (``snap`` then holds the weights alone:
+    :meth:`~geopipe.runtime.actor.snapshots.BoundaryKeeper.retake_weights`).
     """
     out: dict[str, Any] = {g: {} for g in ADAM_STATE_GROUPS}
     device = snap.get("device", "cpu")
+    keys = ADAM_STATE_GROUPS
+    if moments_of is not None:
+        before = moments_of.result() if hasattr(moments_of, "result") else moments_of
+        out.update({k: before[k] for k in ADAM_MOMENTS})
+        keys = (PARAMS_GROUP,)
     for g in snap["groups"]:
-        for key in ADAM_STATE_GROUPS:
+        for key in keys:
             flat = torch.cat(all_gather_host(g[key], group, replicas, device))
             for name, off, shape in g["layout"]:
                 numel = math.prod(shape)
@@ -124,7 +136,7 @@ def full_state(engine: Any, module: nn.Module) -> dict[str, Any]:
     return out
 
 
-def local_snapshot(engine: Any, module: nn.Module) -> dict[str, Any]:
+def local_snapshot(engine: Any, module: nn.Module, weights_only: bool = False) -> dict[str, Any]:
     """This replica's ZeRO-1 partitions (fp32 weights, Adam moments) copied to memory.
 
     No communication, so training stalls only for the copy; :func:`assemble_snapshot`
@@ -133,16 +145,24 @@ def local_snapshot(engine: Any, module: nn.Module) -> dict[str, Any]:
     the parameters in ``round_robin_bit16_groups`` order at ``round_robin_bit16_offsets``;
     replica ``r`` owns the r-th of ``R`` equal slices. Checked against ``full_state`` in
     the tests (bitwise).
+
+    ``weights_only``: the moments are left out (an outer apply's re-take of a boundary,
+    which takes them from the first take's full state: :func:`assemble_snapshot`).
     """
     zo = engine.optimizer
     states = adam_partition_states(zo)
     names = {id(p): n for n, p in module.named_parameters()}
     groups = []
     for i, part in enumerate(zo.single_partition_of_fp32_groups):
+        moments = (
+            {}
+            if weights_only
+            else {k: states[i][k].detach().to("cpu", copy=True) for k in ADAM_MOMENTS}
+        )
         groups.append(
             {
                 PARAMS_GROUP: part.detach().to("cpu", copy=True),
-                **{k: states[i][k].detach().to("cpu", copy=True) for k in ADAM_MOMENTS},
+                **moments,
                 "layout": [
                     (names[id(p)], int(off), tuple(p.shape))
                     for p, off in zip(

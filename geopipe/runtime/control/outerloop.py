@@ -413,7 +413,8 @@ class OuterRounds:
         """``took``: the apply's seconds (gather and step), the seconds from the send to the
         apply (inner steps overlapped the transfer), and the gather's wait."""
         apply_s, overlapped_s, wait_s = took
-        # theta_global must be bit-identical in every group: one digest per partition
+        # theta_global must be bit-identical in every group: one digest per partition, of
+        # the fragment this round changed (the others were checked at their own rounds)
         by_part: dict[tuple[int, int], set[str]] = {}
         for a, res in zip(actors, applied, strict=True):
             by_part.setdefault(self._part[id(a)], set()).add(res["digest"])
