@@ -125,6 +125,20 @@ def summary(run_dir: Path, n_steps: int) -> dict:
     }
 
 
+def cpu_per_step(cpu: dict, span: list[int]) -> dict:
+    """The window's CPU accounting with the host's and the actors' CPU seconds per step (an
+    actor's process is read as "other" when its title was being rewritten at a sample)."""
+    n = span[1] - span[0]
+    if not cpu or n <= 0:
+        return cpu
+    k = cpu["cpu_s"]
+    return {
+        **cpu,
+        "host_per_step_s": round(cpu["host_busy_cores"] * cpu["seconds"] / n, 5),
+        "actors_per_step_s": round((k.get("actor", 0) + k.get("other", 0)) / n, 5),
+    }
+
+
 def brief_error(exc: BaseException) -> str:
     """An error in one line: Ray's colour codes out, its first and last lines kept (the
     remote traceback between them is long and says less than the exception at its end)."""
@@ -165,7 +179,7 @@ def role(address: str, settings: list[dict]) -> None:
                 cpu.stop()
                 r = summary(tmp / s["name"], s["steps"])
                 if r.get("window_at"):
-                    r["cpu"] = cpu.over(*r["window_at"])
+                    r["cpu"] = cpu_per_step(cpu.over(*r["window_at"]), r["span"])
             except Exception as exc:  # one setting's failure is reported, the rest still run
                 cpu.stop()
                 r = {"error": brief_error(exc)}

@@ -97,6 +97,8 @@ def headline(a, star: dict, loss: dict | None, bed: dict | None, site: dict | No
     # planner's rounds cost on this host with no WAN at all (the two groups' barrier)
     out["outer_bounded_step_time_over_no_wan"] = _ratio(runs.get("outer_bounded"), base)
     out["outer_rounds_without_wan_over_no_wan"] = _ratio(runs.get("no_wan_rounds"), base)
+    # and what the emulated link costs with no round at all (the bed's share of the keys)
+    out["link_without_rounds_over_no_wan"] = _ratio(runs.get("link_only"), base)
     out["outer_step_time_over_single_group"] = _ratio(runs.get("outer"), runs.get("single_group"))
     named = {n: x for x in (loss or {}).get("outer", []) for n in x.get("names", [])}
     # the key: the planner's choice under plan.max_loss_penalty = LOSS_BOUND; the unbounded

@@ -123,6 +123,10 @@ def step_time_settings(a, star: dict, stream: dict, bounded: dict | None) -> lis
     runs = [("outer", star)] + ([] if a.quick else [("outer_streaming", stream)])
     if bounded and not a.quick and _outer_keys(bounded) not in map(_outer_keys, (star, stream)):
         runs.append(("outer_bounded", bounded))
+    if not a.quick:  # the same two groups on the link with no round inside the run: what
+        # the emulated link alone costs this host (the forwarder, Ray's calls across it)
+        n = steps_for(star["h"], 2)
+        runs.append(("link_only", {**_outer_keys(star), "h": 4 * n, "fragments": 1}))
     out = [
         {
             "name": n,
@@ -131,7 +135,9 @@ def step_time_settings(a, star: dict, stream: dict, bounded: dict | None) -> lis
             # runs of 400 steps or more whatever H (streaming's is half the plain loop's): a
             # span runs ~90 of them, and the window holds whole spans from the second
             # round's end (_outer_bed.summary), 300 steps here
-            "steps": steps_for(o["h"], max(rounds, rounds * 200 // o["h"])),
+            "steps": o["h"] // 4  # no_wan_settings' run: H is four times its steps
+            if n == "link_only"
+            else steps_for(o["h"], max(rounds, rounds * 200 // o["h"])),
         }
         for n, o in runs
     ]
