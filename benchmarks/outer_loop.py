@@ -13,7 +13,11 @@ the demo GPT, 16 sequences of 64 bytes per step, Adam 3e-3 cosine. Parts:
   it), so the ratio holds what the WAN adds (the exchange, and Ray's control calls to the
   far site) and not the two groups' sharing of this host's cores. The same group alone on
   one site is reported beside it (``outer_step_time_over_single_group``; it includes that
-  sharing).
+  sharing), and so are the no-WAN groups on the issue's link with no round in the run
+  (``link_without_rounds_over_no_wan``: what the emulated link alone costs this host).
+  Every bed run reports where the host's CPU went over its window (``cpu``:
+  benchmarks/_cpu_account.py); on 2 cores the runs saturate the host, so a step's time
+  is its CPU.
 * **loss gap** (embedded Ray, emulated links; benchmarks/_outer_loss.py): held-out loss at
   equal tokens of the outer loop at H = 1, 10, 50 and the planner's H (its codec and outer
   optimizer, F = 1) against synchronous training at seed 0, and of the planner's choice
