@@ -44,9 +44,12 @@ def _read(path: Path) -> str | None:
         return None
 
 
-def snapshot() -> tuple[float, dict, tuple[int, int]]:
+def snapshot(actors: set[int] | None = None) -> tuple[float, dict, tuple[int, int]]:
     """(time, {key: (kind, ticks)}, (host busy, host total)): every process's ticks under
-    ``(pid,)`` and every actor thread's under ``(pid, tid, comm)``."""
+    ``(pid,)`` and every actor thread's under ``(pid, tid, comm)``. ``actors``: the pids
+    seen as actors before, kept as actors (Ray rewrites an actor's title at every call, and
+    a read in the middle of that sees neither title); the new ones are added to it."""
+    actors = set() if actors is None else actors
     now = time.time()
     procs: dict = {}
     names: dict[int, str] = {}
@@ -58,6 +61,10 @@ def snapshot() -> tuple[float, dict, tuple[int, int]]:
         if cmd is None or stat is None:
             continue
         kind = kind_of(cmd.replace("\0", " ").strip())
+        if kind == "actor":
+            actors.add(int(d.name))
+        elif int(d.name) in actors:
+            kind = "actor"
         procs[(int(d.name),)] = (kind, _ticks(stat))
         names[int(d.name)] = cmd.replace("\0", " ").strip()[:48]
         if kind == "actor":
@@ -78,12 +85,13 @@ class CpuSampler:
     def __init__(self, interval: float = 0.5) -> None:
         self.interval = interval
         self.samples: list[tuple[float, dict, tuple[int, int]]] = []
+        self.actors: set[int] = set()  # pids seen as actors (:func:`snapshot`)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            self.samples.append(snapshot())
+            self.samples.append(snapshot(self.actors))
             self._stop.wait(self.interval)
 
     def start(self) -> CpuSampler:
@@ -96,7 +104,7 @@ class CpuSampler:
             return
         self._stop.set()
         self._thread.join()
-        self.samples.append(snapshot())
+        self.samples.append(snapshot(self.actors))
 
     def over(self, t0: float, t1: float) -> dict:
         """CPU seconds per kind between the samples enclosing ``t0`` and ``t1``, the host's

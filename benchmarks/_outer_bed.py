@@ -126,8 +126,9 @@ def summary(run_dir: Path, n_steps: int) -> dict:
 
 
 def cpu_per_step(cpu: dict, span: list[int]) -> dict:
-    """The window's CPU accounting with the host's and the actors' CPU seconds per step (an
-    actor's process is read as "other" when its title was being rewritten at a sample)."""
+    """The window's CPU accounting with the host's and the actors' CPU seconds per step
+    ("other" added to the actors': an actor whose title was being rewritten at the first
+    sample that saw it is read as "other" until a later one sees its title)."""
     n = span[1] - span[0]
     if not cpu or n <= 0:
         return cpu
