@@ -108,7 +108,8 @@ class CpuSampler:
 
     def over(self, t0: float, t1: float) -> dict:
         """CPU seconds per kind between the samples enclosing ``t0`` and ``t1``, the host's
-        busy cores, and the actors' busiest threads (by name, summed over actors)."""
+        busy cores, and the actors' busiest threads (by name, summed over actors; a thread
+        that ended before the window's last sample is in its process's figure only)."""
         times = [s[0] for s in self.samples]
         if len(times) < 2:
             return {}
