@@ -127,10 +127,6 @@ def step_time_settings(a, star: dict, stream: dict, bounded: dict | None) -> lis
     runs = [("outer", star)] + ([] if a.quick else [("outer_streaming", stream)])
     if bounded and not a.quick and _outer_keys(bounded) not in map(_outer_keys, (star, stream)):
         runs.append(("outer_bounded", bounded))
-    if not a.quick:  # the same two groups on the link with no round inside the run: what
-        # the emulated link alone costs this host (the forwarder, Ray's calls across it)
-        n = steps_for(star["h"], 2)
-        runs.append(("link_only", {**_outer_keys(star), "h": 4 * n, "fragments": 1}))
     out = [
         {
             "name": n,
@@ -139,12 +135,14 @@ def step_time_settings(a, star: dict, stream: dict, bounded: dict | None) -> lis
             # runs of 400 steps or more whatever H (streaming's is half the plain loop's): a
             # span runs ~90 of them, and the window holds whole spans from the second
             # round's end (_outer_bed.summary), 300 steps here
-            "steps": o["h"] // 4  # no_wan_settings' run: H is four times its steps
-            if n == "link_only"
-            else steps_for(o["h"], max(rounds, rounds * 200 // o["h"])),
+            "steps": steps_for(o["h"], max(rounds, rounds * 200 // o["h"])),
         }
         for n, o in runs
     ]
+    if not a.quick:  # the no-WAN run's groups on the link: what the emulated link alone
+        # costs this host (the forwarder, Ray's calls across it)
+        quiet, n = no_rounds(a, star)
+        out.append({"name": "link_only", "strategy": "outer", "outer": quiet, "steps": n})
     for s in out:
         s.update(latency_ms=BED_LINK[0], rate_mbit=BED_LINK[1])
         if s["name"] in LAUNCH_OVERLAP:
@@ -157,14 +155,20 @@ def step_time_settings(a, star: dict, stream: dict, bounded: dict | None) -> lis
     return out
 
 
+def no_rounds(a, star: dict) -> tuple[dict, int]:
+    """The planner's outer settings with H beyond the run (no round inside it), and the
+    run's steps."""
+    from _outer_bed import steps_for
+
+    n = steps_for(star["h"], 1 if a.quick else 2)
+    return {**_outer_keys(star), "h": 4 * n, "fragments": 1, "overlap": 0}, n
+
+
 def no_wan_settings(a, star: dict) -> list[dict]:
     """The same two groups with nothing on the WAN (no round inside the run: the key's
     base), the same with the planner's rounds (what the rounds' barrier costs on this host
     without any WAN), and one group alone on one site."""
-    from _outer_bed import steps_for
-
-    n = steps_for(star["h"], 1 if a.quick else 2)
-    quiet = {**_outer_keys(star), "h": 4 * n, "fragments": 1, "overlap": 0}
+    quiet, n = no_rounds(a, star)
     out = [
         {"name": "no_wan", "strategy": "outer", "outer": quiet, "steps": n},
         {"name": "no_wan_rounds", "strategy": "outer", "outer": _outer_keys(star), "steps": n},

@@ -91,8 +91,7 @@ class OuterCalls:
         must roll back to the weights after the outer step, not before it."""
         out = self._outer.apply(fragment, groups)
         step = self.engine.step_count
-        if self.boundaries.holds(step):  # [Note: an apply's re-take] in .snapshots
-            self.boundaries.retake_weights(step, self.engine)
+        self.boundaries.retake_weights(step, self.engine)  # [Note: an apply's re-take]
         return out
 
     def outer_state(self) -> dict[str, Any]:

@@ -60,10 +60,10 @@ class BoundaryKeeper:
         step, so the boundary is taken again; a whole take copied the moments twice more
         (the local copy and its gather): under streaming every replica pays that F times
         per H, beside steps that pay for every CPU-millisecond on a host the exchange
-        shares (a third of an apply's cost on the 2-core test bed). A whole take when the
-        boundary is not held."""
+        shares (a third of an apply's cost on the 2-core test bed). Nothing when the
+        boundary is not held (as after a take without recovery snapshots)."""
         if step not in self._futures:
-            return self.take(step, engine)
+            return 0.0
         t0 = time.perf_counter()
         before = self._futures.pop(step)
         snap = engine.local_snapshot(weights_only=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -88,7 +89,7 @@ def all_gather_host(local: Tensor, group: Any, replicas: int, device: Any) -> li
 
 
 def assemble_snapshot(
-    snap: dict[str, Any], group: Any, replicas: int, moments_of: Any = None
+    snap: dict[str, Any], group: Any, replicas: int, moments_of: Future | None = None
 ) -> dict[str, Any]:
     """Gather the replicas' :func:`local_snapshot` into a full state (on the host).
 
@@ -97,7 +98,7 @@ def assemble_snapshot(
     :func:`full_state`. The snapshot is on the host; under NCCL the gather goes through the
     engine's device (``snap["device"]``) and comes back.
 
-    ``moments_of``: the full state (or its future) of the same boundary before an outer
+    ``moments_of``: the future of the full state of the same boundary before an outer
     apply, which changes the weights alone: its Adam moments are taken as they are and only
     the weights gathered (``snap`` then holds the weights alone:
     :meth:`~geopipe.runtime.actor.snapshots.BoundaryKeeper.retake_weights`).
@@ -106,7 +107,7 @@ def assemble_snapshot(
     device = snap.get("device", "cpu")
     keys = ADAM_STATE_GROUPS
     if moments_of is not None:
-        before = moments_of.result() if hasattr(moments_of, "result") else moments_of
+        before = moments_of.result()  # done: submitted earlier to the same one thread
         out.update({k: before[k] for k in ADAM_MOMENTS})
         keys = (PARAMS_GROUP,)
     for g in snap["groups"]:
